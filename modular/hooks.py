@@ -1,0 +1,253 @@
+"""Transient interventions as context managers that always remove their hooks.
+
+Every function here registers PyTorch hooks on modules found through the
+:class:`~modular.models.adapter.ArchitectureAdapter` and removes them when the
+``with`` block exits, also when the block raises.
+
+* :func:`capture_residual`: the residual stream before every block and after the last;
+* :func:`capture_head_inputs`: the attention output projection's input, per head;
+* :func:`ablate_directions`: project one or several directions out of every residual write;
+* :func:`add_vectors`: add vectors to the residual stream after chosen blocks;
+* :func:`scale_heads` / :func:`zero_heads` / :func:`replace_heads`: act on chosen heads
+  at the input of the attention output projection (before the heads are mixed).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Callable, Iterable, Iterator, Mapping
+
+import torch
+from torch import nn
+
+from modular.models.adapter import ArchitectureAdapter
+
+Head = tuple[int, int]  # (layer, head)
+
+
+@contextmanager
+def registered(hooks: Iterable[tuple[nn.Module, str, Callable]]) -> Iterator[None]:
+    """Register ``(module, kind, fn)`` hooks (kind: ``forward``, ``pre``, ``pre_kwargs``); always remove them."""
+    handles = []
+    try:
+        for module, kind, fn in hooks:
+            if kind == "forward":
+                handles.append(module.register_forward_hook(fn))
+            elif kind == "pre":
+                handles.append(module.register_forward_pre_hook(fn))
+            elif kind == "pre_kwargs":
+                handles.append(module.register_forward_pre_hook(fn, with_kwargs=True))
+            else:  # pragma: no cover - programming error
+                raise ValueError(kind)
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _hidden(output):
+    return output[0] if isinstance(output, tuple) else output
+
+
+def _replace_hidden(output, new):
+    return (new, *output[1:]) if isinstance(output, tuple) else new
+
+
+def _block_input(args, kwargs) -> torch.Tensor:
+    return args[0] if args else kwargs["hidden_states"]
+
+
+# --- residual stream ------------------------------------------------------------------------
+@contextmanager
+def capture_residual(adapter: ArchitectureAdapter, detach: bool = True) -> Iterator[list[torch.Tensor]]:
+    """Capture the residual stream: ``states[i]`` enters block ``i``; ``states[n_layers]`` leaves the last.
+
+    The list is filled during the forward pass inside the block (one entry per
+    position 0..n_layers; a second forward pass overwrites it).
+    """
+    n = adapter.n_layers
+    states: list[torch.Tensor] = [None] * (n + 1)  # type: ignore[list-item]
+
+    def pre(i):
+        def fn(module, args, kwargs):
+            x = _block_input(args, kwargs)
+            states[i] = x.detach() if detach else x
+
+        return fn
+
+    def post(module, args, output):
+        x = _hidden(output)
+        states[n] = x.detach() if detach else x
+
+    hooks = [(adapter.block(i), "pre_kwargs", pre(i)) for i in range(n)]
+    hooks.append((adapter.block(n - 1), "forward", post))
+    with registered(hooks):
+        yield states
+
+
+def _orthonormal(directions: torch.Tensor) -> torch.Tensor:
+    """Rows of ``directions`` (k, d) -> an orthonormal basis (k, d) of their span."""
+    d = directions.reshape(-1, directions.shape[-1]).T
+    q, _ = torch.linalg.qr(d.to(torch.float64))
+    return q.T.to(directions.dtype)
+
+
+def _project_out(x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
+    """Remove from ``x`` (..., d) its components along the orthonormal rows of ``basis`` (k, d)."""
+    basis = basis.to(dtype=x.dtype, device=x.device)
+    return x - (x @ basis.T) @ basis
+
+
+def write_space_basis(adapter: ArchitectureAdapter, site, directions: torch.Tensor) -> torch.Tensor:
+    """Orthonormal basis that a write site's projection output must avoid so its write avoids ``directions``.
+
+    Without a post-sublayer norm that is the span of ``directions``. With a norm
+    ``g ⊙ o / rms(o)`` after the sublayer, ``u · write = 0`` needs ``o ⊥ g ⊙ u``.
+    """
+    if site.post_norm is not None:
+        gain = adapter.norm_gain(site.post_norm)
+        if gain is not None:
+            directions = directions * gain.detach().to(directions.dtype)
+    return _orthonormal(directions)
+
+
+@contextmanager
+def ablate_directions(adapter: ArchitectureAdapter, directions: torch.Tensor) -> Iterator[None]:
+    """Project ``directions`` ((d,) or (k, d)) out of every residual write (embeddings, attention, MLP).
+
+    For post-sublayer-norm architectures the projection acts on the sublayer output
+    *before* the norm, against ``g ⊙ u`` (see :func:`write_space_basis`), which is what
+    orthogonalised weights reproduce.
+    """
+    directions = directions.reshape(-1, directions.shape[-1]).detach()
+    hooks = []
+    for site in adapter.write_sites():
+        basis = write_space_basis(adapter, site, directions)
+
+        def fn(module, args, output, basis=basis):
+            return _replace_hidden(output, _project_out(_hidden(output), basis))
+
+        hooks.append((site.module, "forward", fn))
+    with registered(hooks):
+        yield
+
+
+@contextmanager
+def add_vectors(adapter: ArchitectureAdapter, vectors: Mapping[int, torch.Tensor]) -> Iterator[None]:
+    """Add ``vectors[i]`` (shape (d,)) to the residual stream leaving block ``i`` (all positions)."""
+
+    def make(vec):
+        def fn(module, args, output):
+            x = _hidden(output)
+            return _replace_hidden(output, x + vec.to(dtype=x.dtype, device=x.device))
+
+        return fn
+
+    with registered([(adapter.block(i), "forward", make(v)) for i, v in vectors.items()]):
+        yield
+
+
+# --- heads ------------------------------------------------------------------------------------
+def split_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """``(..., n_heads*head_dim)`` -> ``(..., n_heads, head_dim)``."""
+    return x.reshape(*x.shape[:-1], n_heads, x.shape[-1] // n_heads)
+
+
+def _head_pre_hook(adapter: ArchitectureAdapter, edit: Callable[[torch.Tensor], torch.Tensor]):
+    n_heads = adapter.n_heads
+
+    def fn(module, args):
+        x = args[0]
+        z = edit(split_heads(x, n_heads))
+        return (z.reshape(x.shape), *args[1:])
+
+    return fn
+
+
+@contextmanager
+def scale_heads(adapter: ArchitectureAdapter, scales: Mapping[int, torch.Tensor]) -> Iterator[None]:
+    """Multiply head ``h`` of layer ``l`` by ``scales[l][h]`` at the attention output projection's input."""
+    hooks = []
+    for layer, s in scales.items():
+        def edit(z, s=s):
+            return z * s.to(dtype=z.dtype, device=z.device)[:, None]
+
+        hooks.append((adapter.attn_out(layer), "pre", _head_pre_hook(adapter, edit)))
+    with registered(hooks):
+        yield
+
+
+def _by_layer(heads: Iterable[Head]) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for layer, head in heads:
+        out.setdefault(int(layer), []).append(int(head))
+    return out
+
+
+@contextmanager
+def zero_heads(adapter: ArchitectureAdapter, heads: Iterable[Head]) -> Iterator[None]:
+    """Zero-ablate the listed ``(layer, head)`` pairs."""
+    scales = {}
+    for layer, hs in _by_layer(heads).items():
+        s = torch.ones(adapter.n_heads)
+        s[hs] = 0.0
+        scales[layer] = s
+    with scale_heads(adapter, scales):
+        yield
+
+
+@contextmanager
+def replace_heads(
+    adapter: ArchitectureAdapter, heads: Iterable[Head], values: Mapping[int, torch.Tensor]
+) -> Iterator[None]:
+    """Replace the listed heads' inputs by ``values[layer]``.
+
+    ``values[layer]`` broadcasts to ``(batch, seq, n_heads, head_dim)``: a mean
+    activation ``(n_heads, head_dim)`` gives mean ablation; activations captured on
+    counterfactual prompts (same shape as the batch) give counterfactual patching.
+    """
+    hooks = []
+    for layer, hs in _by_layer(heads).items():
+        idx = torch.tensor(hs)
+
+        def edit(z, idx=idx, v=values[layer]):
+            z = z.clone()
+            v = v.to(dtype=z.dtype, device=z.device).expand_as(z)
+            z[..., idx, :] = v[..., idx, :]
+            return z
+
+        hooks.append((adapter.attn_out(layer), "pre", _head_pre_hook(adapter, edit)))
+    with registered(hooks):
+        yield
+
+
+@contextmanager
+def capture_head_inputs(adapter: ArchitectureAdapter, detach: bool = True) -> Iterator[dict[int, torch.Tensor]]:
+    """Capture every layer's attention output projection input as ``(batch, seq, n_heads, head_dim)``."""
+    store: dict[int, torch.Tensor] = {}
+
+    def make(layer):
+        def fn(module, args):
+            z = split_heads(args[0], adapter.n_heads)
+            store[layer] = z.detach() if detach else z
+
+        return fn
+
+    with registered([(adapter.attn_out(i), "pre", make(i)) for i in range(adapter.n_layers)]):
+        yield store
+
+
+@contextmanager
+def capture_writes(adapter: ArchitectureAdapter) -> Iterator[dict[str, torch.Tensor]]:
+    """Capture every residual write as it enters the residual stream (after any post-sublayer norm)."""
+    store: dict[str, torch.Tensor] = {}
+    hooks = []
+    for site in adapter.write_sites():
+        module = site.post_norm if site.post_norm is not None else site.module
+
+        def fn(m, args, output, name=site.name):
+            store[name] = _hidden(output).detach()
+
+        hooks.append((module, "forward", fn))
+    with registered(hooks):
+        yield store

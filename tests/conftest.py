@@ -1,0 +1,71 @@
+"""Shared fixtures: tiny random models of every supported architecture, built from configs."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+D, LAYERS, HEADS, KV, FF, VOCAB = 64, 2, 4, 2, 128, 256
+
+
+def _configs():
+    import transformers as T
+
+    common = dict(
+        hidden_size=D, num_hidden_layers=LAYERS, num_attention_heads=HEADS, intermediate_size=FF, vocab_size=VOCAB,
+        max_position_embeddings=128,
+    )
+    gqa = dict(common, num_key_value_heads=KV)
+    return {
+        "llama": lambda: T.LlamaConfig(**gqa),
+        "mistral": lambda: T.MistralConfig(**gqa),
+        "qwen2": lambda: T.Qwen2Config(**gqa),
+        "qwen3": lambda: T.Qwen3Config(**gqa, head_dim=D // HEADS),
+        "olmo": lambda: T.OlmoConfig(**gqa),
+        "olmo2": lambda: T.Olmo2Config(**gqa),
+        "phi3": lambda: T.Phi3Config(**gqa, pad_token_id=0),
+        "gemma": lambda: T.GemmaConfig(**gqa, head_dim=D // HEADS),
+        "gemma2": lambda: T.Gemma2Config(**gqa, head_dim=D // HEADS),
+        "gemma3_text": lambda: T.Gemma3TextConfig(**gqa, head_dim=D // HEADS),
+        "gpt2": lambda: T.GPT2Config(n_embd=D, n_layer=LAYERS, n_head=HEADS, vocab_size=VOCAB, n_positions=128),
+        "gpt_neox": lambda: T.GPTNeoXConfig(**common),
+    }
+
+
+ARCHS = list(_configs())
+
+
+def make_tiny_model(arch: str, seed: int = 0):
+    """A tiny random causal LM of architecture ``arch`` in eval mode, with non-trivial norm gains."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(_configs()[arch](), dtype=torch.float32).eval()
+    with torch.no_grad():  # random gains so that norm handling is actually exercised
+        for name, p in model.named_parameters():
+            if "norm" in name or "ln" in name.split(".")[-2:][0]:
+                if p.ndim == 1 and name.endswith("weight"):
+                    p.copy_(1.0 + 0.3 * torch.randn_like(p))
+    return model
+
+
+@pytest.fixture(params=ARCHS)
+def arch(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def tiny_model(arch):
+    return make_tiny_model(arch)
+
+
+@pytest.fixture
+def tokens() -> torch.Tensor:
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, VOCAB, (2, 7), generator=g)

@@ -1,0 +1,130 @@
+import pytest
+import torch
+
+from modular.hooks import (
+    ablate_directions,
+    add_vectors,
+    capture_head_inputs,
+    capture_residual,
+    capture_writes,
+    replace_heads,
+    scale_heads,
+    zero_heads,
+)
+from modular.models.adapter import ArchitectureAdapter, weight_out_in
+from tests.conftest import D
+
+
+def _all_hooks(model):
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+def _unit(d, seed=0, k=1):
+    g = torch.Generator().manual_seed(seed)
+    u = torch.randn(k, d, generator=g)
+    return torch.linalg.qr(u.T)[0].T
+
+
+def test_ablation_zeroes_direction_at_every_write(tiny_model, tokens):
+    a = ArchitectureAdapter(tiny_model)
+    u = _unit(D, k=2)
+    with capture_writes(a) as before:
+        tiny_model(tokens)
+    with ablate_directions(a, u), capture_writes(a) as writes:
+        tiny_model(tokens)
+    assert set(writes) == {s.name for s in a.write_sites()}
+    for name, w in writes.items():
+        comp = (w @ u.T).abs().max().item()
+        assert comp < 1e-4 * max(1.0, w.abs().max().item()), (name, comp)
+        assert (before[name] @ u.T).abs().max() > 1e-3  # the direction was there before
+    assert _all_hooks(tiny_model) == 0
+
+
+def test_ablating_zero_span_changes_nothing_and_logits_change_otherwise(tiny_model, tokens):
+    a = ArchitectureAdapter(tiny_model)
+    ref = tiny_model(tokens).logits
+    with ablate_directions(a, _unit(D)):
+        ablated = tiny_model(tokens).logits
+    assert not torch.allclose(ref, ablated, atol=1e-4)
+
+
+def test_zero_head_equals_removing_its_contribution(tiny_model, tokens):
+    a = ArchitectureAdapter(tiny_model)
+    layer, head = a.n_layers - 1, 1
+    out_mod = a.attn_out(layer)
+    with capture_head_inputs(a) as z, capture_writes(a) as w0:
+        tiny_model(tokens)
+    proj_name = f"{a.block_name(layer)}.{a.spec.attn_out}"
+    with zero_heads(a, [(layer, head)]), capture_writes(a) as w1, capture_head_inputs(a) as z1:
+        tiny_model(tokens)
+    # the projection's output loses exactly W[:, head slice] @ z_head
+    hd = a.head_dim
+    W = weight_out_in(out_mod)
+    contrib = z[layer][..., head, :] @ W[:, head * hd:(head + 1) * hd].T
+    assert torch.all(z1[layer][..., head, :] == 0)
+    site = next(s for s in a.write_sites() if s.name == proj_name)
+    if site.post_norm is None:
+        torch.testing.assert_close(w0[proj_name] - w1[proj_name], contrib, atol=1e-5, rtol=1e-4)
+    else:  # the write is norm(proj): compare before the norm by recomputing it
+        bias = getattr(out_mod, "bias", None)
+        pre0 = z[layer].flatten(-2) @ W.T + (0 if bias is None else bias)
+        torch.testing.assert_close(site.post_norm(pre0 - contrib), w1[proj_name], atol=1e-4, rtol=1e-4)
+
+
+def test_head_scale_one_leaves_logits_unchanged(tiny_model, tokens):
+    a = ArchitectureAdapter(tiny_model)
+    ref = tiny_model(tokens).logits
+    with scale_heads(a, {i: torch.ones(a.n_heads) for i in range(a.n_layers)}):
+        same = tiny_model(tokens).logits
+    torch.testing.assert_close(ref, same, atol=0, rtol=0)
+    with scale_heads(a, {0: torch.tensor([1.0, 0.5, 1.0, 1.0])}):
+        changed = tiny_model(tokens).logits
+    assert not torch.allclose(ref, changed)
+
+
+def test_replace_heads_with_own_activations_is_identity(tiny_model, tokens):
+    a = ArchitectureAdapter(tiny_model)
+    with capture_head_inputs(a) as z:
+        ref = tiny_model(tokens).logits
+    heads = [(i, h) for i in range(a.n_layers) for h in range(a.n_heads)]
+    with replace_heads(a, heads, dict(z)):
+        same = tiny_model(tokens).logits
+    torch.testing.assert_close(ref, same)
+    means = {i: z[i].mean(dim=(0, 1)) for i in z}
+    with replace_heads(a, [(0, 0)], means):
+        changed = tiny_model(tokens).logits
+    assert not torch.allclose(ref, changed)
+
+
+def test_add_vectors_shifts_the_residual(tiny_model, tokens):
+    a = ArchitectureAdapter(tiny_model)
+    v = torch.randn(D)
+    with capture_residual(a) as s0:
+        tiny_model(tokens)
+    with add_vectors(a, {a.n_layers - 1: v}), capture_residual(a) as s1:
+        tiny_model(tokens)
+    torch.testing.assert_close(s1[-1] - s0[-1], v.expand_as(s0[-1]), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "gemma3_text"])
+def test_no_hook_left_behind_even_when_the_body_raises(tiny_model, tokens):
+    a = ArchitectureAdapter(tiny_model)
+    managers = [
+        lambda: ablate_directions(a, _unit(D)),
+        lambda: add_vectors(a, {0: torch.zeros(D)}),
+        lambda: capture_residual(a),
+        lambda: capture_head_inputs(a),
+        lambda: capture_writes(a),
+        lambda: zero_heads(a, [(0, 1)]),
+        lambda: scale_heads(a, {0: torch.ones(a.n_heads)}),
+        lambda: replace_heads(a, [(0, 0)], {0: torch.zeros(a.n_heads, a.head_dim)}),
+    ]
+    for make in managers:
+        with make():
+            tiny_model(tokens)
+            assert _all_hooks(tiny_model) > 0
+        assert _all_hooks(tiny_model) == 0
+        with pytest.raises(RuntimeError):
+            with make():
+                raise RuntimeError("boom")
+        assert _all_hooks(tiny_model) == 0
