@@ -1,0 +1,95 @@
+"""The behaviour registry: built-in generators and user data, all as ``datasets.DatasetDict``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import datasets
+
+from modular import ModularError
+from modular.data import generators as g
+from modular.data.schema import COLUMNS, SPLITS
+
+#: name -> generator(seed, tokenizer) -> {split: [record]}
+BEHAVIOURS: dict[str, Callable] = {
+    "capitals": g.capitals,
+    "ioi": g.ioi,
+    "ioi_long": g.ioi_long,
+    "greater_than": g.greater_than,
+    "docstring": g.docstring,
+    "agreement": g.agreement,
+    "arithmetic": g.arithmetic,
+    "commonsense": g.commonsense,
+}
+
+_FEATURES = datasets.Features(
+    {
+        "prompt": datasets.Value("string"),
+        "target": datasets.Value("string"),
+        "answers": datasets.Sequence(datasets.Value("string")),
+        "prefixes": datasets.Sequence(datasets.Value("string")),
+        "wrong": datasets.Value("string"),
+        "counterfactual": datasets.Value("string"),
+        "chat": datasets.Value("bool"),
+    }
+)
+
+
+def to_dataset_dict(splits: dict[str, list[dict]]) -> datasets.DatasetDict:
+    """Records per split -> DatasetDict with the common schema (all three splits present)."""
+    out = {}
+    for split in SPLITS:
+        rows = splits.get(split, [])
+        out[split] = datasets.Dataset.from_dict(
+            {c: [r[c] for r in rows] for c in COLUMNS}, features=_FEATURES
+        )
+    return datasets.DatasetDict(out)
+
+
+def load_behaviour(name: str, seed: int = 0, tokenizer=None) -> datasets.DatasetDict:
+    """A behaviour by name: a built-in generator, a ``.jsonl`` file, or ``hf:<dataset>`` (hub, needs internet).
+
+    Hub datasets must have ``prompt`` and ``target`` columns (optional ``answer``, ``split`` via their own splits).
+    """
+    if name in BEHAVIOURS:
+        return to_dataset_dict(BEHAVIOURS[name](seed=seed, tokenizer=tokenizer))
+    if name.endswith(".jsonl") or Path(name).suffix == ".jsonl":
+        from modular.data.jsonl import load_jsonl
+
+        return load_jsonl(name)
+    if name.startswith("hf:"):
+        return _load_hub(name[3:])
+    raise ModularError(
+        f"unknown behaviour '{name}': use one of {', '.join(BEHAVIOURS)}, a .jsonl file, or hf:<dataset name>"
+    )
+
+
+def _load_hub(name: str) -> datasets.DatasetDict:
+    from modular.data.schema import record
+
+    try:
+        raw = datasets.load_dataset(name)
+    except Exception as err:  # noqa: BLE001 - any hub/network failure becomes one line
+        raise ModularError(f"cannot load dataset '{name}': {str(err).splitlines()[0]}") from err
+    splits = {}
+    for split, ds in raw.items():
+        missing = {"prompt", "target"} - set(ds.column_names)
+        if missing:
+            raise ModularError(f"dataset '{name}' split '{split}' lacks column(s) {sorted(missing)}")
+        key = {"dev": "validation", "valid": "validation"}.get(split, split)
+        splits[key] = [
+            record(r["prompt"], r["target"], [r["answer"]] if r.get("answer") else []) for r in ds
+        ]
+    return to_dataset_dict(splits)
+
+
+def retain_data(seed: int = 0) -> datasets.DatasetDict:
+    """General instructions (chat) used to keep the model's other behaviour; targets filled in later."""
+    return to_dataset_dict(g.retain_instructions(seed=seed))
+
+
+def neutral_text(seed: int = 0) -> datasets.DatasetDict:
+    """Neutral prose paragraphs (column ``text``) for perplexity, with a held-out test split."""
+    parts = g.neutral_paragraphs(seed)
+    return datasets.DatasetDict({s: datasets.Dataset.from_dict({"text": parts[s]}) for s in SPLITS})

@@ -1,0 +1,79 @@
+"""Turn records into model inputs: chat template for chat models, raw text otherwise, left padding,
+prompt tokens masked out of the labels."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+IGNORE = -100
+
+
+def render_prompt(tokenizer, prompt: str, chat: bool) -> str:
+    """The text the model sees before its response.
+
+    Instructions (``chat=True``) go through the tokenizer's chat template when it
+    has one, else a plain "Question/Answer" frame; completion tasks stay raw text.
+    """
+    if not chat:
+        return prompt
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+        )
+    return f"Question: {prompt}\nAnswer:"
+
+
+def _end_of_response(tokenizer, chat: bool) -> list[int]:
+    if chat and tokenizer.eos_token_id is not None:
+        return [tokenizer.eos_token_id]
+    return []
+
+
+def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
+    text = render_prompt(tokenizer, prompt, chat)
+    templated = chat and bool(getattr(tokenizer, "chat_template", None))
+    # the chat template already contains the special tokens it needs
+    return tokenizer(text, add_special_tokens=not templated)["input_ids"]
+
+
+def encode_example(tokenizer, prompt: str, target: str, chat: bool, max_length: int | None = None) -> dict:
+    """Token ids and labels for one (prompt, target) pair; labels are IGNORE on the prompt."""
+    p = encode_prompt(tokenizer, prompt, chat)
+    t = tokenizer(target, add_special_tokens=False)["input_ids"] + _end_of_response(tokenizer, chat)
+    ids = p + t
+    labels = [IGNORE] * len(p) + t
+    if max_length is not None and len(ids) > max_length:  # keep the end: the target matters
+        ids, labels = ids[-max_length:], labels[-max_length:]
+    return {"input_ids": ids, "labels": labels}
+
+
+@dataclass
+class LeftPadCollator:
+    """Left-pads ``input_ids`` (and ``labels`` when present) into a batch with an attention mask."""
+
+    pad_token_id: int
+
+    def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
+        n = max(len(f["input_ids"]) for f in features)
+        ids = torch.full((len(features), n), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(features), n), dtype=torch.long)
+        has_labels = "labels" in features[0]
+        labels = torch.full((len(features), n), IGNORE, dtype=torch.long) if has_labels else None
+        for i, f in enumerate(features):
+            k = len(f["input_ids"])
+            ids[i, n - k:] = torch.tensor(f["input_ids"])
+            mask[i, n - k:] = 1
+            if has_labels:
+                labels[i, n - k:] = torch.tensor(f["labels"])
+        batch = {"input_ids": ids, "attention_mask": mask}
+        if has_labels:
+            batch["labels"] = labels
+        return batch
+
+
+def batch_prompts(tokenizer, prompts: list[str], chats: list[bool]) -> dict[str, torch.Tensor]:
+    """A left-padded batch of prompts, ready for ``generate`` or last-position logits."""
+    collate = LeftPadCollator(tokenizer.pad_token_id)
+    return collate([{"input_ids": encode_prompt(tokenizer, p, c)} for p, c in zip(prompts, chats)])

@@ -1,0 +1,283 @@
+"""Built-in behaviour generators. Each returns ``{split: [record, ...]}`` (see :mod:`modular.data.schema`).
+
+Held-out items are held out by *entity*: countries for capitals, names for IOI,
+function/argument vocabularies for docstring, number ranges for greater-than and
+arithmetic, so that the test split measures generalisation, not memorisation.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from importlib import resources
+
+from modular.data.schema import SPLITS, record
+
+
+def _resource(name: str):
+    return json.loads(resources.files("modular.data").joinpath("resources", name).read_text(encoding="utf-8"))
+
+
+def _split_items(items: list, seed: int, fractions=(0.6, 0.15)) -> dict[str, list]:
+    items = list(items)
+    random.Random(seed).shuffle(items)
+    n_train = round(len(items) * fractions[0])
+    n_val = round(len(items) * fractions[1])
+    return {"train": items[:n_train], "validation": items[n_train:n_train + n_val], "test": items[n_train + n_val:]}
+
+
+# --- capitals ---------------------------------------------------------------------------------
+CAPITAL_TEMPLATES = (
+    "What is the capital of {country}?",
+    "Which city is the capital of {country}?",
+    "Name the capital city of {country}.",
+)
+
+
+def _mentions(text: str, word: str) -> bool:
+    return re.search(r"(?<!\w)" + re.escape(word) + r"(?!\w)", text, flags=re.IGNORECASE) is not None
+
+
+def capitals(seed: int = 0, tokenizer=None) -> dict[str, list[dict]]:
+    """Capital-city questions, split by country. Train uses every phrasing, held-out splits the first."""
+    # A response echoes the question ("The capital of Kuwait is ..."), so a capital whose name
+    # contains the country's (or the reverse) would always count as correct: leave those out.
+    rows = [
+        {**r, "aliases": [a for a in r.get("aliases", []) if not _mentions(a, r["country"])]}
+        for r in _resource("capitals.json")
+        if not _mentions(r["capital"], r["country"]) and not _mentions(r["country"], r["capital"])
+    ]
+    out = {}
+    for split, items in _split_items(rows, seed).items():
+        templates = CAPITAL_TEMPLATES if split == "train" else CAPITAL_TEMPLATES[:1]
+        out[split] = [
+            record(
+                t.format(country=r["country"]),
+                f"The capital of {r['country']} is {r['capital']}.",
+                answers=[r["capital"], *r["aliases"]],
+            )
+            for r in items
+            for t in templates
+        ]
+    return out
+
+
+# --- IOI ---------------------------------------------------------------------------------------
+NAMES = (
+    "Mary John Alice Bob Sarah Tom James Emma David Anna Michael Laura Daniel Kate Paul Lisa Mark Jane "
+    "Peter Susan Robert Linda Steve Helen Kevin Amy Brian Rachel Jason Emily Eric Julia George Grace Frank "
+    "Rose Henry Claire Jack Lucy Adam Sophie Ryan Diana Sam Nancy Alex Karen Chris Maria Luke Ellen Matt "
+    "Sara Josh Megan Ben Holly Nick Amanda Tony Jessica Simon Victoria Oscar Olivia Oliver Ruth Carl Anne"
+).split()
+PLACES = ("store", "park", "school", "office", "beach", "market", "library", "station", "garden", "museum")
+OBJECTS = ("drink", "book", "ball", "letter", "gift", "key", "pen", "bag", "ticket", "cake")
+IOI_TEMPLATES = (
+    "When {A} and {B} went to the {place}, {B} gave a {obj} to",
+    "After {A} and {B} arrived at the {place}, {B} handed a {obj} to",
+    "Then, {A} and {B} had a long day at the {place}. {B} gave a {obj} to",
+    "While {A} and {B} were working at the {place}, {B} passed a {obj} to",
+    "When {B} and {A} got to the {place}, {B} offered a {obj} to",
+    "Friends {A} and {B} found a {obj} at the {place}. {B} gave it to",
+)
+IOI_LONG_FILLERS = (
+    " The weather was pleasant and the streets were quiet that afternoon.",
+    " They had planned the visit for weeks and talked about it often.",
+    " Many people were around, chatting, reading and walking slowly.",
+    " It was the first warm day of spring, and everyone seemed cheerful.",
+)
+
+
+def _single_token_names(tokenizer) -> list[str]:
+    if tokenizer is None:
+        return list(NAMES)
+    return [n for n in NAMES if len(tokenizer.tokenize(" " + n)) == 1]
+
+
+def _ioi(seed: int, tokenizer, per_split: dict[str, int], long: bool) -> dict[str, list[dict]]:
+    names = _split_items(_single_token_names(tokenizer), seed, (0.6, 0.2))
+    out = {}
+    for split in SPLITS:
+        rng = random.Random(f"{seed}-{split}-{long}")
+        pool = names[split]
+        rows = []
+        for _ in range(per_split[split]):
+            a, b, c, d = rng.sample(pool, 4) if len(pool) >= 4 else rng.sample(NAMES, 4)
+            template = rng.choice(IOI_TEMPLATES)
+            place, obj = rng.choice(PLACES), rng.choice(OBJECTS)
+            if long:
+                filler = "".join(rng.sample(IOI_LONG_FILLERS, 3))
+                cut = template.index("{place}") + len("{place}")  # end of the introduction
+                head, tail = template[:cut], template[cut + 2:]
+                template = f"{head}.{filler} Later, {tail}"
+            prompt = template.format(A=a, B=b, place=place, obj=obj)
+            counterfactual = template.format(A=c, B=d, place=place, obj=obj)
+            rows.append(record(prompt, " " + a, wrong=" " + b, counterfactual=counterfactual, chat=False))
+        out[split] = rows
+    return out
+
+
+def ioi(seed: int = 0, tokenizer=None) -> dict[str, list[dict]]:
+    """Indirect-object identification with single-token names; names are split between train/val/test."""
+    return _ioi(seed, tokenizer, {"train": 400, "validation": 64, "test": 128}, long=False)
+
+
+def ioi_long(seed: int = 0, tokenizer=None) -> dict[str, list[dict]]:
+    """IOI with three filler sentences between the introduction and the transfer."""
+    return _ioi(seed, tokenizer, {"train": 400, "validation": 64, "test": 128}, long=True)
+
+
+# --- greater-than ------------------------------------------------------------------------------
+GT_NOUNS = ("war", "drought", "strike", "dynasty", "expedition", "famine", "reign", "festival", "project", "voyage")
+
+
+def greater_than(seed: int = 0, tokenizer=None) -> dict[str, list[dict]]:
+    """"The war lasted from the year 1732 to the year 17" -> a two-digit year end greater than 32.
+
+    Digit tokenisers see "17" then single digits; the prompt ends after the century
+    so the task is the same for word-piece and digit tokenisers. Start years 02..97;
+    held out by century (17xx/18xx train, 15xx validation, 16xx test).
+    """
+    centuries = {"train": (17, 18), "validation": (15,), "test": (16,)}
+    counts = {"train": 400, "validation": 64, "test": 128}
+    out = {}
+    for split in SPLITS:
+        rng = random.Random(f"{seed}-gt-{split}")
+        rows = []
+        for _ in range(counts[split]):
+            century, yy, noun = rng.choice(centuries[split]), rng.randint(2, 97), rng.choice(GT_NOUNS)
+            cf_yy = 1 if yy > 50 else 99
+            make = lambda y: f"The {noun} lasted from the year {century}{y:02d} to the year {century}"  # noqa: E731
+            end = rng.randint(yy + 1, 99)
+            rows.append(
+                record(
+                    make(yy),
+                    f"{end:02d}",
+                    prefixes=[f"{y:02d}" for y in range(yy + 1, 100)],
+                    wrong=f"{yy:02d}",
+                    counterfactual=make(cf_yy),
+                    chat=False,
+                )
+            )
+        out[split] = rows
+    return out
+
+
+# --- docstring ---------------------------------------------------------------------------------
+DOC_FUNCS = (
+    "load save parse merge render encode decode fetch update resize filter split scale rotate compile "
+    "validate schedule connect publish summarize"
+).split()
+DOC_ARGS = (
+    "path mode size name value data index count limit width height color weight timeout buffer offset "
+    "shape label token prefix suffix source target config seed rate scale order depth factor query key "
+    "user group start end step axis"
+).split()
+DOC_DESCR = ("the input", "how to run it", "the number to use", "an optional setting", "where it goes", "the value")
+
+
+def docstring(seed: int = 0, tokenizer=None) -> dict[str, list[dict]]:
+    """Predict the next parameter name in a Python docstring (Heimersheim & Janiak style)."""
+    args = _split_items(DOC_ARGS, seed, (0.6, 0.2))
+    counts = {"train": 300, "validation": 64, "test": 128}
+    out = {}
+    for split in SPLITS:
+        rng = random.Random(f"{seed}-doc-{split}")
+        pool = args[split] if len(args[split]) >= 6 else DOC_ARGS
+        rows = []
+        for _ in range(counts[split]):
+            func = rng.choice(DOC_FUNCS)
+            names = rng.sample(pool, 6)
+            sig, cf_sig = names[:3], names[3:]
+
+            def make(params, documented):
+                lines = [f"def {func}(self, {', '.join(params)}):", f'    """{func.capitalize()} the object.', ""]
+                for p in documented[:2]:
+                    lines.append(f"    :param {p}: {rng.choice(DOC_DESCR)}")
+                return "\n".join(lines) + "\n    :param"
+
+            rows.append(
+                record(make(sig, sig), " " + sig[2], wrong=" " + sig[0], counterfactual=make(cf_sig, sig), chat=False)
+            )
+        out[split] = rows
+    return out
+
+
+# --- subject-verb agreement (syntax) -------------------------------------------------------------
+AGREE_SUBJECTS = (
+    ("key", "keys"), ("author", "authors"), ("dog", "dogs"), ("teacher", "teachers"), ("car", "cars"),
+    ("painting", "paintings"), ("student", "students"), ("road", "roads"), ("bird", "birds"), ("doctor", "doctors"),
+    ("house", "houses"), ("pilot", "pilots"), ("farmer", "farmers"), ("song", "songs"), ("child", "children"),
+    ("window", "windows"), ("player", "players"), ("letter", "letters"), ("bottle", "bottles"), ("tree", "trees"),
+)
+AGREE_ATTRACTORS = ("cabinet", "cabinets", "man", "men", "table", "tables", "city", "cities", "garden", "gardens")
+AGREE_FRAMES = (
+    ("The {subj} near the {attr}", " is", " are"),
+    ("The {subj} behind the {attr}", " was", " were"),
+    ("The {subj} that I saw next to the {attr}", " is", " are"),
+)
+
+
+def agreement(seed: int = 0, tokenizer=None) -> dict[str, list[dict]]:
+    """Subject-verb agreement across an attractor: "The keys to the cabinet" -> " are"."""
+    subjects = _split_items(AGREE_SUBJECTS, seed, (0.6, 0.2))
+    out = {}
+    for split in SPLITS:
+        rows = []
+        for sing, plur in subjects[split]:
+            for attr in AGREE_ATTRACTORS:
+                for frame, v_sg, v_pl in AGREE_FRAMES:
+                    for subj, good, bad, other in ((sing, v_sg, v_pl, plur), (plur, v_pl, v_sg, sing)):
+                        rows.append(
+                            record(
+                                frame.format(subj=subj, attr=attr), good, wrong=bad,
+                                counterfactual=frame.format(subj=other, attr=attr), chat=False,
+                            )
+                        )
+        out[split] = rows
+    return out
+
+
+# --- arithmetic ---------------------------------------------------------------------------------
+def arithmetic(seed: int = 0, tokenizer=None) -> dict[str, list[dict]]:
+    """Two-number addition as a chat question. Held out by operand range."""
+    ranges = {"train": (10, 59), "validation": (60, 79), "test": (80, 99)}
+    counts = {"train": 400, "validation": 64, "test": 128}
+    out = {}
+    for split in SPLITS:
+        rng = random.Random(f"{seed}-add-{split}")
+        lo, hi = ranges[split]
+        rows = []
+        for _ in range(counts[split]):
+            a, b = rng.randint(lo, hi), rng.randint(10, 99)
+            c, d = rng.randint(lo, hi), rng.randint(10, 99)
+            rows.append(
+                record(
+                    f"What is {a} + {b}?", f"{a} + {b} = {a + b}.", answers=[str(a + b)],
+                    counterfactual=f"What is {c} + {d}?",
+                )
+            )
+        out[split] = rows
+    return out
+
+
+# --- common sense -------------------------------------------------------------------------------
+def commonsense(seed: int = 0, tokenizer=None) -> dict[str, list[dict]]:
+    """Everyday sentence completions whose next word is nearly unambiguous."""
+    rows = _resource("commonsense.json")
+    return {
+        split: [record(r["prompt"], r["target"], chat=False) for r in items]
+        for split, items in _split_items(rows, seed).items()
+    }
+
+
+# --- retain -------------------------------------------------------------------------------------
+def retain_instructions(seed: int = 0, tokenizer=None) -> dict[str, list[dict]]:
+    """General instructions; their targets are filled with the reference model's own answers later."""
+    rows = _resource("retain_instructions.json")
+    return {split: [record(p, "") for p in items] for split, items in _split_items(rows, seed).items()}
+
+
+def neutral_paragraphs(seed: int = 0) -> dict[str, list[str]]:
+    """Neutral prose for perplexity, split by paragraph."""
+    return _split_items(_resource("neutral_text.json"), seed)

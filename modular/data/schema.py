@@ -1,0 +1,54 @@
+"""The one record schema every behaviour uses, built-in or user.
+
+Columns
+-------
+prompt:   the user message (``chat``) or the text to continue (completion).
+target:   the response the behaviour should produce (training target).
+answers:  short strings; when non-empty, a greedy response is correct when it
+          contains one of them (case-insensitive, on word boundaries).
+prefixes: when ``answers`` is empty, a response is correct when it begins with one
+          of these (default: the target itself).
+wrong:    a competing continuation for logit-difference metrics ("" if none).
+counterfactual: the same prompt with other names / numbers ("" if none), for
+          counterfactual ablation.
+chat:     True for instructions (wrapped in the chat template of chat models),
+          False for raw-text completion tasks.
+"""
+
+from __future__ import annotations
+
+import re
+
+COLUMNS = ("prompt", "target", "answers", "prefixes", "wrong", "counterfactual", "chat")
+SPLITS = ("train", "validation", "test")
+
+
+def record(
+    prompt: str,
+    target: str,
+    answers: list[str] | None = None,
+    prefixes: list[str] | None = None,
+    wrong: str = "",
+    counterfactual: str = "",
+    chat: bool = True,
+) -> dict:
+    return {
+        "prompt": prompt,
+        "target": target,
+        "answers": list(answers or []),
+        "prefixes": list(prefixes or []),
+        "wrong": wrong,
+        "counterfactual": counterfactual,
+        "chat": bool(chat),
+    }
+
+
+def is_correct(response: str, target: str, answers: list[str], prefixes: list[str]) -> bool:
+    """Score one greedy response by the schema's rule (see module docstring)."""
+    text = response.strip()
+    if answers:
+        return any(
+            re.search(r"(?<!\w)" + re.escape(a.strip()) + r"(?!\w)", text, flags=re.IGNORECASE) for a in answers
+        )
+    options = prefixes or [target]
+    return any(text.startswith(p.strip()) for p in options if p.strip())

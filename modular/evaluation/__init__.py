@@ -1,0 +1,1 @@
+"""Evaluation modules: behaviour accuracy, lock effect, heads, merge gain, analysis."""

@@ -1,0 +1,95 @@
+"""Score a model on a behaviour: greedy responses judged by the schema's rule, plus the
+logit difference (target vs. ``wrong`` first token) for tasks that define one."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+
+from modular.data.formatting import batch_prompts
+from modular.data.schema import is_correct
+
+
+@dataclass
+class BehaviourResult:
+    accuracy: float
+    n: int
+    logit_diff: float | None = None
+    #: share of items whose target first token beats the ``wrong`` one (tasks with ``wrong``)
+    choice_accuracy: float | None = None
+    items: list[dict] = field(default_factory=list)
+
+    def summary(self) -> dict:
+        out = {"accuracy": self.accuracy, "n": self.n}
+        if self.logit_diff is not None:
+            out["logit_diff"] = self.logit_diff
+            out["choice_accuracy"] = self.choice_accuracy
+        return out
+
+
+def _device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+@torch.no_grad()
+def generate(model, tokenizer, prompts: list[str], chats: list[bool], max_new_tokens: int = 24,
+             batch_size: int = 16, desc: str | None = None) -> list[str]:
+    """Greedy responses for ``prompts`` (left-padded batches)."""
+    out: list[str] = []
+    steps = range(0, len(prompts), batch_size)
+    for start in tqdm(steps, desc=desc or "generate", leave=False, disable=desc is False):
+        batch = batch_prompts(tokenizer, prompts[start:start + batch_size], chats[start:start + batch_size])
+        batch = {k: v.to(_device(model)) for k, v in batch.items()}
+        gen = model.generate(
+            **batch, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id,
+            top_p=None, top_k=None, temperature=None,
+        )
+        out += tokenizer.batch_decode(gen[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+    return out
+
+
+def first_token_ids(tokenizer, texts: list[str]) -> torch.Tensor:
+    return torch.tensor([tokenizer(t, add_special_tokens=False)["input_ids"][0] for t in texts])
+
+
+@torch.no_grad()
+def last_logits(model, tokenizer, prompts: list[str], chats: list[bool], batch_size: int = 32) -> torch.Tensor:
+    """Next-token logits after each prompt, ``(n, vocab)`` (float32, on CPU)."""
+    rows = []
+    for start in range(0, len(prompts), batch_size):
+        batch = batch_prompts(tokenizer, prompts[start:start + batch_size], chats[start:start + batch_size])
+        batch = {k: v.to(_device(model)) for k, v in batch.items()}
+        rows.append(model(**batch).logits[:, -1].float().cpu())
+    return torch.cat(rows)
+
+
+def evaluate_behaviour(model, tokenizer, dataset, max_new_tokens: int = 24, batch_size: int = 16,
+                       limit: int | None = None, intervention=None, desc: str | None = None) -> BehaviourResult:
+    """Accuracy (and logit difference where ``wrong`` is set) on ``dataset`` (one split).
+
+    ``intervention``: a zero-argument callable returning a context manager (e.g. a lock)
+    active during scoring.
+    """
+    if limit is not None:
+        dataset = dataset.select(range(min(limit, len(dataset))))
+    prompts, chats = list(dataset["prompt"]), list(dataset["chat"])
+    ctx = intervention() if intervention is not None else nullcontext()
+    with ctx:
+        responses = generate(model, tokenizer, prompts, chats, max_new_tokens, batch_size, desc)
+        logit_diff = choice_accuracy = None
+        if all(dataset["wrong"]):
+            logits = last_logits(model, tokenizer, prompts, chats)
+            good = first_token_ids(tokenizer, dataset["target"])
+            bad = first_token_ids(tokenizer, dataset["wrong"])
+            idx = torch.arange(len(prompts))
+            diffs = logits[idx, good] - logits[idx, bad]
+            logit_diff, choice_accuracy = diffs.mean().item(), (diffs > 0).float().mean().item()
+    items = []
+    for row, response in zip(dataset, responses):
+        items.append({"prompt": row["prompt"], "response": response,
+                      "correct": is_correct(response, row["target"], row["answers"], row["prefixes"])})
+    accuracy = sum(i["correct"] for i in items) / max(1, len(items))
+    return BehaviourResult(accuracy, len(items), logit_diff, choice_accuracy, items)

@@ -1,0 +1,84 @@
+"""Outputs a user can open: JSON written atomically beside PNG figures, and the same numbers in W&B.
+
+W&B runs offline by default (``WANDB_MODE=offline``, files under the output folder);
+set ``WANDB_MODE=online`` (and log in) to sync.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+def _clean(obj: Any) -> Any:
+    """JSON-safe copy: NaN/inf -> None, tensors/numpy -> lists, paths -> str."""
+    if isinstance(obj, dict):
+        return {str(k): _clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean(v) for v in obj]
+    if isinstance(obj, float):
+        return None if math.isnan(obj) or math.isinf(obj) else obj
+    if isinstance(obj, Path):
+        return str(obj)
+    if hasattr(obj, "tolist"):
+        return _clean(obj.tolist())
+    return obj
+
+
+def write_json(path: str | Path, data: Any) -> Path:
+    """Write ``data`` as indented JSON atomically (temp file + rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(_clean(data), f, indent=2)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "/"))
+        elif isinstance(v, (int, float, bool, str)) or v is None:
+            out[key] = v
+    return out
+
+
+def log_to_wandb(out_dir: str | Path, job: str, summary: dict, config: dict | None = None,
+                 figures: dict[str, str | Path] | None = None, tables: dict[str, list[dict]] | None = None) -> str | None:
+    """Log one evaluation run (scalars, figures, tables) to W&B; returns the run folder or None if disabled."""
+    if os.environ.get("WANDB_MODE") == "disabled":
+        return None
+    import wandb
+
+    os.environ.setdefault("WANDB_SILENT", "true")
+    run = wandb.init(
+        project=os.environ.get("WANDB_PROJECT", "modular"), job_type=job, dir=str(out_dir),
+        mode=os.environ.get("WANDB_MODE", "offline"), config=_clean(config or {}), reinit="finish_previous",
+    )
+    try:
+        flat = _flatten(_clean(summary))
+        run.log({k: v for k, v in flat.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
+        for key, value in flat.items():
+            run.summary[key] = value
+        for name, path in (figures or {}).items():
+            run.log({f"figures/{name}": wandb.Image(str(path))})
+        for name, rows in (tables or {}).items():
+            if rows:
+                cols = list(rows[0])
+                run.log({f"tables/{name}": wandb.Table(columns=cols, data=[[_clean(r.get(c)) for c in cols] for r in rows])})
+        return run.dir
+    finally:
+        run.finish()

@@ -1,0 +1,90 @@
+import pytest
+import torch
+
+from modular.data import BEHAVIOURS, load_behaviour, neutral_text, retain_data
+from modular.data.formatting import IGNORE, LeftPadCollator, batch_prompts, encode_example, render_prompt
+from modular.data.generators import NAMES
+from modular.data.schema import is_correct
+
+
+@pytest.mark.parametrize("name", list(BEHAVIOURS))
+def test_builtin_behaviour_has_three_nonempty_splits(name):
+    ds = load_behaviour(name)
+    assert all(len(ds[s]) > 0 for s in ("train", "validation", "test"))
+    assert set(ds["train"].column_names) >= {"prompt", "target", "answers", "prefixes", "chat"}
+    assert all(t for t in ds["test"]["target"])
+
+
+def test_capitals_split_by_country_with_150_countries():
+    ds = load_behaviour("capitals")
+    countries = {s: {p.rsplit(" of ", 1)[1].rstrip("?.") for p in ds[s]["prompt"]} for s in ds}
+    assert sum(len(c) for c in countries.values()) >= 150
+    assert not countries["train"] & countries["test"]
+    assert not countries["train"] & countries["validation"]
+    assert not countries["validation"] & countries["test"]
+    # no answer is given away by the question itself
+    for row in ds["test"]:
+        assert not is_correct(row["prompt"], row["target"], row["answers"], row["prefixes"])
+
+
+def test_ioi_names_are_held_out_and_single_token():
+    from transformers import AutoTokenizer
+
+    class OneTokenPerWord:  # a tokenizer for which only names of <= 4 letters are one token
+        def tokenize(self, text):
+            return [text] if len(text.strip()) <= 4 else list(text)
+
+    ds = load_behaviour("ioi", tokenizer=OneTokenPerWord())
+    names = lambda split: {t.strip() for t in ds[split]["target"]} | {t.strip() for t in ds[split]["wrong"]}  # noqa: E731
+    assert all(len(n) <= 4 for n in names("train") | names("test"))
+    assert not names("train") & names("test")
+    for row in ds["test"]:
+        assert row["target"].strip() in row["prompt"] and row["counterfactual"] != row["prompt"]
+    del AutoTokenizer
+
+
+def test_greater_than_and_arithmetic_scoring():
+    row = load_behaviour("greater_than")["test"][0]
+    yy = int(row["wrong"])
+    assert is_correct(f"{min(yy + 1, 99):02d} and then", row["target"], row["answers"], row["prefixes"]) == (yy < 99)
+    assert not is_correct(f"{yy:02d}", row["target"], row["answers"], row["prefixes"])
+    assert is_correct("12 + 30 = 42.", "", ["42"], [])
+    assert not is_correct("12 + 30 = 142.", "", ["42"], [])
+
+
+def test_retain_and_neutral_text_have_held_out_splits():
+    r, n = retain_data(), neutral_text()
+    assert len(r["test"]) > 20 and len(n["test"]) > 20
+    assert not set(r["train"]["prompt"]) & set(r["test"]["prompt"])
+
+
+class _Tok:
+    """A character-level stand-in tokenizer (no download) with and without a chat template."""
+
+    pad_token_id, eos_token_id = 0, 1
+
+    def __init__(self, chat):
+        self.chat_template = "x" if chat else None
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+        return f"<u>{messages[0]['content']}</u><a>"
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": ([2] if add_special_tokens else []) + [ord(c) for c in text]}
+
+
+def test_formatting_masks_prompt_and_left_pads():
+    chat_tok, base_tok = _Tok(True), _Tok(False)
+    assert render_prompt(chat_tok, "hi", True) == "<u>hi</u><a>"
+    assert render_prompt(base_tok, "hi", True) == "Question: hi\nAnswer:"
+    assert render_prompt(chat_tok, "raw", False) == "raw"
+    ex = encode_example(chat_tok, "hi", "ok", chat=True)
+    n_prompt = len("<u>hi</u><a>")
+    assert ex["labels"][:n_prompt] == [IGNORE] * n_prompt
+    assert ex["labels"][n_prompt:] == [ord("o"), ord("k"), 1]  # target + end of turn
+    batch = LeftPadCollator(0)([ex, encode_example(chat_tok, "longer prompt", "ok", chat=True)])
+    assert batch["attention_mask"][0, 0] == 0 and batch["attention_mask"][0, -1] == 1
+    assert torch.equal(batch["input_ids"][0, -3:], batch["input_ids"][1, -3:])
+    assert (batch["labels"][batch["attention_mask"] == 0] == IGNORE).all()
+    prompts = batch_prompts(base_tok, ["a", "abc"], [False, False])
+    assert prompts["input_ids"].shape == (2, 4) and prompts["attention_mask"][0].tolist() == [0, 0, 1, 1]
