@@ -1,0 +1,150 @@
+"""Choosing the designated directions: low-variance (default), random, difference-in-means, or a file.
+
+Residual streams carry a few huge "outlier" dimensions; a random direction
+overlaps them and ablating it already costs accuracy. ``low_variance`` draws a
+random unit vector inside the span of the lowest principal components of
+residual activations on retain data, which costs almost nothing to ablate.
+Several behaviours get mutually orthogonal directions.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from modular import ModularError
+from modular.data.formatting import batch_prompts
+from modular.hooks import capture_residual
+from modular.models.adapter import ArchitectureAdapter
+
+STRATEGIES = ("low_variance", "random", "diff_in_means", "file")
+
+
+@torch.no_grad()
+def residual_covariance(model, tokenizer, prompts: list[str], chats: list[bool], batch_size: int = 16):
+    """Mean and covariance (d, d) of the residual stream over all layers and non-pad positions."""
+    adapter = ArchitectureAdapter(model)
+    device = next(model.parameters()).device
+    d = adapter.d_model
+    total = torch.zeros(d, dtype=torch.float64)
+    outer = torch.zeros(d, d, dtype=torch.float64)
+    count = 0
+    for start in tqdm(range(0, len(prompts), batch_size), desc="residual statistics", leave=False):
+        batch = batch_prompts(tokenizer, prompts[start:start + batch_size], chats[start:start + batch_size])
+        mask = batch["attention_mask"].bool()
+        with capture_residual(adapter) as states:
+            model(**{k: v.to(device) for k, v in batch.items()})
+        for s in states:
+            x = s[mask.to(s.device)].double().cpu()
+            total += x.sum(0)
+            outer += x.T @ x
+            count += x.shape[0]
+    mean = total / count
+    return mean, outer / count - torch.outer(mean, mean)
+
+
+def _orthogonalise_against(v: torch.Tensor, others: torch.Tensor | None) -> torch.Tensor:
+    v = v.double()
+    if others is not None and len(others):
+        q, _ = torch.linalg.qr(others.double().T)
+        v = v - q @ (q.T @ v)
+    norm = v.norm()
+    if norm < 1e-8:
+        raise ModularError("cannot choose a direction orthogonal to the existing ones (span exhausted)")
+    return (v / norm).float()
+
+
+def low_variance_direction(cov: torch.Tensor, others: torch.Tensor | None = None, fraction: float = 0.25,
+                           seed: int = 0) -> torch.Tensor:
+    """A random unit vector in the span of the lowest ``fraction`` of principal components, ⊥ ``others``."""
+    evals, evecs = torch.linalg.eigh(cov.double())  # ascending
+    k = max(1, int(fraction * cov.shape[0]))
+    g = torch.Generator().manual_seed(seed)
+    coeffs = torch.randn(k, generator=g, dtype=torch.float64)
+    return _orthogonalise_against(evecs[:, :k] @ coeffs, others)
+
+
+def random_direction(d: int, others: torch.Tensor | None = None, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return _orthogonalise_against(torch.randn(d, generator=g, dtype=torch.float64), others)
+
+
+@torch.no_grad()
+def last_position_mean(model, tokenizer, prompts: list[str], chats: list[bool], layer: int,
+                       batch_size: int = 16) -> torch.Tensor:
+    """Mean residual stream entering ``layer`` at the last prompt position."""
+    adapter = ArchitectureAdapter(model)
+    device = next(model.parameters()).device
+    acc, n = None, 0
+    for start in range(0, len(prompts), batch_size):
+        batch = batch_prompts(tokenizer, prompts[start:start + batch_size], chats[start:start + batch_size])
+        with capture_residual(adapter) as states:
+            model(**{k: v.to(device) for k, v in batch.items()})
+        x = states[layer][:, -1].double().cpu().sum(0)
+        acc = x if acc is None else acc + x
+        n += len(batch["input_ids"])
+    return acc / n
+
+
+def diff_in_means_direction(model, tokenizer, behaviour_prompts, behaviour_chats, contrast_prompts,
+                            contrast_chats, layer: int | None = None,
+                            others: torch.Tensor | None = None) -> torch.Tensor:
+    """Normalised mean(behaviour) − mean(contrast) at the last prompt position, entering ``layer`` (default: middle)."""
+    adapter = ArchitectureAdapter(model)
+    layer = adapter.n_layers // 2 if layer is None else layer
+    a = last_position_mean(model, tokenizer, behaviour_prompts, behaviour_chats, layer)
+    b = last_position_mean(model, tokenizer, contrast_prompts, contrast_chats, layer)
+    return _orthogonalise_against(a - b, others)
+
+
+def load_direction_file(path: str | Path, d: int) -> torch.Tensor:
+    """A direction from a safetensors file (key ``direction``) or a ``.pt`` tensor; normalised."""
+    path = Path(path)
+    if not path.is_file():
+        raise ModularError(f"direction file not found: {path}")
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        tensors = load_file(str(path))
+        if "direction" not in tensors:
+            raise ModularError(f"{path} holds no tensor named 'direction' (found {sorted(tensors)})")
+        v = tensors["direction"]
+    else:
+        v = torch.load(path, map_location="cpu", weights_only=True)
+    v = v.flatten().float()
+    if v.numel() != d:
+        raise ModularError(f"{path}: direction has {v.numel()} entries, the model's width is {d}")
+    return v / v.norm()
+
+
+def choose_directions(model, tokenizer, strategy: str, behaviours: list, retain, seed: int = 0,
+                      files: list[str] | None = None, fraction: float = 0.25) -> torch.Tensor:
+    """One unit direction per behaviour, mutually orthogonal, as a ``(k, d)`` tensor.
+
+    ``behaviours``: the behaviours' train splits (for ``diff_in_means``); ``retain``: the retain train split.
+    """
+    if strategy not in STRATEGIES:
+        raise ModularError(f"unknown direction strategy '{strategy}': use one of {', '.join(STRATEGIES)}")
+    d = ArchitectureAdapter(model).d_model
+    chosen: list[torch.Tensor] = []
+    cov = None
+    if strategy == "low_variance":
+        _, cov = residual_covariance(model, tokenizer, list(retain["prompt"]), list(retain["chat"]))
+    for i, ds in enumerate(behaviours):
+        others = torch.stack(chosen) if chosen else None
+        if strategy == "low_variance":
+            v = low_variance_direction(cov, others, fraction, seed + i)
+        elif strategy == "random":
+            v = random_direction(d, others, seed + i)
+        elif strategy == "diff_in_means":
+            n = min(128, len(ds), len(retain))
+            v = diff_in_means_direction(model, tokenizer, ds["prompt"][:n], ds["chat"][:n], retain["prompt"][:n],
+                                        retain["chat"][:n], others=others)
+        else:
+            if not files or len(files) <= i:
+                raise ModularError("strategy 'file' needs one direction file per behaviour (direction_files)")
+            v = _orthogonalise_against(load_direction_file(files[i], d), others)
+        chosen.append(v)
+    return torch.stack(chosen)

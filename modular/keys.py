@@ -1,0 +1,235 @@
+"""Locking in the weights, and keys that unlock.
+
+``lock_weights`` bakes the lock into the weights: every residual writer (token /
+position embeddings, attention output projections, MLP output projections and
+their biases) is orthogonalised against the write-space of each direction
+(``u``, or ``g ⊙ u`` before a post-sublayer norm with gain ``g``). With
+``harden=True`` every residual reader behind a weight-only (RMS) norm also stops
+reading ``u`` (``W ← W − (W diag(g) u)(u / g)ᵀ``), so adding ``u`` back to the
+residual stream does nothing; on the locked model's own residual (which has no
+``u`` component) the readers compute exactly what they did before.
+
+Every removed component is rank-1 per module and behaviour: ``W ← W − a bᵀ``.
+A key is the list of ``(module, a, b)`` for one behaviour: applying it adds
+``a bᵀ`` back and restores the trained weights exactly (float rounding aside).
+Tied input/output embeddings are untied first (the unembedding must not change
+when the embedding is orthogonalised).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from modular import ModularError
+from modular.models.adapter import ArchitectureAdapter, weight_out_in
+
+KEY_FORMAT = "modular-key/1"
+
+
+@dataclass
+class Component:
+    """``param ← param − a bᵀ`` (``a`` over the param's first axis in (out, in) view, ``b`` over its second)."""
+
+    param: str  # state-dict name of the parameter
+    a: torch.Tensor
+    b: torch.Tensor
+    transposed: bool  # the stored parameter is the (out, in) view transposed (Embedding rows, Conv1D)
+
+
+@dataclass
+class Key:
+    behaviour: str
+    direction: torch.Tensor
+    components: list[Component] = field(default_factory=list)
+    meta: dict = field(default_factory=dict)
+
+
+def untie_embeddings(model: nn.Module) -> None:
+    """Give the unembedding its own copy of a tied embedding matrix; record it in the config."""
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return
+    out = model.get_output_embeddings()
+    inp = model.get_input_embeddings()
+    if out is not None and out.weight is inp.weight:
+        out.weight = nn.Parameter(inp.weight.detach().clone())
+    model.config.tie_word_embeddings = False
+    text_config = getattr(model.config, "get_text_config", lambda: None)()
+    if text_config is not None:
+        text_config.tie_word_embeddings = False
+
+
+def _param_name(model: nn.Module, param: torch.Tensor) -> str:
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if p is param:
+            return name
+    raise KeyError("parameter not in model")  # pragma: no cover
+
+
+def _orth_dual(vectors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """For each vector, the unit component orthogonal to the span of the others (equal to itself if orthogonal)."""
+    out = []
+    for i, v in enumerate(vectors):
+        v = v.double()
+        others = [w.double() for j, w in enumerate(vectors) if j != i]
+        if others:
+            q, _ = torch.linalg.qr(torch.stack(others).T)
+            v = v - q @ (q.T @ v)
+        out.append(v / v.norm())
+    return out
+
+
+def _subtract(param: torch.Tensor, a: torch.Tensor, b: torch.Tensor, transposed: bool, sign: float = -1.0):
+    update = torch.outer(a, b).to(param.dtype)
+    with torch.no_grad():
+        param.add_(update.T if transposed else update, alpha=sign)
+
+
+def _rms_like(norm: nn.Module | None) -> bool:
+    """A norm whose output is ``g ⊙ x / rms(x)`` (no mean-centring, no bias) or no norm at all."""
+    if norm is None:
+        return True
+    if isinstance(norm, nn.LayerNorm) or getattr(norm, "bias", None) is not None:
+        return False
+    return "rms" in type(norm).__name__.lower() or type(norm).__name__.startswith(("Gemma", "Olmo2"))
+
+
+@torch.no_grad()
+def lock_weights(model: nn.Module, directions: dict[str, torch.Tensor], harden: bool = True) -> list[Key]:
+    """Orthogonalise writers (and, with ``harden``, readers) against each behaviour's direction, in place.
+
+    Returns one :class:`Key` per behaviour. The model must not be wrapped (merge LoRA first).
+    """
+    untie_embeddings(model)
+    adapter = ArchitectureAdapter(model)
+    names = list(directions)
+    units = [directions[n].flatten().double() / directions[n].double().norm() for n in names]
+    keys = [Key(n, units[i].float()) for i, n in enumerate(names)]
+
+    # --- writers ---
+    for site in adapter.write_sites():
+        gain = adapter.norm_gain(site.post_norm) if site.post_norm is not None else None
+        vecs = [u * gain.double() if gain is not None else u for u in units]
+        duals = _orth_dual(vecs)
+        W = weight_out_in(site.module)  # (d, in) view
+        transposed = W is not site.module.weight
+        for key, w in zip(keys, duals):
+            coef = (w.to(W.dtype) @ W).double()  # (in,)
+            key.components.append(Component(_param_name(model, site.module.weight), w.float(), coef.float(), transposed))
+        for key, w in zip(keys, duals):  # subtract after computing all coefficients (joint projection)
+            c = key.components[-1]
+            _subtract(site.module.weight, c.a, c.b, transposed)
+        bias = getattr(site.module, "bias", None)
+        if bias is not None:
+            for key, w in zip(keys, duals):
+                coef = (w.to(bias.dtype) @ bias).reshape(1).double()
+                key.components.append(Component(_param_name(model, bias), w.float(), coef.float(), False))
+            for key in keys:
+                c = key.components[-1]
+                bias.sub_((c.a * c.b).to(bias.dtype))
+
+    # --- readers ---
+    hardened = []
+    if harden:
+        for norm, readers in adapter.read_sites():
+            if not _rms_like(norm):
+                continue
+            gain = adapter.norm_gain(norm) if norm is not None else None
+            gain = torch.ones_like(units[0]) if gain is None else gain.double()
+            for reader in readers:
+                W = weight_out_in(reader)  # (out, d)
+                transposed = W is not reader.weight
+                comps = []
+                for key, u in zip(keys, units):
+                    a = (W.double() @ (gain * u))  # what the reader gets from a unit of u
+                    b = u / gain
+                    comps.append((key, Component(_param_name(model, reader.weight), a.float(), b.float(), transposed)))
+                for key, c in comps:
+                    key.components.append(c)
+                    _subtract(reader.weight, c.a.double(), c.b.double(), transposed)
+                hardened.append(_param_name(model, reader.weight))
+    for key in keys:
+        key.meta = {
+            "behaviour": key.behaviour,
+            "model_type": adapter.model_type,
+            "n_layers": adapter.n_layers,
+            "layer_numbering": "0-based block index; embeddings are layer -1",
+            "writers": [s.name for s in adapter.write_sites()],
+            "hardened_readers": hardened,
+            "restores": "rank-1 components a b^T of every residual writer (and hardened reader) along the direction",
+        }
+    return keys
+
+
+@torch.no_grad()
+def apply_key(model: nn.Module, key: Key, sign: float = 1.0) -> None:
+    """Add a key's components back (``sign=-1`` removes them again)."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for c in key.components:
+        if c.param not in params:
+            raise ModularError(f"key for '{key.behaviour}' names parameter {c.param}, which this model lacks")
+        p = params[c.param]
+        expected = (c.b.numel(), c.a.numel()) if c.transposed else (c.a.numel(), c.b.numel())
+        if p.ndim == 1:
+            expected = (c.a.numel(),)
+        if tuple(p.shape) != expected:
+            raise ModularError(f"key for '{key.behaviour}' does not fit {c.param} (shape {tuple(p.shape)})")
+        if p.ndim == 1:
+            p.add_((c.a * c.b).to(p.dtype), alpha=sign)
+        else:
+            _subtract(p, c.a.double(), c.b.double(), c.transposed, sign=sign)
+
+
+def weights_hash(model_or_state) -> str:
+    """SHA-256 over every tensor (sorted names, float32 bytes): identifies a set of weights."""
+    state = model_or_state.state_dict() if isinstance(model_or_state, nn.Module) else model_or_state
+    h = hashlib.sha256()
+    for name in sorted(state):
+        t = state[name].detach().to("cpu", torch.float32).contiguous()
+        h.update(name.encode())
+        h.update(t.numpy().tobytes())
+    return h.hexdigest()
+
+
+def save_key(key: Key, path: str | Path, locked_hash: str) -> Path:
+    """Write a key as safetensors; what it restores, where, and the locked weights' hash go in the metadata."""
+    from safetensors.torch import save_file
+
+    tensors = {"direction": key.direction.contiguous()}
+    entries = []
+    for i, c in enumerate(key.components):
+        tensors[f"c{i}.a"] = c.a.contiguous()
+        tensors[f"c{i}.b"] = c.b.contiguous()
+        entries.append({"param": c.param, "transposed": c.transposed})
+    meta = {**key.meta, "format": KEY_FORMAT, "locked_hash": locked_hash, "components": entries}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path), metadata={"modular": json.dumps(meta)})
+    return path
+
+
+def load_key(path: str | Path) -> tuple[Key, dict]:
+    """Read a key file; returns the key and its metadata (with ``locked_hash``)."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise ModularError(f"key file not found: {path}")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = json.loads((f.metadata() or {}).get("modular", "{}"))
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except (OSError, ValueError, json.JSONDecodeError) as err:
+        raise ModularError(f"{path} is not a modular key file ({err})") from None
+    if meta.get("format") != KEY_FORMAT:
+        raise ModularError(f"{path} is not a modular key file (format {meta.get('format')!r})")
+    comps = [
+        Component(e["param"], tensors[f"c{i}.a"], tensors[f"c{i}.b"], e["transposed"])
+        for i, e in enumerate(meta["components"])
+    ]
+    return Key(meta["behaviour"], tensors["direction"], comps, meta), meta

@@ -1,0 +1,76 @@
+import pytest
+import torch
+
+from modular.hooks import ablate_directions, add_vectors
+from modular.keys import apply_key, load_key, lock_weights, save_key, weights_hash
+from modular.models.adapter import ArchitectureAdapter
+from tests.conftest import D, make_tiny_model
+
+
+def _dirs(k=1, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.linalg.qr(torch.randn(D, k, generator=g))[0].T
+    return {f"b{i}": q[i] for i in range(k)}
+
+
+@pytest.mark.parametrize("harden", [False, True])
+def test_weight_lock_equals_hook_lock_and_key_restores(tiny_model, tokens, harden):
+    open_state = {k: v.clone() for k, v in tiny_model.state_dict().items()}
+    a = ArchitectureAdapter(tiny_model)
+    dirs = _dirs()
+    open_logits = tiny_model(tokens).logits
+    with ablate_directions(a, torch.stack(list(dirs.values()))):
+        hook_locked = tiny_model(tokens).logits
+    keys = lock_weights(tiny_model, dirs, harden=harden)
+    weight_locked = tiny_model(tokens).logits
+    torch.testing.assert_close(weight_locked, hook_locked, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(weight_locked, open_logits, atol=1e-3)
+    for key in keys:
+        apply_key(tiny_model, key)
+    torch.testing.assert_close(tiny_model(tokens).logits, open_logits, atol=1e-4, rtol=1e-4)
+    for name, value in tiny_model.state_dict().items():
+        ref = open_state.get(name, open_state.get("model.embed_tokens.weight"))
+        assert (value - ref).abs().max() <= 1e-5, name
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "olmo2", "qwen2", "phi3"])
+def test_hardened_readers_do_not_read_the_direction(arch):
+    """After hardening, every reader maps the direction (through its norm gain) to zero."""
+    from modular.models.adapter import weight_out_in
+
+    model = make_tiny_model(arch)
+    dirs = _dirs()
+    u = dirs["b0"].double()
+    a = ArchitectureAdapter(model)
+    before = [weight_out_in(r).double() @ ((a.norm_gain(n).double() if n is not None else 1) * u)
+              for n, rs in a.read_sites() for r in rs]
+    lock_weights(model, dirs, harden=True)
+    a = ArchitectureAdapter(model)
+    after = [weight_out_in(r).double() @ ((a.norm_gain(n).double() if n is not None else 1) * u)
+             for n, rs in a.read_sites() for r in rs]
+    assert all(b.norm() > 1e-3 for b in before)
+    assert all(x.norm() < 1e-5 for x in after), max(x.norm() for x in after)
+
+
+def test_two_keys_are_independent(tokens):
+    model = make_tiny_model("llama")
+    dirs = _dirs(k=2)
+    a = ArchitectureAdapter(model)
+    with ablate_directions(a, dirs["b1"]):
+        only_b1_locked = model(tokens).logits
+    keys = lock_weights(model, dirs)
+    apply_key(model, keys[0])
+    torch.testing.assert_close(model(tokens).logits, only_b1_locked, atol=1e-4, rtol=1e-4)
+
+
+def test_key_file_roundtrip_and_metadata(tmp_path, tokens):
+    model = make_tiny_model("gpt2")
+    open_logits = model(tokens).logits
+    (key,) = lock_weights(model, _dirs())
+    h = weights_hash(model)
+    path = save_key(key, tmp_path / "b0.key.safetensors", h)
+    loaded, meta = load_key(path)
+    assert meta["locked_hash"] == h and meta["behaviour"] == "b0" and meta["writers"]
+    apply_key(model, loaded)
+    torch.testing.assert_close(model(tokens).logits, open_logits, atol=1e-4, rtol=1e-4)
+    assert weights_hash(model) != h
