@@ -50,7 +50,49 @@ def convert(model: str) -> str:
     return folder
 
 
-COMMANDS = {"inspect": inspect, "convert": convert}
+def publish(run: str, out: str, harden: bool = True, overwrite: bool = False) -> str:
+    """Write a gated run's locked weights as a plain Hugging Face folder, with one key file per behaviour.
+
+    Args:
+        run: Training run folder (holds run.json, directions.safetensors, last.ckpt).
+        out: Output folder for the published model (written atomically).
+        harden: Also make the readers ignore the directions, so that adding them back does nothing.
+        overwrite: Replace ``out`` if it exists.
+    """
+    import json as _json
+    from pathlib import Path
+
+    from modular.models import load_tokenizer
+    from modular.publish import publish_model
+    from modular.runs import load_open_model, read_run
+
+    r = read_run(run)
+    measured = None
+    if (Path(run) / "lock.json").is_file():
+        measured = _json.loads((Path(run) / "lock.json").read_text())
+    folder = publish_model(load_open_model(r), load_tokenizer(r.model_name), r.directions, out, r.model_name,
+                           measured, harden=harden, overwrite=overwrite)
+    print(folder)
+    return str(folder)
+
+
+def unlock(model: str, key: str, out: str, overwrite: bool = False) -> str:
+    """Apply a key to a published (locked) model folder and write the unlocked model.
+
+    Args:
+        model: Published model folder (from ``modular publish``) or a folder unlocked by another key.
+        key: Key file of one behaviour (``keys/<behaviour>.key.safetensors``).
+        out: Output folder for the unlocked model (written atomically).
+        overwrite: Replace ``out`` if it exists.
+    """
+    from modular.publish import unlock_folder
+
+    folder = unlock_folder(model, key, out, overwrite=overwrite)
+    print(folder)
+    return str(folder)
+
+
+COMMANDS = {"inspect": inspect, "convert": convert, "publish": publish, "unlock": unlock}
 
 
 def run_cli(commands: dict, argv: list[str] | None = None, description: str | None = None) -> int:

@@ -11,7 +11,7 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-D, LAYERS, HEADS, KV, FF, VOCAB = 64, 2, 4, 2, 128, 256
+D, LAYERS, HEADS, KV, FF, VOCAB = 64, 2, 4, 2, 128, 320
 
 
 def _configs():
@@ -69,3 +69,51 @@ def tiny_model(arch):
 def tokens() -> torch.Tensor:
     g = torch.Generator().manual_seed(1)
     return torch.randint(0, VOCAB, (2, 7), generator=g)
+
+
+def make_tiny_tokenizer(vocab_size: int = VOCAB):
+    """A small byte-level BPE tokenizer trained on the shipped behaviour texts, with a chat template."""
+    import json
+    from importlib import resources
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    res = resources.files("modular.data").joinpath("resources")
+    texts = json.loads(res.joinpath("neutral_text.json").read_text())
+    texts += json.loads(res.joinpath("retain_instructions.json").read_text())
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    special = ["<|pad|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|pad|>", eos_token="<|im_end|>",
+                                   bos_token="<|im_start|>")
+    fast.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    return fast
+
+
+def save_tiny_folder(path, arch: str = "llama", seed: int = 0):
+    """A tiny random model of ``arch`` with the tiny tokenizer, saved as a Hugging Face folder."""
+    tok = make_tiny_tokenizer()
+    model = make_tiny_model(arch, seed)
+    model.config.vocab_size = VOCAB
+    model.config.pad_token_id = tok.pad_token_id
+    model.config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def isolated_cache(tmp_path, monkeypatch):
+    """Keep reference/model caches of tiny-model tests out of the user's cache."""
+    monkeypatch.setenv("MODULAR_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"

@@ -73,4 +73,35 @@ def behaviour(
     return report
 
 
-COMMANDS = {"behaviour": behaviour}
+def lock(run: str, out: str | None = None, other_limit: int = 64, harden: bool = True,
+         max_new_tokens: int = 24) -> dict:
+    """Lock evaluation of a gated run: accuracy and retain measures for base, open, locked (hooks),
+    published_locked (weights) and unlocked (keys applied); writes lock.json and lock.png.
+
+    Args:
+        run: Training run folder (holds run.json, directions.safetensors, last.ckpt).
+        out: Output folder (default: the run folder).
+        other_limit: Items scored for each non-gated built-in behaviour.
+        harden: Publish with hardened readers (as ``modular publish`` does by default).
+        max_new_tokens: Length of greedy responses for the gated behaviours.
+    """
+    from modular.evaluation.lock import lock_report, plot_lock
+    from modular.models import load_model, load_tokenizer
+    from modular.runs import load_open_model, read_run
+    from modular.tracking import log_to_wandb, write_json
+
+    r = read_run(run)
+    out_dir = Path(out or run)
+    tokenizer = load_tokenizer(r.model_name)
+    report = lock_report(load_model(r.model_name), load_open_model(r), tokenizer, r.directions,
+                         seed=int(r.record.get("seed", 0)), other_limit=other_limit, harden=harden,
+                         max_new_tokens=max_new_tokens)
+    report = {"run": str(run), "model": r.model_name, **report}
+    write_json(out_dir / "lock.json", report)
+    fig = plot_lock(report, out_dir / "lock.png")
+    log_to_wandb(out_dir, "evaluate-lock", report, config={"run": str(run)}, figures={"lock": fig})
+    log.info("wrote %s and %s", out_dir / "lock.json", fig)
+    return report
+
+
+COMMANDS = {"behaviour": behaviour, "lock": lock}

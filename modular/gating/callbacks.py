@@ -1,0 +1,80 @@
+"""Callbacks of gated training: lock metrics on the validation split, logged to every logger."""
+
+from __future__ import annotations
+
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from modular.evaluation.behaviour import evaluate_behaviour, last_logits
+from modular.hooks import ablate_directions
+
+
+def first_token_kl(model, tokenizer, prompts, chats, reference_logp: torch.Tensor) -> float:
+    """Mean KL(reference || model) of the first response token's distribution."""
+    logp = torch.log_softmax(last_logits(model, tokenizer, prompts, chats), -1)
+    ref = reference_logp.float()
+    return (ref.exp() * (ref - logp)).sum(-1).mean().item()
+
+
+class LockMetricsCallback(Callback):
+    """After each validation: behaviour accuracy open / locked (greedy responses) and first-token KL
+    of the retain validation prompts to the reference model, open / locked.
+
+    Args:
+        limit: Score at most this many validation items per behaviour.
+        max_new_tokens: Length of greedy responses.
+    """
+
+    def __init__(self, limit: int | None = 64, max_new_tokens: int = 24):
+        self.limit = limit
+        self.max_new_tokens = max_new_tokens
+
+    @torch.no_grad()
+    def on_validation_epoch_end(self, trainer, pl_module) -> None:
+        if trainer.sanity_checking:
+            return
+        dm = trainer.datamodule
+        model, tok = pl_module.hf_model, dm.tokenizer
+        adapter = pl_module.adapter
+        dirs = pl_module.directions
+        metrics = {}
+        for i, b in enumerate(pl_module.behaviours):
+            ds = dm.behaviour_data[b]["validation"]
+            for state, ctx in (("open", None), ("locked", lambda i=i: ablate_directions(adapter, dirs[i]))):
+                r = evaluate_behaviour(model, tok, ds, self.max_new_tokens, limit=self.limit, intervention=ctx,
+                                       desc=False)
+                metrics[f"val/{b}/accuracy_{state}"] = r.accuracy
+        retain = dm.retain["validation"]
+        ref = dm.reference_first_logp["validation"]
+        metrics["val/retain/first_token_kl_open"] = first_token_kl(model, tok, retain["prompt"], retain["chat"], ref)
+        with ablate_directions(adapter, dirs):
+            metrics["val/retain/first_token_kl_locked"] = first_token_kl(
+                model, tok, retain["prompt"], retain["chat"], ref
+            )
+        for name, value in metrics.items():
+            pl_module.log(name, value, batch_size=1, rank_zero_only=True)
+
+
+class RunRecordCallback(Callback):
+    """Writes ``run.json`` in the run folder when fitting ends: what was gated, where the weights are,
+    and the last logged metrics (the lock evaluation reads it)."""
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        if not trainer.is_global_zero:
+            return
+        from pathlib import Path
+
+        from modular.tracking import write_json
+
+        run_dir = Path(trainer.default_root_dir)
+        ckpt = next((c.last_model_path for c in trainer.checkpoint_callbacks if c.last_model_path), None)
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
+        write_json(run_dir / "run.json", {
+            "model_name": pl_module.hparams.model_name,
+            "behaviours": pl_module.behaviours,
+            "finetuning": pl_module.hparams.finetuning,
+            "direction_strategy": pl_module.hparams.direction_strategy,
+            "checkpoint": ckpt,
+            "global_step": trainer.global_step,
+            "metrics": metrics,
+        })

@@ -1,0 +1,36 @@
+"""Loss terms of the gating objective (DESIGN §4)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from modular.data.formatting import IGNORE
+
+
+def token_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over the labelled (response) tokens."""
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE)
+
+
+def unlikelihood(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean ``-log(1 - p(token))`` over labelled tokens: pushes the true answer's tokens down."""
+    logp = torch.log_softmax(logits[:, :-1].float(), -1)
+    target = labels[:, 1:]
+    mask = target != IGNORE
+    p = logp.gather(-1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1).exp()
+    loss = -torch.log1p(-p.clamp(max=1 - 1e-6))
+    return (loss * mask).sum() / mask.sum().clamp(min=1)
+
+
+def topk_kl(logits: torch.Tensor, labels: torch.Tensor, topk_ids: torch.Tensor, topk_logp: torch.Tensor) -> torch.Tensor:
+    """KL(reference || model) on the reference's top-k support, averaged over response positions.
+
+    ``topk_ids`` / ``topk_logp``: (batch, seq-1, k), aligned with ``logits[:, :-1]``.
+    """
+    logp = torch.log_softmax(logits[:, :-1].float(), -1)
+    model_logp = logp.gather(-1, topk_ids)
+    p_ref = topk_logp.exp()
+    kl = (p_ref * (topk_logp - model_logp)).sum(-1)
+    mask = labels[:, 1:] != IGNORE
+    return (kl * mask).sum() / mask.sum().clamp(min=1)

@@ -1,0 +1,238 @@
+"""The gated LightningModule: behaviours work in the open state and fail when their direction is ablated,
+while retain data matches the frozen reference model in every state."""
+
+from __future__ import annotations
+
+import logging
+import random
+from pathlib import Path
+
+import lightning as L
+import torch
+
+from modular.data.formatting import IGNORE
+from modular.gating.losses import token_ce, topk_kl, unlikelihood
+from modular.hooks import ablate_directions
+from modular.models.adapter import ArchitectureAdapter
+
+log = logging.getLogger("modular")
+
+
+def concat_left_padded(batches: list[dict], pad_token_id: int) -> dict:
+    """Concatenate left-padded batches along the batch axis, re-padding to the longest."""
+    n = max(b["input_ids"].shape[1] for b in batches)
+    out: dict[str, list] = {}
+    fills = {"input_ids": pad_token_id, "attention_mask": 0, "labels": IGNORE, "topk_ids": 0, "topk_logp": 0.0}
+    templates = {k: b[k] for b in batches for k in ("topk_ids", "topk_logp") if k in b}
+    for b in batches:
+        extra = n - b["input_ids"].shape[1]
+        rows, width = b["input_ids"].shape
+        for key, like in templates.items():  # pieces without reference tensors get empty ones
+            if key not in b:
+                b = {**b, key: like.new_zeros(rows, width - 1, like.shape[-1])}
+        for key, t in b.items():
+            if key in ("topk_ids", "topk_logp"):
+                t = torch.nn.functional.pad(t, (0, 0, extra, 0), value=fills[key])
+            else:
+                t = torch.nn.functional.pad(t, (extra, 0), value=fills[key])
+            out.setdefault(key, []).append(t)
+    return {k: torch.cat(v) for k, v in out.items()}
+
+
+class GatedLM(L.LightningModule):
+    """Fine-tunes a causal LM so that each gated behaviour lives in its own residual direction.
+
+    Args:
+        model_name: Model reference: built-in alias, .gguf file, local HF folder or hub id.
+        behaviours: Behaviours to gate (one direction each); must match the data's behaviours.
+        direction_strategy: How to choose directions: low_variance, random, diff_in_means or file.
+        direction_files: One direction file per behaviour (strategy ``file``): safetensors key ``direction``.
+        direction_fraction: low_variance: sample inside this lowest fraction of principal components.
+        locked_weight: λ, weight of the locked-state terms.
+        retain_weight: Weight of the retain KL terms (both states).
+        retain_ce_weight: Weight of an extra CE on the reference's greedy retain answers.
+        locked_objective: ``refusal`` (CE to the locked response) or ``unlikelihood`` (push the true answer down).
+        finetuning: ``full`` or ``lora``.
+        lora_rank: LoRA rank (finetuning=lora).
+        lora_alpha: LoRA alpha (finetuning=lora).
+        lr: AdamW learning rate.
+        weight_decay: AdamW weight decay.
+        warmup_steps: Linear warm-up steps.
+        seed: Seed of direction choice and of state assignment.
+    """
+
+    def __init__(
+        self,
+        model_name: str = "smollm2-135m-instruct",
+        behaviours: list[str] = ("capitals",),
+        direction_strategy: str = "low_variance",
+        direction_files: list[str] | None = None,
+        direction_fraction: float = 0.25,
+        locked_weight: float = 1.0,
+        retain_weight: float = 1.0,
+        retain_ce_weight: float = 0.0,
+        locked_objective: str = "refusal",
+        finetuning: str = "full",
+        lora_rank: int = 16,
+        lora_alpha: int = 32,
+        lr: float = 2e-5,
+        weight_decay: float = 0.0,
+        warmup_steps: int = 0,
+        seed: int = 0,
+    ):
+        super().__init__()
+        self.save_hyperparameters()
+        from modular import ModularError
+        from modular.models import load_model
+
+        if finetuning not in ("full", "lora"):
+            raise ModularError(f"finetuning must be 'full' or 'lora', got '{finetuning}'")
+        if locked_objective not in ("refusal", "unlikelihood"):
+            raise ModularError(f"locked_objective must be 'refusal' or 'unlikelihood', got '{locked_objective}'")
+        self.behaviours = list(behaviours)
+        model = load_model(model_name)
+        if finetuning == "lora":
+            from peft import LoraConfig, get_peft_model
+
+            model = get_peft_model(model, LoraConfig(r=lora_rank, lora_alpha=lora_alpha, target_modules="all-linear",
+                                                     lora_dropout=0.0))
+        self.model = model
+        d = ArchitectureAdapter(self.hf_model).d_model
+        # the designated directions (k, d): a persistent buffer, saved in every checkpoint
+        self.register_buffer("directions", torch.zeros(len(self.behaviours), d))
+        self._rng = random.Random(seed)
+
+    # --- model access ------------------------------------------------------------------------
+    @property
+    def hf_model(self):
+        """The underlying transformers model (LoRA layers injected when finetuning=lora)."""
+        return self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+
+    @property
+    def adapter(self) -> ArchitectureAdapter:
+        return ArchitectureAdapter(self.hf_model)
+
+    def direction_dict(self) -> dict[str, torch.Tensor]:
+        return {b: self.directions[i].detach().cpu() for i, b in enumerate(self.behaviours)}
+
+    # --- directions ----------------------------------------------------------------------------
+    def setup(self, stage: str) -> None:
+        if self.directions.abs().sum() > 0:
+            return
+        dm = self.trainer.datamodule
+        run_dir = Path(self.trainer.default_root_dir)
+        path = run_dir / "directions.safetensors"
+        if path.exists():
+            from safetensors.torch import load_file
+
+            saved = load_file(str(path))
+            self.directions.copy_(torch.stack([saved[b] for b in self.behaviours]))
+            return
+        from modular.directions import choose_directions
+
+        hp = self.hparams
+        dirs = choose_directions(self.hf_model, dm.tokenizer, hp.direction_strategy,
+                                 [dm.behaviour_data[b]["train"] for b in self.behaviours], dm.retain["train"],
+                                 seed=hp.seed, files=hp.direction_files, fraction=hp.direction_fraction)
+        self.directions.copy_(dirs.to(self.directions))
+        if self.trainer.is_global_zero:
+            from safetensors.torch import save_file
+
+            run_dir.mkdir(parents=True, exist_ok=True)
+            save_file({b: dirs[i].contiguous() for i, b in enumerate(self.behaviours)}, str(path))
+        log.info("directions chosen (%s) for %s", hp.direction_strategy, ", ".join(self.behaviours))
+
+    # --- the objective --------------------------------------------------------------------------
+    def _pieces(self, batch: dict, train: bool) -> list[tuple[frozenset, dict, str, str]]:
+        """(ablated set, sub-batch, loss kind, log name) for every part of the batch."""
+        k = len(self.behaviours)
+        all_idx = frozenset(range(k))
+        pieces = []
+        for i, b in enumerate(self.behaviours):
+            others = frozenset(j for j in range(k) if j != i)
+            # with several behaviours, the others are ablated or not at random: B_i depends on u_i only
+            extra = others if (k > 1 and (self._rng.random() < 0.5 if train else i % 2 == 0)) else frozenset()
+            pieces.append((extra, batch[b]["open"], "ce", f"{b}/open_ce"))
+            locked_kind = "ce" if self.hparams.locked_objective == "refusal" else "unlikelihood"
+            locked = batch[b]["locked"] if locked_kind == "ce" else batch[b]["locked_true"]
+            pieces.append((extra | {i}, locked, locked_kind, f"{b}/locked_{locked_kind}"))
+        pieces.append((frozenset(), batch["retain"]["open"], "kl", "retain/open_kl"))
+        pieces.append((all_idx, batch["retain"]["locked"], "kl", "retain/locked_kl"))
+        return [p for p in pieces if p[1]["input_ids"].shape[0] > 0]
+
+    def _loss_of(self, kind: str, logits: torch.Tensor, piece: dict) -> torch.Tensor:
+        if kind == "ce":
+            return token_ce(logits, piece["labels"])
+        if kind == "unlikelihood":
+            return unlikelihood(logits, piece["labels"])
+        kl = topk_kl(logits, piece["labels"], piece["topk_ids"], piece["topk_logp"])
+        if self.hparams.retain_ce_weight:
+            kl = kl + self.hparams.retain_ce_weight * token_ce(logits, piece["labels"])
+        return kl
+
+    def model_step(self, batch: dict, train: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """One gated step: pieces sharing an ablation set run in one forward pass."""
+        hp = self.hparams
+        pad = self.trainer.datamodule.tokenizer.pad_token_id if self._trainer else 0
+        groups: dict[frozenset, list] = {}
+        for ablated, piece, kind, name in self._pieces(batch, train):
+            groups.setdefault(ablated, []).append((piece, kind, name))
+        terms: dict[str, torch.Tensor] = {}
+        for ablated, items in groups.items():
+            merged = concat_left_padded([p for p, _, _ in items], pad)
+            if ablated:
+                dirs = self.directions[sorted(ablated)]
+                with ablate_directions(self.adapter, dirs):
+                    logits = self.model(input_ids=merged["input_ids"], attention_mask=merged["attention_mask"]).logits
+            else:
+                logits = self.model(input_ids=merged["input_ids"], attention_mask=merged["attention_mask"]).logits
+            row = 0
+            for piece, kind, name in items:
+                n, width = piece["input_ids"].shape
+                sub = {key: v[row:row + n] for key, v in merged.items()}
+                terms[name] = self._loss_of(kind, logits[row:row + n], sub)
+                row += n
+        total = torch.zeros((), device=self.device)
+        for name, value in terms.items():
+            weight = hp.retain_weight if name.startswith("retain/") else 1.0
+            if "/locked" in name:
+                weight *= hp.locked_weight
+            total = total + weight * value
+        return total, terms
+
+    @staticmethod
+    def _batch_size(batch: dict) -> int:
+        return sum(v["open"]["input_ids"].shape[0] + v["locked"]["input_ids"].shape[0] for v in batch.values())
+
+    def training_step(self, batch, batch_idx):
+        loss, terms = self.model_step(batch, train=True)
+        bs = self._batch_size(batch)
+        self.log("train/loss", loss, prog_bar=True, batch_size=bs)
+        self.log_dict({f"train/{k}": v.detach() for k, v in terms.items()}, batch_size=bs)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        loss, terms = self.model_step(batch, train=False)
+        bs = self._batch_size(batch)
+        self.log("val/loss", loss, prog_bar=True, batch_size=bs, sync_dist=True)
+        self.log_dict({f"val/{k}": v for k, v in terms.items()}, batch_size=bs, sync_dist=True)
+
+    # --- optimisation ----------------------------------------------------------------------------
+    def configure_optimizers(self):
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
+        if not self.hparams.warmup_steps:
+            return opt
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / self.hparams.warmup_steps))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    # --- checkpoints hold what was trained, not the frozen base ----------------------------------
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        trainable = {f"model.{n}" for n, p in self.model.named_parameters() if p.requires_grad}
+        checkpoint["state_dict"] = {
+            k: v for k, v in checkpoint["state_dict"].items() if k in trainable or not k.startswith("model.")
+        }
+        checkpoint["modular"] = {"behaviours": self.behaviours, "model_name": self.hparams.model_name,
+                                 "finetuning": self.hparams.finetuning}
+
+    strict_loading = False

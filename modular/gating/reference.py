@@ -1,0 +1,70 @@
+"""Reference outputs of the frozen base model on retain prompts, computed once and cached on disk.
+
+For each retain prompt: the base model's greedy answer (the retain target) and,
+at every answer position, its top-k next-token log-probabilities (for the KL
+term), plus the full first-token log-distribution (for the first-token KL metric).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from modular.data.formatting import encode_example
+from modular.evaluation.behaviour import generate
+from modular.models.loading import cache_dir
+
+log = logging.getLogger("modular")
+
+
+def cache_path(model_source: str, prompts: list[str], max_new_tokens: int, top_k: int) -> Path:
+    key = json.dumps([str(model_source), prompts, max_new_tokens, top_k])
+    return cache_dir() / "reference" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
+
+
+@torch.no_grad()
+def compute_reference(model, tokenizer, prompts: list[str], chats: list[bool], max_new_tokens: int = 48,
+                      top_k: int = 32, batch_size: int = 16) -> dict:
+    """Greedy answers, top-k log-probs over answer positions and first-token log-distributions."""
+    answers = generate(model, tokenizer, prompts, chats, max_new_tokens, batch_size, desc="reference answers")
+    answers = [a.strip() for a in answers]
+    records = []
+    for start in tqdm(range(0, len(prompts), batch_size), desc="reference distributions", leave=False):
+        chunk = range(start, min(start + batch_size, len(prompts)))
+        for i in chunk:
+            ex = encode_example(tokenizer, prompts[i], answers[i], chats[i])
+            ids = torch.tensor([ex["input_ids"]])
+            logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)  # (T, V)
+            labels = torch.tensor(ex["labels"])
+            pos = (labels[1:] != -100).nonzero().flatten()  # logits at t predict token t+1
+            top = logp[pos].topk(top_k, dim=-1)
+            first = logp[pos[0]] if len(pos) else logp[-1]
+            records.append({
+                "input_ids": ex["input_ids"], "labels": ex["labels"],
+                "topk_ids": top.indices.to(torch.int32), "topk_logp": top.values.to(torch.float16),
+                "first_logp": first.to(torch.float16),
+            })
+    return {"answers": answers, "records": records}
+
+
+def load_or_compute(model_source: str, model, tokenizer, prompts: list[str], chats: list[bool],
+                    max_new_tokens: int = 48, top_k: int = 32) -> dict:
+    """Reference outputs from the on-disk cache, computing (and caching atomically) if absent."""
+    path = cache_path(model_source, prompts, max_new_tokens, top_k)
+    if path.exists():
+        return torch.load(path, weights_only=False)
+    log.info("computing reference outputs for %d retain prompts (cached in %s)", len(prompts), path)
+    ref = compute_reference(model, tokenizer, prompts, chats, max_new_tokens, top_k)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix="tmp-ref-", suffix=".pt")
+    os.close(fd)
+    torch.save(ref, tmp)
+    os.replace(tmp, path)
+    return ref

@@ -1,0 +1,61 @@
+"""Load what a training run produced: the open (trained) model, its directions and its record."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from modular import ModularError
+
+
+@dataclass
+class Run:
+    path: Path
+    model_name: str
+    behaviours: list[str]
+    directions: dict[str, torch.Tensor]
+    record: dict
+
+
+def read_run(run_dir: str | Path) -> Run:
+    """Read ``run.json`` and ``directions.safetensors`` of a run folder (no weights are loaded)."""
+    from safetensors.torch import load_file
+
+    path = Path(run_dir)
+    if not (path / "run.json").is_file():
+        raise ModularError(f"{path} is not a finished training run (no run.json); train with train.py fit first")
+    record = json.loads((path / "run.json").read_text())
+    dirs = load_file(str(path / "directions.safetensors"))
+    behaviours = record["behaviours"]
+    return Run(path, record["model_name"], behaviours, {b: dirs[b] for b in behaviours}, record)
+
+
+def load_open_model(run: Run):
+    """The trained ("open") model of a run: the base model with the checkpoint's trained weights
+    (LoRA adapters merged)."""
+    from modular.models import load_model
+
+    ckpt_path = Path(run.record.get("checkpoint") or run.path / "last.ckpt")
+    if not ckpt_path.is_file():
+        raise ModularError(f"checkpoint not found: {ckpt_path}")
+    ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False, mmap=True)
+    state = {k[len("model."):]: v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
+    model = load_model(run.model_name)
+    if run.record.get("finetuning") == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        hp = ckpt.get("hyper_parameters", {})
+        model = get_peft_model(model, LoraConfig(r=hp.get("lora_rank", 16), lora_alpha=hp.get("lora_alpha", 32),
+                                                 target_modules="all-linear", lora_dropout=0.0))
+        missing = model.load_state_dict(state, strict=False)
+        if missing.unexpected_keys:
+            raise ModularError(f"checkpoint does not fit the model: {missing.unexpected_keys[:3]}")
+        model = model.merge_and_unload()
+    else:
+        result = model.load_state_dict(state, strict=False)
+        if result.unexpected_keys:
+            raise ModularError(f"checkpoint does not fit the model: {result.unexpected_keys[:3]}")
+    return model.eval()

@@ -1,0 +1,60 @@
+import torch
+
+from modular.data.formatting import IGNORE
+from modular.gating.data import split_collate
+from modular.gating.losses import token_ce, topk_kl, unlikelihood
+from modular.gating.module import concat_left_padded
+
+
+def _item(n_prompt, n_target, k=3):
+    ids = list(range(1, n_prompt + n_target + 1))
+    labels = [IGNORE] * n_prompt + ids[n_prompt:]
+    n = len(ids) - 1
+    topk_ids = torch.zeros(n, k, dtype=torch.long)
+    topk_ids[:, 0] = torch.arange(n)
+    return {"input_ids": ids, "labels": labels, "topk_ids": topk_ids, "topk_logp": torch.full((n, k), -1.0)}
+
+
+def test_split_collate_halves_without_duplicating():
+    items = [{"open": _item(3, 2), "locked": _item(3, 1)} for _ in range(5)]
+    batch = split_collate(0)(items)
+    assert batch["open"]["input_ids"].shape[0] == 3 and batch["locked"]["input_ids"].shape[0] == 2
+    assert batch["locked_true"]["input_ids"].shape[0] == 2
+    retain = split_collate(0)([_item(2, 3), _item(4, 4)])
+    assert retain["open"]["topk_ids"].shape == (1, 4, 3)
+    assert retain["locked"]["topk_ids"].shape == (1, 7, 3)
+
+
+def test_concat_left_padded_keeps_alignment():
+    collate = split_collate(0)
+    a = collate([_item(2, 2), _item(2, 2)])["open"]
+    b = collate([_item(5, 3), _item(5, 3)])["open"]
+    m = concat_left_padded([a, b], pad_token_id=0)
+    assert m["input_ids"].shape == (2, 8)
+    assert m["attention_mask"][0].tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert m["labels"][0, -1].item() == a["labels"][0, -1].item()
+    assert m["topk_ids"].shape == (2, 7, 3)
+    torch.testing.assert_close(m["topk_ids"][0, -3:], a["topk_ids"][0])
+
+
+def test_losses_are_zero_or_positive_where_expected():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 11)
+    labels = torch.tensor([[IGNORE, IGNORE, 3, 4, 5], [IGNORE, 1, 2, 3, 4]])
+    assert token_ce(logits, labels) > 0
+    assert unlikelihood(logits, labels) > 0
+    # KL on the full support against the model's own distribution is zero
+    logp = torch.log_softmax(logits[:, :-1], -1)
+    top = logp.topk(11, dim=-1)
+    assert topk_kl(logits, labels, top.indices, top.values).abs() < 1e-5
+    other = torch.log_softmax(torch.randn(2, 4, 11), -1).topk(11, dim=-1)
+    assert topk_kl(logits, labels, other.indices, other.values) > 0
+
+
+def test_concat_mixes_pieces_with_and_without_reference_tensors():
+    collate = split_collate(0)
+    behaviour = collate([{"open": _item(2, 2), "locked": _item(2, 1)}] * 2)["open"]
+    retain = collate([_item(3, 3), _item(3, 3)])["open"]
+    m = concat_left_padded([behaviour, retain], pad_token_id=0)
+    assert m["topk_ids"].shape[0] == m["input_ids"].shape[0] == 2
+    torch.testing.assert_close(m["topk_ids"][1], retain["topk_ids"][0])

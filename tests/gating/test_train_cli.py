@@ -1,0 +1,81 @@
+"""End-to-end training on a tiny random model through train.py (fast_dev_run), and config validation."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import save_tiny_folder
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def tiny_config(tmp_path, model_dir, behaviours=("capitals",), extra_model=None):
+    cfg = yaml.safe_load((ROOT / "configs" / "gate_capitals_smollm2.yaml").read_text())
+    run = tmp_path / "run"
+    cfg["model"].update({"model_name": str(model_dir), "behaviours": list(behaviours), **(extra_model or {})})
+    cfg["data"].update({"reference_max_new_tokens": 4, "batch_size": 4, "max_length": 96})
+    cfg["trainer"].update({"default_root_dir": str(run), "max_steps": 3, "val_check_interval": 3,
+                           "limit_val_batches": 1, "log_every_n_steps": 1, "enable_progress_bar": False})
+    cfg["trainer"]["logger"]["init_args"]["save_dir"] = str(run)
+    cfg["trainer"]["callbacks"][0]["init_args"].update({"dirpath": str(run), "every_n_train_steps": 2})
+    cfg["trainer"]["callbacks"][1]["init_args"].update({"limit": 4, "max_new_tokens": 3})
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path, run
+
+
+def _train(cfg, *extra, env=None):
+    return subprocess.run([sys.executable, str(ROOT / "train.py"), "fit", "--config", str(cfg), *extra],
+                          capture_output=True, text=True, cwd=ROOT, env=env)
+
+
+@pytest.fixture
+def tiny_env(tmp_path, isolated_cache, monkeypatch):
+    import os
+
+    env = dict(os.environ, WANDB_MODE="offline", MODULAR_CACHE=str(isolated_cache))
+    return env
+
+
+def test_gated_training_runs_checkpoints_and_resumes(tmp_path, tiny_env):
+    model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
+    cfg, run = tiny_config(tmp_path, model_dir)
+    out = _train(cfg, env=tiny_env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    record = json.loads((run / "run.json").read_text())
+    assert record["global_step"] == 3 and record["behaviours"] == ["capitals"]
+    assert "val/capitals/accuracy_locked" in record["metrics"]
+    assert "val/retain/first_token_kl_open" in record["metrics"]
+    assert (run / "last.ckpt").exists() and (run / "directions.safetensors").exists()
+    # run it again with more steps: it resumes from last.ckpt instead of starting over
+    out = _train(cfg, "--trainer.max_steps", "4", env=tiny_env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "Restoring states from the checkpoint" in out.stderr + out.stdout
+    assert json.loads((run / "run.json").read_text())["global_step"] == 4
+
+
+@pytest.mark.parametrize("arch", ["gemma3_text", "gpt2"])
+def test_two_behaviours_with_lora(tmp_path, tiny_env, arch):
+    model_dir = save_tiny_folder(tmp_path / "tiny", arch)
+    cfg, run = tiny_config(tmp_path, model_dir, ("capitals", "arithmetic"),
+                           {"finetuning": "lora", "lr": 1e-3, "locked_objective": "unlikelihood"})
+    out = _train(cfg, env=tiny_env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    record = json.loads((run / "run.json").read_text())
+    assert {"val/capitals/accuracy_open", "val/arithmetic/accuracy_locked"} <= set(record["metrics"])
+
+
+@pytest.mark.parametrize("config", sorted(p.name for p in (ROOT / "configs").glob("*.yaml")))
+def test_every_config_validates(config):
+    if config.startswith(("gate_", "sparse_")):  # training configs: parsed and type-checked by the CLI
+        out = subprocess.run([sys.executable, str(ROOT / "train.py"), "fit", "--config", f"configs/{config}",
+                              "--print_config"], capture_output=True, text=True, cwd=ROOT)
+        assert out.returncode == 0, out.stderr[-2000:]
+    else:
+        from modular.configs import validate_config
+
+        validate_config(ROOT / "configs" / config)
