@@ -92,7 +92,22 @@ def unlock(model: str, key: str, out: str, overwrite: bool = False) -> str:
     return str(folder)
 
 
-COMMANDS = {"inspect": inspect, "convert": convert, "publish": publish, "unlock": unlock}
+def main_job(config: str = "configs/gate_capitals_smollm2.yaml", out: str | None = None,
+             skip_attack: bool = False) -> None:
+    """The default pipeline: train the gated model, evaluate the lock, publish, unlock with the key(s),
+    attack the published weights, and print a table of the results with the paths of the figures.
+
+    Args:
+        config: Training config (YAML) of the gated run.
+        out: Folder for published/unlocked models and the attack (default: the run folder).
+        skip_attack: Skip the attack evaluation.
+    """
+    from modular.pipeline import run_pipeline
+
+    run_pipeline(config, out, skip_attack)
+
+
+COMMANDS = {"main": main_job, "inspect": inspect, "convert": convert, "publish": publish, "unlock": unlock}
 
 
 def run_cli(commands: dict, argv: list[str] | None = None, description: str | None = None) -> int:

@@ -84,6 +84,11 @@ def publish_model(open_model, tokenizer, directions: dict, out: str | Path, base
             save_key(key, tmp / "keys" / f"{key.behaviour}.key.safetensors", locked_hash)
         manifest = {"base_model": base_name, "locked_behaviours": list(directions), "locked_hash": locked_hash,
                     "weights_hash": locked_hash, "applied_keys": [], "hardened": harden}
+        if measured:
+            manifest["measured_accuracy"] = {
+                state: {b: row["behaviours"][b]["accuracy"] for b in directions}
+                for state, row in measured.get("states", {}).items()
+            }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         (tmp / "README.md").write_text(model_card(list(directions), base_name, measured, harden))
 

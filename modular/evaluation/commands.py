@@ -104,4 +104,79 @@ def lock(run: str, out: str | None = None, other_limit: int = 64, harden: bool =
     return report
 
 
-COMMANDS = {"behaviour": behaviour, "lock": lock}
+def attack(model: str, behaviour: str | None = None, alphas: list[float] = (-8, -4, -2, -1, -0.5, 0.5, 1, 2, 4, 8),
+           n_pairs: int = 128, n_examples: list[int] = (8, 32, 128), relearn_steps: int = 40,
+           relearn_lr: float = 5e-5, limit: int | None = None, seed: int = 0, out: str | None = None) -> dict:
+    """Attack a published locked model as someone who knows the method: (a) recover the direction from the
+    weights and add it back, (b) difference-in-means steering, (c) relearning by fine-tuning; writes attack.json.
+
+    Args:
+        model: Published model folder (from ``modular publish``).
+        behaviour: Locked behaviour to attack (default: every behaviour listed in the folder's modular.json).
+        alphas: Scales scanned in (a) and (b), in units of the typical residual norm.
+        n_pairs: Prompt pairs used for the difference-in-means direction in (b) (at most 128).
+        n_examples: Training-set sizes N for relearning in (c).
+        relearn_steps: Maximum fine-tuning steps per N in (c).
+        relearn_lr: Learning rate of the relearning attack.
+        limit: Score at most this many test items per evaluation.
+        seed: Seed of the data splits.
+        out: Output folder (default: <model>/attack).
+    """
+    import json as _json
+
+    from modular import ModularError
+    from modular.data import load_behaviour, retain_data
+    from modular.evaluation.attack import relearn_attack, residual_scale, steering_attack, weight_attack
+    from modular.evaluation.behaviour import evaluate_behaviour
+    from modular.models import load_model, load_tokenizer
+    from modular.plots import bar_chart
+    from modular.tracking import log_to_wandb, write_json
+
+    folder = Path(model)
+    manifest_path = folder / "modular.json"
+    if not manifest_path.is_file():
+        raise ModularError(f"{folder} is not a published modular model (no modular.json)")
+    manifest = _json.loads(manifest_path.read_text())
+    behaviours = [behaviour] if behaviour else manifest["locked_behaviours"]
+    if n_pairs > 128:
+        raise ModularError("n_pairs is at most 128")
+    tokenizer = load_tokenizer(folder)
+    locked = load_model(folder)
+    base = load_model(manifest["base_model"])
+    retain = retain_data(seed)["train"]
+    out_dir = Path(out or folder / "attack")
+    report = {"model": str(folder), "behaviours": {}}
+    for b in behaviours:
+        data = load_behaviour(b, seed=seed, tokenizer=tokenizer)
+        test = data["test"] if limit is None else data["test"].select(range(min(limit, len(data["test"]))))
+        base_acc = evaluate_behaviour(base, tokenizer, test, desc="base").accuracy
+        locked_acc = evaluate_behaviour(locked, tokenizer, test, desc="locked").accuracy
+        open_acc = manifest.get("measured_accuracy", {}).get("open", {}).get(b, base_acc)
+        scale = residual_scale(locked, tokenizer, retain["prompt"], retain["chat"])
+        a = weight_attack(locked, tokenizer, test, list(alphas), scale)
+        s = steering_attack(locked, tokenizer, data["train"], retain, test, list(alphas), scale, n_pairs)
+        c = relearn_attack(locked, tokenizer, data["train"].shuffle(seed=seed), test, list(n_examples), open_acc,
+                           lr=relearn_lr, max_steps=relearn_steps)
+        report["behaviours"][b] = {
+            "base_accuracy": base_acc, "open_accuracy": open_acc, "locked_accuracy": locked_acc,
+            "residual_scale": scale,
+            "a_weights": {**a, "recovered_fraction_of_base": a["best"]["accuracy"] / max(base_acc, 1e-9)},
+            "b_steering": {**s, "recovered_fraction_of_base": s["best"]["accuracy"] / max(base_acc, 1e-9)},
+            "c_relearning": c,
+        }
+        log.info("%s: base %.3f locked %.3f | (a) best %.3f | (b) best %.3f | (c) %s", b, base_acc, locked_acc,
+                 a["best"]["accuracy"], s["best"]["accuracy"],
+                 {n: (v["steps_to_50pct_open"], v["steps_to_90pct_open"]) for n, v in c.items()})
+    write_json(out_dir / "attack.json", report)
+    labels, values = [], []
+    for b, r in report["behaviours"].items():
+        labels += [f"{b}\nbase", f"{b}\nlocked", f"{b}\n(a) weights", f"{b}\n(b) steering"]
+        values += [r["base_accuracy"], r["locked_accuracy"], r["a_weights"]["best"]["accuracy"],
+                   r["b_steering"]["best"]["accuracy"]]
+    fig = bar_chart(out_dir / "attack.png", labels, values, "best accuracy an attacker recovers", "accuracy")
+    log_to_wandb(out_dir, "evaluate-attack", report, config={"model": str(folder)}, figures={"attack": fig})
+    log.info("wrote %s and %s", out_dir / "attack.json", fig)
+    return report
+
+
+COMMANDS = {"behaviour": behaviour, "lock": lock, "attack": attack}

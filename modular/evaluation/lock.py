@@ -46,6 +46,11 @@ def build_states(base, open_model, directions: dict[str, torch.Tensor], harden: 
         "published_locked": (published, None),
         "unlocked": (unlocked, None),
     }
+    if len(keys) > 1:  # one key at a time: only its behaviour should come back
+        for key in keys:
+            partial = copy.deepcopy(published)
+            apply_key(partial, key)
+            states[f"unlocked_only_{key.behaviour}"] = (partial, None)
     return states, published, unlocked, keys
 
 

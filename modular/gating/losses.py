@@ -24,13 +24,17 @@ def unlikelihood(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def topk_kl(logits: torch.Tensor, labels: torch.Tensor, topk_ids: torch.Tensor, topk_logp: torch.Tensor) -> torch.Tensor:
-    """KL(reference || model) on the reference's top-k support, averaged over response positions.
+    """KL(reference || model) over the reference's top-k tokens plus one bucket for all other tokens,
+    averaged over response positions. A proper (non-negative) KL of the coarse-grained distributions.
 
     ``topk_ids`` / ``topk_logp``: (batch, seq-1, k), aligned with ``logits[:, :-1]``.
     """
     logp = torch.log_softmax(logits[:, :-1].float(), -1)
     model_logp = logp.gather(-1, topk_ids)
-    p_ref = topk_logp.exp()
-    kl = (p_ref * (topk_logp - model_logp)).sum(-1)
+    p_ref = topk_logp.float().exp()
+    kl = (p_ref * (topk_logp.float() - model_logp)).sum(-1)
+    rest_ref = (1 - p_ref.sum(-1)).clamp(min=1e-6)
+    rest_model = (1 - model_logp.exp().sum(-1)).clamp(min=1e-6)
+    kl = kl + rest_ref * (rest_ref.log() - rest_model.log())
     mask = labels[:, 1:] != IGNORE
     return (kl * mask).sum() / mask.sum().clamp(min=1)

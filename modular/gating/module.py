@@ -96,7 +96,7 @@ class GatedLM(L.LightningModule):
 
             model = get_peft_model(model, LoraConfig(r=lora_rank, lora_alpha=lora_alpha, target_modules="all-linear",
                                                      lora_dropout=0.0))
-        self.model = model
+        self.model = model.train()  # loaded in eval mode; dropout (if any) belongs to training
         d = ArchitectureAdapter(self.hf_model).d_model
         # the designated directions (k, d): a persistent buffer, saved in every checkpoint
         self.register_buffer("directions", torch.zeros(len(self.behaviours), d))

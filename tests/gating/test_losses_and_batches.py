@@ -49,6 +49,11 @@ def test_losses_are_zero_or_positive_where_expected():
     assert topk_kl(logits, labels, top.indices, top.values).abs() < 1e-5
     other = torch.log_softmax(torch.randn(2, 4, 11), -1).topk(11, dim=-1)
     assert topk_kl(logits, labels, other.indices, other.values) > 0
+    # on a partial support it stays a proper divergence: zero for the model's own top-3, positive when the
+    # model is sharper than the reference (a plain top-k sum would go negative here)
+    top3 = logp.topk(3, dim=-1)
+    assert topk_kl(logits, labels, top3.indices, top3.values).abs() < 1e-5
+    assert topk_kl(logits * 3, labels, top3.indices, top3.values) > 0
 
 
 def test_concat_mixes_pieces_with_and_without_reference_tensors():

@@ -1,0 +1,126 @@
+#!/usr/bin/env python
+"""Cost of the gated objective and of the published model, measured side by side in one run.
+
+1. A gated training step (open + locked halves, ablation hooks, retain KL) versus a plain
+   fine-tuning step (CE on every example) on the SAME batch: median time ratio.
+2. Forward pass of the published locked model (plain weights, no hooks) versus the base model.
+
+Usage: python benchmarks/gating_cost.py [--model smollm2-135m-instruct] [--repeats 7] [--out outputs/benchmarks]
+Writes gating_cost.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from modular.data import load_behaviour, retain_data
+from modular.data.formatting import encode_example
+from modular.gating.data import split_collate
+from modular.gating.losses import token_ce
+from modular.gating.module import GatedLM, concat_left_padded
+from modular.keys import lock_weights
+from modular.tracking import write_json
+
+
+class _DM:  # what GatedLM.model_step needs from the datamodule
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+
+class _Trainer:
+    def __init__(self, tokenizer):
+        self.datamodule = _DM(tokenizer)
+
+
+def _time(fn, repeats: int) -> list[float]:
+    fn()  # warm-up
+    out = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct", help="model reference")
+    ap.add_argument("--repeats", type=int, default=7, help="timed repetitions of each measurement")
+    ap.add_argument("--batch_size", type=int, default=8, help="examples per behaviour and per retain batch")
+    ap.add_argument("--out", default="outputs/benchmarks", help="output folder")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+
+    module = GatedLM(model_name=args.model)
+    module._trainer = _Trainer(None)
+    from modular.models import load_tokenizer
+
+    tok = load_tokenizer(args.model)
+    module._trainer.datamodule.tokenizer = tok
+    module.directions.copy_(torch.nn.functional.normalize(torch.randn_like(module.directions), dim=-1))
+    module.train()
+
+    # one batch: behaviour (half open, half locked) + retain with (synthetic) reference tensors
+    beh = load_behaviour("capitals")["train"].select(range(args.batch_size))
+    ret = retain_data()["train"].select(range(args.batch_size))
+    items = [{"open": encode_example(tok, r["prompt"], r["target"], True),
+              "locked": encode_example(tok, r["prompt"], "I don't know.", True)} for r in beh]
+    r_items = []
+    for r in ret:
+        ex = encode_example(tok, r["prompt"], "Here is a short and helpful answer to your question.", True)
+        n = len(ex["input_ids"]) - 1
+        r_items.append({**ex, "topk_ids": torch.randint(0, len(tok), (n, 32)),
+                        "topk_logp": torch.log_softmax(torch.randn(n, 32), -1)})
+    collate = split_collate(tok.pad_token_id)
+    batch = {"capitals": collate(items), "retain": collate(r_items)}
+    plain_batch = concat_left_padded([batch["capitals"]["open"], batch["capitals"]["locked_true"],
+                                      batch["retain"]["open"], batch["retain"]["locked"]], tok.pad_token_id)
+
+    def gated_step():
+        loss, _ = module.model_step(batch, train=True)
+        loss.backward()
+        module.model.zero_grad(set_to_none=True)
+
+    def plain_step():
+        logits = module.model(input_ids=plain_batch["input_ids"], attention_mask=plain_batch["attention_mask"]).logits
+        token_ce(logits, plain_batch["labels"]).backward()
+        module.model.zero_grad(set_to_none=True)
+
+    gated, plain = [], []
+    for _ in range(args.repeats):  # interleaved so that machine noise hits both alike
+        gated += _time(gated_step, 1)
+        plain += _time(plain_step, 1)
+    step_ratio = statistics.median(gated) / statistics.median(plain)
+
+    # published (weights) vs base forward
+    base = module.model.eval()
+    published = copy.deepcopy(base)
+    lock_weights(published, {"capitals": module.directions[0].detach()})
+    ids = plain_batch["input_ids"]
+    mask = plain_batch["attention_mask"]
+    with torch.no_grad():
+        fb, fp = [], []
+        for _ in range(args.repeats):
+            fb += _time(lambda: base(input_ids=ids, attention_mask=mask), 1)
+            fp += _time(lambda: published(input_ids=ids, attention_mask=mask), 1)
+    fwd_ratio = statistics.median(fp) / statistics.median(fb)
+    report = {
+        "model": args.model, "repeats": args.repeats, "tokens_per_batch": int(mask.sum()),
+        "gated_step_s": gated, "plain_step_s": plain, "gated_over_plain_median": step_ratio,
+        "published_forward_s": fp, "base_forward_s": fb, "published_over_base_forward_median": fwd_ratio,
+        "published_hooks": sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in published.modules()),
+    }
+    out = write_json(Path(args.out) / "gating_cost.json", report)
+    print(f"gated step / plain step (median): {step_ratio:.3f}")
+    print(f"published forward / base forward (median): {fwd_ratio:.3f}  (hooks on published: {report['published_hooks']})")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
