@@ -139,7 +139,9 @@ class GatedLM(L.LightningModule):
             from safetensors.torch import save_file
 
             run_dir.mkdir(parents=True, exist_ok=True)
-            save_file({b: dirs[i].contiguous() for i, b in enumerate(self.behaviours)}, str(path))
+            tmp = path.with_name(f".{path.name}.tmp")
+            save_file({b: dirs[i].contiguous() for i, b in enumerate(self.behaviours)}, str(tmp))
+            tmp.replace(path)  # atomic: other processes never read a half-written file
         log.info("directions chosen (%s) for %s", hp.direction_strategy, ", ".join(self.behaviours))
 
     # --- the objective --------------------------------------------------------------------------

@@ -205,6 +205,12 @@ class ArchitectureAdapter:
     def attn_out(self, i: int) -> nn.Module:
         return _get(self.block(i), self.spec.attn_out)
 
+    def set_attn_out(self, i: int, module: nn.Module) -> None:
+        """Replace layer ``i``'s attention output projection (used to install wrapper modules)."""
+        parent_path, _, name = self.spec.attn_out.rpartition(".")
+        parent = _get(self.block(i), parent_path) if parent_path else self.block(i)
+        setattr(parent, name, module)
+
     def mlp_out(self, i: int) -> nn.Module:
         return _get(self.block(i), self.spec.mlp_out)
 
@@ -291,13 +297,21 @@ def _is_conv1d(module: nn.Module) -> bool:
     return type(module).__name__ == "Conv1D"
 
 
+def _unwrap(module: nn.Module) -> nn.Module:
+    while hasattr(module, "base_layer"):
+        module = module.base_layer
+    return module
+
+
 def in_features(module: nn.Module) -> int:
+    module = _unwrap(module)
     if _is_conv1d(module):
         return module.weight.shape[0]
     return module.in_features
 
 
 def out_features(module: nn.Module) -> int:
+    module = _unwrap(module)
     if _is_conv1d(module):
         return module.weight.shape[1]
     return module.out_features

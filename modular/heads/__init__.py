@@ -1,0 +1,1 @@
+"""Attention-head measures and learned head masks."""

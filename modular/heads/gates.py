@@ -1,0 +1,97 @@
+"""Hard-concrete head gates (Louizos et al. 2018; Voita et al. 2019) as registered wrapper modules.
+
+A :class:`GatedOutputProjection` wraps a layer's attention output projection
+(peft style: the original stays as ``base_layer``) and multiplies each head's slice
+of its input by a gate ``z_h ∈ [0, 1]``. Gate parameters (``head_gate.log_alpha``)
+are ordinary registered parameters: the optimizer, FSDP and checkpoints see them.
+Initialised so that the deterministic gate is exactly 1 (the model starts unchanged).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from modular.models.adapter import ArchitectureAdapter
+
+
+class HardConcreteGate(nn.Module):
+    """``n`` hard-concrete gates. Training: stochastic; evaluation: deterministic.
+
+    Args:
+        n: Number of gates.
+        init_log_alpha: Initial log α (3.0 gives a deterministic gate of 1).
+        beta: Temperature β.
+        limits: Stretch interval (l, r).
+    """
+
+    def __init__(self, n: int, init_log_alpha: float = 3.0, beta: float = 2 / 3, limits=(-0.1, 1.1)):
+        super().__init__()
+        self.log_alpha = nn.Parameter(torch.full((n,), float(init_log_alpha)))
+        self.beta = beta
+        self.l, self.r = limits
+        # NaN = learned; a number fixes that gate (used to force heads on/off)
+        self.register_buffer("fixed", torch.full((n,), float("nan")), persistent=True)
+
+    def forward(self) -> torch.Tensor:
+        if self.training:
+            u = torch.rand_like(self.log_alpha).clamp(1e-6, 1 - 1e-6)
+            s = torch.sigmoid((u.log() - (1 - u).log() + self.log_alpha) / self.beta)
+        else:
+            s = torch.sigmoid(self.log_alpha)
+        z = (s * (self.r - self.l) + self.l).clamp(0.0, 1.0)
+        return torch.where(torch.isnan(self.fixed), z, self.fixed)
+
+    def expected_l0(self) -> torch.Tensor:
+        """Expected number of non-zero gates."""
+        p = torch.sigmoid(self.log_alpha - self.beta * math.log(-self.l / self.r))
+        return torch.where(torch.isnan(self.fixed), p, (self.fixed > 0).float()).sum()
+
+
+class GatedOutputProjection(nn.Module):
+    """``base_layer`` applied to its input with each head's slice multiplied by its gate."""
+
+    def __init__(self, base_layer: nn.Module, n_heads: int, **gate_kwargs):
+        super().__init__()
+        self.base_layer = base_layer
+        self.n_heads = n_heads
+        self.head_gate = HardConcreteGate(n_heads, **gate_kwargs)
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        z = self.head_gate().to(x.dtype)
+        shape = x.shape
+        x = (x.reshape(*shape[:-1], self.n_heads, -1) * z[:, None]).reshape(shape)
+        return self.base_layer(x, *args, **kwargs)
+
+
+def install_head_gates(model: nn.Module, **gate_kwargs) -> list[GatedOutputProjection]:
+    """Wrap every layer's attention output projection in a :class:`GatedOutputProjection`."""
+    adapter = ArchitectureAdapter(model)
+    wrappers = []
+    for i in range(adapter.n_layers):
+        current = adapter.attn_out(i)
+        if isinstance(current, GatedOutputProjection):
+            wrappers.append(current)
+            continue
+        wrapper = GatedOutputProjection(current, adapter.n_heads, **gate_kwargs)
+        wrapper.to(device=current.weight.device).train(current.training)  # follow the model's mode
+        adapter.set_attn_out(i, wrapper)
+        wrappers.append(wrapper)
+    return wrappers
+
+
+def remove_head_gates(model: nn.Module) -> None:
+    """Put the original output projections back (gates are dropped)."""
+    adapter = ArchitectureAdapter(model)
+    for i in range(adapter.n_layers):
+        current = adapter.attn_out(i)
+        if isinstance(current, GatedOutputProjection):
+            adapter.set_attn_out(i, current.base_layer)
+
+
+def gate_values(model: nn.Module) -> torch.Tensor:
+    """Current (deterministic in eval mode) gates as an (n_layers, n_heads) tensor."""
+    adapter = ArchitectureAdapter(model)
+    return torch.stack([adapter.attn_out(i).head_gate() for i in range(adapter.n_layers)])

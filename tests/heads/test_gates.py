@@ -1,0 +1,42 @@
+import pytest
+import torch
+
+from modular.heads.gates import GatedOutputProjection, gate_values, install_head_gates, remove_head_gates
+from modular.hooks import zero_heads
+from modular.models.adapter import ArchitectureAdapter
+
+
+def test_gates_start_at_one_and_leave_logits_unchanged(tiny_model, tokens):
+    ref = tiny_model(tokens).logits
+    wrappers = install_head_gates(tiny_model)
+    assert all(isinstance(w, GatedOutputProjection) for w in wrappers)
+    names = [n for n, _ in tiny_model.named_parameters()]
+    assert sum(n.endswith("head_gate.log_alpha") for n in names) == ArchitectureAdapter(tiny_model).n_layers
+    assert torch.all(gate_values(tiny_model) == 1)
+    torch.testing.assert_close(tiny_model(tokens).logits, ref, atol=0, rtol=0)
+    assert any(k.endswith("head_gate.log_alpha") for k in tiny_model.state_dict())
+    remove_head_gates(tiny_model)
+    torch.testing.assert_close(tiny_model(tokens).logits, ref, atol=0, rtol=0)
+
+
+def test_gate_fixed_at_zero_equals_ablating_the_head(tiny_model, tokens):
+    a = ArchitectureAdapter(tiny_model)
+    with zero_heads(a, [(0, 1), (a.n_layers - 1, 2)]):
+        ablated = tiny_model(tokens).logits
+    install_head_gates(tiny_model)
+    a.attn_out(0).head_gate.fixed[1] = 0.0
+    a.attn_out(a.n_layers - 1).head_gate.fixed[2] = 0.0
+    torch.testing.assert_close(tiny_model(tokens).logits, ablated, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama"])
+def test_training_gates_are_stochastic_and_get_gradients(tiny_model, tokens):
+    install_head_gates(tiny_model, init_log_alpha=0.0)
+    tiny_model.train()
+    a = ArchitectureAdapter(tiny_model)
+    z1, z2 = a.attn_out(0).head_gate(), a.attn_out(0).head_gate()
+    assert not torch.equal(z1, z2)
+    tiny_model(tokens).logits.sum().backward()
+    assert a.attn_out(0).head_gate.log_alpha.grad is not None
+    l0 = a.attn_out(0).head_gate.expected_l0()
+    assert 0 < l0.item() < a.n_heads

@@ -1,0 +1,29 @@
+import pytest
+import torch
+
+from modular.heads.ranking import attribution_effects, exhaustive_effects
+from tests.conftest import VOCAB
+
+
+def _batch(seed=0, n=6, seq=9):
+    g = torch.Generator().manual_seed(seed)
+    clean = torch.randint(0, VOCAB, (n, seq), generator=g)
+    cf = clean.clone()
+    cf[:, 2] = torch.randint(0, VOCAB, (n,), generator=g)  # "other names": one position differs
+    ones = torch.ones_like(clean)
+    return {"clean": {"input_ids": clean, "attention_mask": ones},
+            "counterfactual": {"input_ids": cf, "attention_mask": ones},
+            "good": torch.randint(0, VOCAB, (n,), generator=g), "bad": torch.randint(0, VOCAB, (n,), generator=g)}
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "gemma3_text"])
+@pytest.mark.parametrize("ablation", ["counterfactual", "mean", "zero"])
+def test_attribution_tracks_exhaustive_patching(tiny_model, ablation):
+    batch = _batch()
+    exact = exhaustive_effects(tiny_model, batch, ablation)
+    assert exact.abs().max() > 0
+    for steps in (1, 8):
+        approx = attribution_effects(tiny_model, batch, ablation, ig_steps=steps)
+        assert approx.shape == exact.shape
+        r = torch.corrcoef(torch.stack([exact.flatten(), approx.flatten()]))[0, 1]
+        assert r > 0.8, (steps, r)
