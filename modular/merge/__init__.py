@@ -1,0 +1,1 @@
+"""Merge gain: activation communication, weight merging and activation-space similarity."""
