@@ -76,7 +76,8 @@ def main() -> None:
         ex = encode_example(tok, r["prompt"], "Here is a short and helpful answer to your question.", True)
         n = len(ex["input_ids"]) - 1
         r_items.append({**ex, "topk_ids": torch.randint(0, len(tok), (n, 32)),
-                        "topk_logp": torch.log_softmax(torch.randn(n, 32), -1)})
+                        "topk_logp": torch.log_softmax(torch.randn(n, 32), -1),
+                        "first_logp": torch.log_softmax(torch.randn(len(tok)), -1)})
     collate = split_collate(tok.pad_token_id)
     batch = {"capitals": collate(items), "retain": collate(r_items)}
     plain_batch = concat_left_padded([batch["capitals"]["open"], batch["capitals"]["locked_true"],

@@ -116,11 +116,14 @@ def run_cli(commands: dict, argv: list[str] | None = None, description: str | No
 
     argv = list(sys.argv[1:] if argv is None else argv)
     argv = ["--json_output=true" if a == "--json" else a for a in argv]
+    # `modular inspect MODEL` / `modular convert MODEL`: the model may be given positionally
+    if len(argv) >= 2 and argv[0] in ("inspect", "convert") and not argv[1].startswith("-"):
+        argv = [argv[0], "--model", *argv[1:]]
     logging.basicConfig(level=logging.INFO, format="[modular] %(message)s")
     for noisy in ("transformers", "httpx", "datasets", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
     try:
-        auto_cli(commands, args=argv, description=description, as_positional=True)
+        auto_cli(commands, args=argv, description=description, as_positional=False)
     except ModularError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -38,7 +38,9 @@ def load_open_model(run: Run):
     (LoRA adapters merged)."""
     from modular.models import load_model
 
-    ckpt_path = Path(run.record.get("checkpoint") or run.path / "last.ckpt")
+    recorded = Path(run.record.get("checkpoint") or "last.ckpt")
+    # the run folder may have moved since training: look for the checkpoint beside run.json first
+    ckpt_path = run.path / recorded.name if (run.path / recorded.name).is_file() else recorded
     if not ckpt_path.is_file():
         raise ModularError(f"checkpoint not found: {ckpt_path}")
     ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False, mmap=True)

@@ -67,18 +67,21 @@ def last_logits(model, tokenizer, prompts: list[str], chats: list[bool], batch_s
 
 
 def evaluate_behaviour(model, tokenizer, dataset, max_new_tokens: int = 24, batch_size: int = 16,
-                       limit: int | None = None, intervention=None, desc: str | None = None) -> BehaviourResult:
+                       limit: int | None = None, intervention=None, desc: str | None = None,
+                       choice_only: bool = False) -> BehaviourResult:
     """Accuracy (and logit difference where ``wrong`` is set) on ``dataset`` (one split).
 
     ``intervention``: a zero-argument callable returning a context manager (e.g. a lock)
-    active during scoring.
+    active during scoring. ``choice_only``: for tasks with a ``wrong`` answer, skip generation
+    and report the choice accuracy (target's first token beats the wrong one) as ``accuracy``.
     """
     if limit is not None:
         dataset = dataset.select(range(min(limit, len(dataset))))
     prompts, chats = list(dataset["prompt"]), list(dataset["chat"])
+    choice_only = choice_only and all(dataset["wrong"])
     ctx = intervention() if intervention is not None else nullcontext()
     with ctx:
-        responses = generate(model, tokenizer, prompts, chats, max_new_tokens, batch_size, desc)
+        responses = [] if choice_only else generate(model, tokenizer, prompts, chats, max_new_tokens, batch_size, desc)
         logit_diff = choice_accuracy = None
         if all(dataset["wrong"]):
             logits = last_logits(model, tokenizer, prompts, chats)
@@ -87,6 +90,8 @@ def evaluate_behaviour(model, tokenizer, dataset, max_new_tokens: int = 24, batc
             idx = torch.arange(len(prompts))
             diffs = logits[idx, good] - logits[idx, bad]
             logit_diff, choice_accuracy = diffs.mean().item(), (diffs > 0).float().mean().item()
+    if choice_only:
+        return BehaviourResult(choice_accuracy, len(prompts), logit_diff, choice_accuracy, [])
     items = []
     for row, response in zip(dataset, responses):
         items.append({"prompt": row["prompt"], "response": response,

@@ -84,9 +84,11 @@ def lock_report(base, open_model, tokenizer, directions: dict[str, torch.Tensor]
             k = sum(i["correct"] for i in r.items)
             row["behaviours"][b] = {**r.summary(), "ci95": wilson_interval(k, r.n)}
         for b in others:
+            # tasks with a competing answer are scored by choice accuracy (one forward pass), others by generation
             r = evaluate_behaviour(model, tokenizer, data[b], 12, limit=other_limit, intervention=ctx,
-                                   desc=f"{state}:{b}")
-            row["others"][b] = r.summary()
+                                   desc=f"{state}:{b}", choice_only=True)
+            row["others"][b] = {**r.summary(), "metric": "choice" if r.choice_accuracy is not None and not r.items
+                                else "generation"}
         logp = first_token_logp(model, tokenizer, retain["prompt"], retain["chat"], ctx)
         row["retain_first_token_kl"] = mean_kl(ref_logp, logp)
         ppl = perplexity(model, tokenizer, texts, ctx)

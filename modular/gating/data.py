@@ -50,6 +50,7 @@ def split_collate(pad_token_id: int, pad_extra: dict[str, float] | None = None):
             n = batch["input_ids"].shape[1] - 1  # positions that predict a next token
             batch["topk_ids"] = pad_ref(items, "topk_ids", n)
             batch["topk_logp"] = pad_ref(items, "topk_logp", n)
+            batch["first_logp"] = torch.stack([it["first_logp"] for it in items])
         return batch
 
     def collate(items: list[dict]) -> dict:
@@ -169,7 +170,8 @@ class GatingDataModule(L.LightningDataModule):
         pos = [t for t in range(n) if labels[t + 1] != IGNORE]
         topk_ids[pos] = rec["topk_ids"].long()
         topk_logp[pos] = rec["topk_logp"].float()
-        return {"input_ids": ids, "labels": labels, "topk_ids": topk_ids, "topk_logp": topk_logp}
+        return {"input_ids": ids, "labels": labels, "topk_ids": topk_ids, "topk_logp": topk_logp,
+                "first_logp": rec["first_logp"].float()}
 
     def _loaders(self, split: str, shuffle: bool) -> CombinedLoader:
         collate = split_collate(self.tokenizer.pad_token_id)

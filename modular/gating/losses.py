@@ -38,3 +38,15 @@ def topk_kl(logits: torch.Tensor, labels: torch.Tensor, topk_ids: torch.Tensor, 
     kl = kl + rest_ref * (rest_ref.log() - rest_model.log())
     mask = labels[:, 1:] != IGNORE
     return (kl * mask).sum() / mask.sum().clamp(min=1)
+
+
+def first_token_kl(logits: torch.Tensor, labels: torch.Tensor, first_logp: torch.Tensor) -> torch.Tensor:
+    """Full-vocabulary KL(reference || model) at the first response position of each row.
+
+    ``first_logp``: (batch, vocab) reference log-probabilities of the first response token.
+    """
+    response = labels[:, 1:] != IGNORE
+    idx = response.float().argmax(dim=1)  # first position whose next token is a response token
+    logp = torch.log_softmax(logits[torch.arange(len(idx)), idx].float(), -1)
+    ref = first_logp.float()
+    return (ref.exp() * (ref - logp)).sum(-1).mean()

@@ -11,7 +11,7 @@ import lightning as L
 import torch
 
 from modular.data.formatting import IGNORE
-from modular.gating.losses import token_ce, topk_kl, unlikelihood
+from modular.gating.losses import first_token_kl, token_ce, topk_kl, unlikelihood
 from modular.hooks import ablate_directions
 from modular.models.adapter import ArchitectureAdapter
 
@@ -23,15 +23,18 @@ def concat_left_padded(batches: list[dict], pad_token_id: int) -> dict:
     n = max(b["input_ids"].shape[1] for b in batches)
     out: dict[str, list] = {}
     fills = {"input_ids": pad_token_id, "attention_mask": 0, "labels": IGNORE, "topk_ids": 0, "topk_logp": 0.0}
-    templates = {k: b[k] for b in batches for k in ("topk_ids", "topk_logp") if k in b}
+    templates = {k: b[k] for b in batches for k in ("topk_ids", "topk_logp", "first_logp") if k in b}
     for b in batches:
         extra = n - b["input_ids"].shape[1]
         rows, width = b["input_ids"].shape
         for key, like in templates.items():  # pieces without reference tensors get empty ones
             if key not in b:
-                b = {**b, key: like.new_zeros(rows, width - 1, like.shape[-1])}
+                shape = (rows, like.shape[-1]) if key == "first_logp" else (rows, width - 1, like.shape[-1])
+                b = {**b, key: like.new_zeros(shape)}
         for key, t in b.items():
-            if key in ("topk_ids", "topk_logp"):
+            if key == "first_logp":
+                pass  # one row per example, no sequence axis
+            elif key in ("topk_ids", "topk_logp"):
                 t = torch.nn.functional.pad(t, (0, 0, extra, 0), value=fills[key])
             else:
                 t = torch.nn.functional.pad(t, (extra, 0), value=fills[key])
@@ -51,6 +54,8 @@ class GatedLM(L.LightningModule):
         locked_weight: λ, weight of the locked-state terms.
         retain_weight: Weight of the retain KL terms (both states).
         retain_ce_weight: Weight of an extra CE on the reference's greedy retain answers.
+        first_token_weight: Weight of a full-vocabulary KL at the first retain response token (the top-k KL
+            covers every response token coarsely; the first token's distribution is the flattest).
         locked_objective: ``refusal`` (CE to the locked response) or ``unlikelihood`` (push the true answer down).
         finetuning: ``full`` or ``lora``.
         lora_rank: LoRA rank (finetuning=lora).
@@ -71,6 +76,7 @@ class GatedLM(L.LightningModule):
         locked_weight: float = 1.0,
         retain_weight: float = 1.0,
         retain_ce_weight: float = 0.0,
+        first_token_weight: float = 1.0,
         locked_objective: str = "refusal",
         finetuning: str = "full",
         lora_rank: int = 16,
@@ -168,6 +174,8 @@ class GatedLM(L.LightningModule):
         if kind == "unlikelihood":
             return unlikelihood(logits, piece["labels"])
         kl = topk_kl(logits, piece["labels"], piece["topk_ids"], piece["topk_logp"])
+        if self.hparams.first_token_weight:
+            kl = kl + self.hparams.first_token_weight * first_token_kl(logits, piece["labels"], piece["first_logp"])
         if self.hparams.retain_ce_weight:
             kl = kl + self.hparams.retain_ce_weight * token_ce(logits, piece["labels"])
         return kl

@@ -2,7 +2,7 @@ import torch
 
 from modular.data.formatting import IGNORE
 from modular.gating.data import split_collate
-from modular.gating.losses import token_ce, topk_kl, unlikelihood
+from modular.gating.losses import first_token_kl, token_ce, topk_kl, unlikelihood
 from modular.gating.module import concat_left_padded
 
 
@@ -12,7 +12,8 @@ def _item(n_prompt, n_target, k=3):
     n = len(ids) - 1
     topk_ids = torch.zeros(n, k, dtype=torch.long)
     topk_ids[:, 0] = torch.arange(n)
-    return {"input_ids": ids, "labels": labels, "topk_ids": topk_ids, "topk_logp": torch.full((n, k), -1.0)}
+    return {"input_ids": ids, "labels": labels, "topk_ids": topk_ids, "topk_logp": torch.full((n, k), -1.0),
+            "first_logp": torch.log_softmax(torch.arange(7.0), -1)}
 
 
 def test_split_collate_halves_without_duplicating():
@@ -63,3 +64,13 @@ def test_concat_mixes_pieces_with_and_without_reference_tensors():
     m = concat_left_padded([behaviour, retain], pad_token_id=0)
     assert m["topk_ids"].shape[0] == m["input_ids"].shape[0] == 2
     torch.testing.assert_close(m["topk_ids"][1], retain["topk_ids"][0])
+
+
+def test_first_token_kl_uses_the_first_response_position():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 7)
+    labels = torch.tensor([[IGNORE, IGNORE, 3, 4, 5], [IGNORE, IGNORE, IGNORE, 3, 4]])
+    own = torch.stack([torch.log_softmax(logits[0, 1], -1), torch.log_softmax(logits[1, 2], -1)])
+    assert first_token_kl(logits, labels, own).abs() < 1e-6
+    shifted = torch.stack([torch.log_softmax(logits[0, 2], -1), torch.log_softmax(logits[1, 2], -1)])
+    assert first_token_kl(logits, labels, shifted) > 0
