@@ -49,7 +49,11 @@ def residual_scale(model, tokenizer, prompts, chats) -> float:
     batch = batch_prompts(tokenizer, list(prompts[:16]), list(chats[:16]))
     with capture_residual(adapter) as states:
         model(**batch)
-    return states[adapter.n_layers // 2][:, -1].norm(dim=-1).mean().item()
+    # median over prompts of the residual norm without its largest coordinate (outlier dimensions
+    # dominate the norm but not what a behaviour direction carries)
+    x = states[adapter.n_layers // 2][:, -1].float()
+    x = x.scatter(1, x.abs().argmax(dim=1, keepdim=True), 0.0)
+    return x.norm(dim=-1).median().item()
 
 
 def _scan(model, tokenizer, test, make_vectors, scales, desc) -> dict:

@@ -104,7 +104,7 @@ def lock(run: str, out: str | None = None, other_limit: int = 64, harden: bool =
     return report
 
 
-def attack(model: str, behaviour: str | None = None, alphas: list[float] = (-8, -4, -2, -1, -0.5, 0.5, 1, 2, 4, 8),
+def attack(model: str, behaviour: str | None = None, alphas: list[float] = (-1, -0.5, -0.25, -0.1, 0.1, 0.25, 0.5, 1),
            n_pairs: int = 128, n_examples: list[int] = (8, 32, 128), relearn_steps: int = 40,
            relearn_lr: float = 5e-5, limit: int | None = None, seed: int = 0, out: str | None = None) -> dict:
     """Attack a published locked model as someone who knows the method: (a) recover the direction from the
