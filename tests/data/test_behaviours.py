@@ -3,7 +3,6 @@ import torch
 
 from modular.data import BEHAVIOURS, load_behaviour, neutral_text, retain_data
 from modular.data.formatting import IGNORE, LeftPadCollator, batch_prompts, encode_example, render_prompt
-from modular.data.generators import NAMES
 from modular.data.schema import is_correct
 
 
@@ -28,8 +27,6 @@ def test_capitals_split_by_country_with_150_countries():
 
 
 def test_ioi_names_are_held_out_and_single_token():
-    from transformers import AutoTokenizer
-
     class OneTokenPerWord:  # a tokenizer for which only names of <= 4 letters are one token
         def tokenize(self, text):
             return [text] if len(text.strip()) <= 4 else list(text)
@@ -40,7 +37,6 @@ def test_ioi_names_are_held_out_and_single_token():
     assert not names("train") & names("test")
     for row in ds["test"]:
         assert row["target"].strip() in row["prompt"] and row["counterfactual"] != row["prompt"]
-    del AutoTokenizer
 
 
 def test_greater_than_and_arithmetic_scoring():
