@@ -107,15 +107,13 @@ class GatingDataModule(L.LightningDataModule):
 
     def reference(self, model=None) -> dict:
         """Cached reference outputs for every retain prompt (train, validation and test)."""
-        from modular.gating.reference import load_or_compute
+        from modular.gating.reference import cache_path, load_or_compute
         from modular.models import load_model
         from modular.models.loading import resolve_model
 
         prompts = [p for s in ("train", "validation", "test") for p in self.retain[s]["prompt"]]
         chats = [c for s in ("train", "validation", "test") for c in self.retain[s]["chat"]]
         source = resolve_model(self.hparams.model_name)
-        from modular.gating.reference import cache_path
-
         hp = self.hparams
         if model is None and not cache_path(source, prompts, hp.reference_max_new_tokens, hp.reference_top_k).exists():
             model = load_model(hp.model_name)

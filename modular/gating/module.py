@@ -198,7 +198,7 @@ class GatedLM(L.LightningModule):
                 logits = self.model(input_ids=merged["input_ids"], attention_mask=merged["attention_mask"]).logits
             row = 0
             for piece, kind, name in items:
-                n, width = piece["input_ids"].shape
+                n = piece["input_ids"].shape[0]
                 sub = {key: v[row:row + n] for key, v in merged.items()}
                 terms[name] = self._loss_of(kind, logits[row:row + n], sub)
                 row += n

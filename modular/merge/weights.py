@@ -111,6 +111,11 @@ def task_arithmetic(base: StateDict, states: Sequence[StateDict], scale: float =
     states = list(states)
     if not states:
         raise ValueError("task_arithmetic needs at least one state")
+    return _merge_task_vectors(base, states, lambda tvs: scale * tvs.sum(dim=0))
+
+
+def _merge_task_vectors(base: StateDict, states: Sequence[StateDict], combine) -> dict[str, Tensor]:
+    """``base + combine(task vectors)`` for every float tensor; ``combine`` maps (n_states, ...) -> (...)."""
     _check_keys(base, states, "base")
     out: dict[str, Tensor] = {}
     with torch.no_grad():
@@ -119,8 +124,7 @@ def task_arithmetic(base: StateDict, states: Sequence[StateDict], scale: float =
                 out[k] = _copy(b)
                 continue
             bw = b.to(_work_dtype(b))
-            tv = (_stack([s[k] for s in states], b) - bw).sum(dim=0)
-            out[k] = (bw + scale * tv).to(b.dtype)
+            out[k] = (bw + combine(_stack([s[k] for s in states], b) - bw)).to(b.dtype)
     return out
 
 
@@ -166,18 +170,11 @@ def ties(base: StateDict, states: Sequence[StateDict], density: float = 0.2,
         raise ValueError("ties needs at least one state")
     if not 0.0 < float(density) <= 1.0:
         raise ValueError(f"density must be in (0, 1], got {density}")
-    _check_keys(base, states, "base")
-    out: dict[str, Tensor] = {}
-    with torch.no_grad():
-        for k, b in base.items():
-            if not b.is_floating_point():
-                out[k] = _copy(b)
-                continue
-            bw = b.to(_work_dtype(b))
-            tvs = _trim(_stack([s[k] for s in states], b) - bw, float(density))
-            elected = torch.sign(tvs.sum(dim=0))
-            agree = (torch.sign(tvs) == elected) & (tvs != 0)
-            count = agree.sum(dim=0).clamp(min=1)
-            merged = (tvs * agree).sum(dim=0) / count
-            out[k] = (bw + scale * merged).to(b.dtype)
-    return out
+    def combine(tvs: Tensor) -> Tensor:
+        tvs = _trim(tvs, float(density))
+        elected = torch.sign(tvs.sum(dim=0))
+        agree = (torch.sign(tvs) == elected) & (tvs != 0)
+        count = agree.sum(dim=0).clamp(min=1)
+        return scale * (tvs * agree).sum(dim=0) / count
+
+    return _merge_task_vectors(base, states, combine)
