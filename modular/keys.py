@@ -11,7 +11,12 @@ residual stream does nothing; on the locked model's own residual (which has no
 
 Every removed component is rank-1 per module and behaviour: ``W ← W − a bᵀ``.
 A key is the list of ``(module, a, b)`` for one behaviour: applying it adds
-``a bᵀ`` back and restores the trained weights exactly (float rounding aside).
+``a bᵀ`` back. Adding back in the weights' precision rounds, and where ``a bᵀ``
+is large (hardened readers behind tiny norm gains, ``u / g``) the rounding
+exceeds the trained weights' own precision; each component therefore also
+carries the few entries whose restored value would be off by more than
+``exact_tol`` and the exact correction for them, so one key restores the trained
+weights to within ``exact_tol``.
 Tied input/output embeddings are untied first (the unembedding must not change
 when the embedding is orthogonalised).
 """
@@ -40,6 +45,8 @@ class Component:
     a: torch.Tensor
     b: torch.Tensor
     transposed: bool  # the stored parameter is the (out, in) view transposed (Embedding rows, Conv1D)
+    fix_index: torch.Tensor | None = None  # flat indices into the parameter whose restore needs a correction
+    fix_value: torch.Tensor | None = None  # the correction added there after ``a bᵀ``
 
 
 @dataclass
@@ -90,6 +97,34 @@ def _subtract(param: torch.Tensor, a: torch.Tensor, b: torch.Tensor, transposed:
         param.add_(update.T if transposed else update, alpha=sign)
 
 
+@torch.no_grad()
+def _apply_component(param: torch.Tensor, c: Component, sign: float) -> None:
+    """``param ← param + sign · a bᵀ`` (a 1-D parameter takes ``a · b``), exactly as :func:`apply_key` does it."""
+    if param.ndim == 1:
+        param.add_((c.a * c.b).to(param.dtype), alpha=sign)
+    else:
+        _subtract(param, c.a.double(), c.b.double(), c.transposed, sign=sign)
+
+
+@torch.no_grad()
+def _record_corrections(param: torch.Tensor, original: torch.Tensor, comps: list[Component], tol: float) -> None:
+    """For each component removed from ``param``, the entries that adding it back would not restore within ``tol``.
+
+    The target of component ``c`` is ``original`` minus every *other* component on this parameter (the
+    state where only ``c``'s behaviour is unlocked), rounded to the parameter's dtype.
+    """
+    for c in comps:
+        target = original.detach().double().clone()
+        for other in comps:
+            if other is not c:
+                _apply_component(target, Component(other.param, other.a, other.b, other.transposed), -1.0)
+        restored = param.detach().clone()
+        _apply_component(restored, c, 1.0)
+        err = (target.to(param.dtype).double() - restored.double()).flatten()
+        index = (err.abs() > tol).nonzero().flatten()
+        c.fix_index, c.fix_value = index, err[index].to(param.dtype)
+
+
 def _rms_like(norm: nn.Module | None) -> bool:
     """A norm whose output is ``g ⊙ x / rms(x)`` (no mean-centring, no bias) or no norm at all."""
     if norm is None:
@@ -100,10 +135,12 @@ def _rms_like(norm: nn.Module | None) -> bool:
 
 
 @torch.no_grad()
-def lock_weights(model: nn.Module, directions: dict[str, torch.Tensor], harden: bool = True) -> list[Key]:
+def lock_weights(model: nn.Module, directions: dict[str, torch.Tensor], harden: bool = True,
+                 exact_tol: float = 1e-7) -> list[Key]:
     """Orthogonalise writers (and, with ``harden``, readers) against each behaviour's direction, in place.
 
-    Returns one :class:`Key` per behaviour. The model must not be wrapped (merge LoRA first).
+    Returns one :class:`Key` per behaviour; applying a key alone restores the weights to within
+    ``exact_tol``. The model must not be wrapped (merge LoRA first).
     """
     untie_embeddings(model)
     adapter = ArchitectureAdapter(model)
@@ -118,20 +155,24 @@ def lock_weights(model: nn.Module, directions: dict[str, torch.Tensor], harden: 
         duals = _orth_dual(vecs)
         W = weight_out_in(site.module)  # (d, in) view
         transposed = W is not site.module.weight
+        original = site.module.weight.detach().clone()
         for key, w in zip(keys, duals):
             coef = (w.to(W.dtype) @ W).double()  # (in,)
             key.components.append(Component(_param_name(model, site.module.weight), w.float(), coef.float(), transposed))
-        for key, w in zip(keys, duals):  # subtract after computing all coefficients (joint projection)
-            c = key.components[-1]
-            _subtract(site.module.weight, c.a, c.b, transposed)
+        comps = [key.components[-1] for key in keys]
+        for c in comps:  # subtract after computing all coefficients (joint projection)
+            _apply_component(site.module.weight, c, -1.0)
+        _record_corrections(site.module.weight, original, comps, exact_tol)
         bias = getattr(site.module, "bias", None)
         if bias is not None:
+            original = bias.detach().clone()
             for key, w in zip(keys, duals):
                 coef = (w.to(bias.dtype) @ bias).reshape(1).double()
                 key.components.append(Component(_param_name(model, bias), w.float(), coef.float(), False))
-            for key in keys:
-                c = key.components[-1]
-                bias.sub_((c.a * c.b).to(bias.dtype))
+            comps = [key.components[-1] for key in keys]
+            for c in comps:
+                _apply_component(bias, c, -1.0)
+            _record_corrections(bias, original, comps, exact_tol)
 
     # --- readers ---
     hardened = []
@@ -144,6 +185,7 @@ def lock_weights(model: nn.Module, directions: dict[str, torch.Tensor], harden: 
             for reader in readers:
                 W = weight_out_in(reader)  # (out, d)
                 transposed = W is not reader.weight
+                original = reader.weight.detach().clone()
                 comps = []
                 for key, u in zip(keys, units):
                     a = (W.double() @ (gain * u))  # what the reader gets from a unit of u
@@ -151,7 +193,8 @@ def lock_weights(model: nn.Module, directions: dict[str, torch.Tensor], harden: 
                     comps.append((key, Component(_param_name(model, reader.weight), a.float(), b.float(), transposed)))
                 for key, c in comps:
                     key.components.append(c)
-                    _subtract(reader.weight, c.a.double(), c.b.double(), transposed)
+                    _apply_component(reader.weight, c, -1.0)
+                _record_corrections(reader.weight, original, [c for _, c in comps], exact_tol)
                 hardened.append(_param_name(model, reader.weight))
     for key in keys:
         key.meta = {
@@ -162,6 +205,7 @@ def lock_weights(model: nn.Module, directions: dict[str, torch.Tensor], harden: 
             "writers": [s.name for s in adapter.write_sites()],
             "hardened_readers": hardened,
             "restores": "rank-1 components a b^T of every residual writer (and hardened reader) along the direction",
+            "exact_tol": exact_tol,  # this key alone restores every weight to within this
         }
     return keys
 
@@ -179,10 +223,11 @@ def apply_key(model: nn.Module, key: Key, sign: float = 1.0) -> None:
             expected = (c.a.numel(),)
         if tuple(p.shape) != expected:
             raise ModularError(f"key for '{key.behaviour}' does not fit {c.param} (shape {tuple(p.shape)})")
-        if p.ndim == 1:
-            p.add_((c.a * c.b).to(p.dtype), alpha=sign)
-        else:
-            _subtract(p, c.a.double(), c.b.double(), c.transposed, sign=sign)
+        if sign < 0 and c.fix_index is not None and c.fix_index.numel():
+            p.view(-1)[c.fix_index] -= c.fix_value.to(p.dtype)
+        _apply_component(p, c, sign)
+        if sign > 0 and c.fix_index is not None and c.fix_index.numel():
+            p.view(-1)[c.fix_index] += c.fix_value.to(p.dtype)
 
 
 def weights_hash(model_or_state) -> str:
@@ -205,6 +250,9 @@ def save_key(key: Key, path: str | Path, locked_hash: str) -> Path:
     for i, c in enumerate(key.components):
         tensors[f"c{i}.a"] = c.a.contiguous()
         tensors[f"c{i}.b"] = c.b.contiguous()
+        if c.fix_index is not None and c.fix_index.numel():
+            tensors[f"c{i}.fix_index"] = c.fix_index.contiguous()
+            tensors[f"c{i}.fix_value"] = c.fix_value.contiguous()
         entries.append({"param": c.param, "transposed": c.transposed})
     meta = {**key.meta, "format": KEY_FORMAT, "locked_hash": locked_hash, "components": entries}
     path = Path(path)
@@ -229,7 +277,8 @@ def load_key(path: str | Path) -> tuple[Key, dict]:
     if meta.get("format") != KEY_FORMAT:
         raise ModularError(f"{path} is not a modular key file (format {meta.get('format')!r})")
     comps = [
-        Component(e["param"], tensors[f"c{i}.a"], tensors[f"c{i}.b"], e["transposed"])
+        Component(e["param"], tensors[f"c{i}.a"], tensors[f"c{i}.b"], e["transposed"],
+                  tensors.get(f"c{i}.fix_index"), tensors.get(f"c{i}.fix_value"))
         for i, e in enumerate(meta["components"])
     ]
     return Key(meta["behaviour"], tensors["direction"], comps, meta), meta
