@@ -179,4 +179,12 @@ def attack(model: str, behaviour: str | None = None, alphas: list[float] = (-1, 
     return report
 
 
-COMMANDS = {"behaviour": behaviour, "lock": lock, "attack": attack}
+def _all_commands() -> dict:
+    from modular.analysis.commands import COMMANDS as analysis
+    from modular.heads.commands import COMMANDS as heads
+    from modular.merge.commands import COMMANDS as merge
+
+    return {"behaviour": behaviour, "lock": lock, "attack": attack, **heads, **merge, **analysis}
+
+
+COMMANDS = _all_commands()

@@ -1,0 +1,1 @@
+"""Analysis modules: behaviour-direction discovery and attention under token insertion."""

@@ -1,0 +1,5 @@
+"""The ``evaluate.py`` subcommands of ``modular.analysis``."""
+
+from __future__ import annotations
+
+COMMANDS: dict = {}
