@@ -2,4 +2,244 @@
 
 from __future__ import annotations
 
-COMMANDS: dict = {}
+import logging
+import re
+from pathlib import Path
+
+log = logging.getLogger("modular")
+
+CURVE_TASKS = ("ioi", "ioi_long", "greater_than", "docstring")
+ABLATION_TASKS = ("agreement", "commonsense", "arithmetic")
+DEFINITION_TITLES = {"effect_share": "Effect share: Σ_top-k |e_h| / Σ_all |e_h|",
+                     "faithfulness": "Faithfulness: keep the top-k heads, ablate the rest"}
+
+
+def _labels(models: list[str]) -> list[str]:
+    from modular.heads.loading import model_label
+
+    labels = []
+    for spec in models:
+        label = model_label(spec)
+        while label in labels:
+            label += "'"
+        labels.append(label)
+    return labels
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.+-]+", "_", text).strip("_")
+
+
+def _items(name: str, split: str, tokenizer, seed: int, limit: int | None, shuffle: bool = False):
+    from modular import ModularError
+    from modular.data import load_behaviour
+
+    data = load_behaviour(name, seed=seed, tokenizer=tokenizer)
+    if split not in data:
+        raise ModularError(f"behaviour '{name}' has no '{split}' split")
+    ds = data[split]
+    if shuffle:
+        ds = ds.shuffle(seed=seed)
+    if limit is not None:
+        ds = ds.select(range(min(limit, len(ds))))
+    if len(ds) == 0:
+        raise ModularError(f"behaviour '{name}' has no '{split}' items")
+    return ds
+
+
+def heads(
+    curve: bool = False,
+    ablation: bool = False,
+    models: list[str] = ("smollm2-135m-instruct",),
+    tasks: list[str] | None = None,
+    ranking: str = "exhaustive",
+    ig_steps: int = 1,
+    definition: str = "effect_share",
+    ablation_kind: str | None = None,
+    limit: int | None = 48,
+    split: str = "test",
+    classify_split: str = "train",
+    threshold: float | None = None,
+    max_heads: int = 50,
+    seed: int = 0,
+    out: str | None = None,
+) -> dict:
+    """Head measures of one or more models: head-efficiency curves (``--curve``) or head-ablation curves
+    by category (``--ablation``); writes heads.json / ablation.json beside PNG figures and logs to W&B.
+
+    ``--curve``: per task and model, rank the heads (exhaustive single-head patching or attribution
+    patching), then compute the explained effect vs heads kept under both definitions (effect share and
+    faithfulness); the first model is the base: the multiplier of every other model is the heads the base
+    needs for the threshold (0.9) divided by the heads that model needs. ``--ablation``: classify heads per
+    task as Facilitation / Interference / Irrelevance from single-head ablation effects on
+    ``classify_split`` and plot Δ log p(target response) per example as 0…``max_heads`` heads of each class
+    are ablated, on held-out ``split`` items.
+
+    Args:
+        curve: Head-efficiency curves (tasks default: ioi ioi_long greater_than docstring).
+        ablation: Head-ablation curves by category (tasks default: agreement commonsense arithmetic).
+        models: Model references (alias, .gguf, HF folder, hub id) or training run folders (a sparse
+            head-gated run is evaluated with its gates); the first one is the base model.
+        tasks: Built-in behaviours (or .jsonl files); curve tasks need a ``wrong`` answer per item.
+        ranking: Head ranking for ``--curve``: exhaustive (L·H patched forwards) or attribution (gradients).
+        ig_steps: Integrated-gradient steps of attribution ranking (1: plain attribution patching).
+        definition: The plotted definition of ``--curve``: effect_share or faithfulness (both go to JSON).
+        ablation_kind: counterfactual (default of ``--curve``), mean (default of ``--ablation``) or zero.
+        limit: Items per task (and per split for ``--ablation``); default 48.
+        split: Items the curves are measured on (held-out entities in test).
+        classify_split: ``--ablation``: items the categories are chosen on (different from ``split``).
+        threshold: ``--curve``: the explained effect to reach (default 0.9); ``--ablation``: |Δ log p| in
+            nats per example below which a head is Irrelevance (default 0.02).
+        max_heads: ``--ablation``: ablate up to this many heads of each category.
+        seed: Seed of the data generators and splits.
+        out: Output folder (default: outputs/heads/<curve|ablation>-<models>).
+    """
+    from modular import ModularError
+
+    if curve == ablation:
+        raise ModularError("choose exactly one of --curve and --ablation")
+    models = list(models)
+    if not models:
+        raise ModularError("give at least one model with --models")
+    mode = "curve" if curve else "ablation"
+    out_dir = Path(out or Path("outputs") / "heads" / f"{mode}-{_slug('+'.join(_labels(models)))}")
+    if curve:
+        return _curve(models, list(tasks or CURVE_TASKS), ranking, ig_steps, definition,
+                      ablation_kind or "counterfactual", limit, split, 0.9 if threshold is None else threshold,
+                      seed, out_dir)
+    return _ablation(models, list(tasks or ABLATION_TASKS), ablation_kind or "mean", limit, split, classify_split,
+                     0.02 if threshold is None else threshold, max_heads, seed, out_dir)
+
+
+def _curve(models, tasks, ranking, ig_steps, definition, ablation_kind, limit, split, threshold, seed, out_dir) -> dict:
+    import gc
+
+    from modular import ModularError
+    from modular.heads.curves import multiplier, plot_efficiency_curves
+    from modular.heads.efficiency import DEFINITIONS, RANKINGS, task_curves
+    from modular.heads.loading import load_head_model
+    from modular.heads.ranking import ABLATIONS
+    from modular.tracking import log_to_wandb, write_json
+
+    if definition not in DEFINITIONS:
+        raise ModularError(f"unknown definition '{definition}': use one of {DEFINITIONS}")
+    if ranking not in RANKINGS:
+        raise ModularError(f"unknown ranking '{ranking}': use one of {RANKINGS}")
+    if ablation_kind not in ABLATIONS:
+        raise ModularError(f"unknown ablation kind '{ablation_kind}': use one of {ABLATIONS}")
+    if ig_steps < 1:
+        raise ModularError("ig_steps must be ≥ 1")
+    labels = _labels(models)
+    results: dict[str, dict[str, dict]] = {t: {} for t in tasks}
+    for spec, label in zip(models, labels):
+        model, tokenizer, _ = load_head_model(spec)
+        for task in tasks:
+            ds = _items(task, split, tokenizer, seed, limit)
+            try:
+                r = task_curves(model, tokenizer, ds, ranking, ablation_kind, ig_steps, threshold, name=f"{label}/{task}")
+            except ValueError as err:  # e.g. every head effect is zero: the curve is undefined
+                raise ModularError(f"{label}/{task}: {err}") from err
+            results[task][label] = r
+            log.info("%s %s: clean logit diff %.3f; heads for %.2f: effect share %s, faithfulness %s "
+                     "(ranking %s, %.1f s)", label, task, r["clean_metric"], threshold, r["effect_share"]["needed"],
+                     r["faithfulness"]["needed"], ranking, r["seconds"]["ranking"])
+        del model
+        gc.collect()
+
+    base = labels[0]
+    multipliers = {task: {label: {d: multiplier(results[task][base][d]["needed"], results[task][label][d]["needed"])
+                                  for d in DEFINITIONS} for label in labels[1:]} for task in tasks}
+    panels = {task: {label: results[task][label][definition] for label in labels} for task in tasks}
+    fig, drawn = plot_efficiency_curves(out_dir / "heads.png", panels, DEFINITION_TITLES[definition],
+                                        subtitle=f"ablation: {ablation_kind}; ranking: {ranking}"
+                                        + (f" (ig_steps={ig_steps})" if ranking == "attribution" else "")
+                                        + f"; {limit or 'all'} items per task",
+                                        threshold=threshold)
+    summary = {task: {label: {d: {"needed": results[task][label][d]["needed"], "auc": results[task][label][d]["auc"]}
+                              for d in DEFINITIONS} for label in labels} for task in tasks}
+    report = {
+        "models": dict(zip(labels, models)), "base": base, "tasks": tasks, "split": split, "limit": limit,
+        "seed": seed, "ranking": ranking, "ig_steps": ig_steps if ranking == "attribution" else None,
+        "ablation": ablation_kind, "threshold": threshold, "plotted_definition": definition,
+        "summary": summary, "multipliers": multipliers, "annotations": drawn, "curves": results,
+    }
+    write_json(out_dir / "heads.json", report)
+    log_to_wandb(out_dir, "evaluate-heads-curve", {"summary": summary, "multipliers": multipliers},
+                 config={k: report[k] for k in ("models", "tasks", "split", "limit", "seed", "ranking", "ig_steps",
+                                                "ablation", "threshold", "plotted_definition")},
+                 figures={"heads": fig})
+    log.info("wrote %s and %s", out_dir / "heads.json", fig)
+    return report
+
+
+def _ablation(models, tasks, kind, limit, split, classify_split, threshold, max_heads, seed, out_dir) -> dict:
+    import gc
+
+    from modular import ModularError
+    from modular.heads.categories import (
+        ABLATION_KINDS,
+        CATEGORIES,
+        ablation_curve,
+        classify_heads,
+        curve_checks,
+        head_values,
+        plot_ablation_grid,
+        response_batch,
+        single_head_effects,
+    )
+    from modular.heads.loading import load_head_model
+    from modular.tracking import log_to_wandb, write_json
+
+    if kind not in ABLATION_KINDS:
+        raise ModularError(f"unknown ablation kind '{kind}' for --ablation: use one of {ABLATION_KINDS}")
+    if split == classify_split:
+        log.warning("categories are chosen and measured on the same split (%s)", split)
+    if max_heads < 1:
+        raise ModularError("max_heads must be ≥ 1")
+    labels = _labels(models)
+    results: dict[str, dict[str, dict]] = {t: {} for t in tasks}
+    for spec, label in zip(models, labels):
+        model, tokenizer, _ = load_head_model(spec)
+        for task in tasks:
+            fit = response_batch(tokenizer, _items(task, classify_split, tokenizer, seed, limit, shuffle=True))
+            held = response_batch(tokenizer, _items(task, split, tokenizer, seed, limit, shuffle=True))
+            values = head_values(model, fit, kind)
+            effects = single_head_effects(model, fit, values, desc=f"{label}/{task}: single heads")
+            cats = classify_heads(effects, threshold)
+            curves = {c: ablation_curve(model, held, cats[c], values, max_heads, desc=f"{label}/{task}: {c}")
+                      for c in CATEGORIES}
+            checks = curve_checks(curves)
+            results[task][label] = {
+                "n_classify": len(fit["input_ids"]), "n_eval": len(held["input_ids"]),
+                "effects": effects.tolist(), "counts": {c: len(cats[c]) for c in CATEGORIES},
+                "categories": {c: [list(h) for h in cats[c]] for c in CATEGORIES},
+                "curves": curves, "checks": checks,
+            }
+            log.info("%s %s: %s; Δ log p at max n: %s; checks %s", label, task,
+                     {c: len(cats[c]) for c in CATEGORIES},
+                     {c: round(curves[c]["mean"][-1], 3) for c in CATEGORIES}, checks)
+        del model
+        gc.collect()
+
+    grid = {task: {label: {c: results[task][label]["curves"][c] for c in CATEGORIES} for label in labels}
+            for task in tasks}
+    fig = plot_ablation_grid(out_dir / "ablation.png", grid,
+                             title=f"{kind} ablation; categories from single-head effects on '{classify_split}' "
+                                   f"(|Δ| ≤ {threshold} nats: Irrelevance)\ncurves on held-out '{split}' items")
+    summary = {task: {label: {"counts": results[task][label]["counts"], "checks": results[task][label]["checks"],
+                              "final": {c: results[task][label]["curves"][c]["mean"][-1] for c in CATEGORIES}}
+                      for label in labels} for task in tasks}
+    report = {"models": dict(zip(labels, models)), "tasks": tasks, "ablation": kind, "threshold": threshold,
+              "split": split, "classify_split": classify_split, "limit": limit, "max_heads": max_heads,
+              "seed": seed, "method": "single-head ablation effect with threshold", "summary": summary,
+              "results": results}
+    write_json(out_dir / "ablation.json", report)
+    log_to_wandb(out_dir, "evaluate-heads-ablation", {"summary": summary},
+                 config={k: report[k] for k in ("models", "tasks", "ablation", "threshold", "split", "classify_split",
+                                                "limit", "max_heads", "seed")},
+                 figures={"ablation": fig})
+    log.info("wrote %s and %s", out_dir / "ablation.json", fig)
+    return report
+
+
+COMMANDS: dict = {"heads": heads}

@@ -40,3 +40,13 @@ def test_training_gates_are_stochastic_and_get_gradients(tiny_model, tokens):
     assert a.attn_out(0).head_gate.log_alpha.grad is not None
     l0 = a.attn_out(0).head_gate.expected_l0()
     assert 0 < l0.item() < a.n_heads
+
+
+def test_gate_fixed_at_one_leaves_logits_unchanged_whatever_log_alpha(tiny_model, tokens):
+    ref = tiny_model(tokens).logits
+    install_head_gates(tiny_model, init_log_alpha=-1.0)  # learned gates would be far below 1
+    a = ArchitectureAdapter(tiny_model)
+    assert (gate_values(tiny_model) < 1).all()
+    for i in range(a.n_layers):
+        a.attn_out(i).head_gate.fixed[:] = 1.0
+    torch.testing.assert_close(tiny_model(tokens).logits, ref, atol=0, rtol=0)

@@ -1,0 +1,32 @@
+"""Models for head measures: a model reference (alias, .gguf, HF folder or hub id) or a training run folder.
+
+A run folder (``run.json`` beside its checkpoint) gives its trained model through
+:func:`modular.runs.load_open_model`; a sparse post-training run (head gates in its checkpoint) comes
+back as a plain model with its deterministic gates folded into the output projections, so a closed
+head writes nothing and ablating it changes nothing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def is_run_folder(spec: str | Path) -> bool:
+    return (Path(spec) / "run.json").is_file()
+
+
+def load_head_model(spec: str):
+    """``(model, tokenizer, model_name)`` for a model reference or a run folder; the model is in eval mode."""
+    from modular.models import load_model, load_tokenizer
+
+    if is_run_folder(spec):
+        from modular.runs import load_open_model, read_run
+
+        run = read_run(spec)
+        return load_open_model(run).eval(), load_tokenizer(run.model_name), run.model_name
+    return load_model(spec).eval(), load_tokenizer(spec), spec
+
+
+def model_label(spec: str) -> str:
+    """A short legend label: the run folder's or model's last path component."""
+    return Path(str(spec).rstrip("/")).name or str(spec)

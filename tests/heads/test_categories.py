@@ -1,0 +1,139 @@
+import pytest
+import torch
+
+from modular import ModularError
+from modular.heads.categories import (
+    ablated_logprob,
+    ablation_curve,
+    classify_heads,
+    curve_checks,
+    head_values,
+    plot_ablation_grid,
+    response_batch,
+    response_logprob,
+    single_head_effects,
+)
+from modular.hooks import replace_heads, zero_heads
+from modular.models.adapter import ArchitectureAdapter
+from tests.conftest import make_tiny_tokenizer
+
+ARCHS = ["llama", "gpt2", "gemma3_text", "qwen2"]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return make_tiny_tokenizer()
+
+
+def _data(n=5):
+    from modular.data.behaviours import to_dataset_dict
+    from modular.data.schema import record
+
+    rows = [record(f"The dog number {i} ran to the", " park" if i % 2 else " old red barn", chat=i % 3 == 0)
+            for i in range(n)]
+    return to_dataset_dict({"train": rows, "validation": rows, "test": rows})["test"]
+
+
+def test_classify_constructed_effects():
+    effects = torch.tensor([[-0.5, 0.3, 0.01], [-0.04, 0.0, 0.2], [0.05, -0.02, -0.03]])
+    cats = classify_heads(effects, threshold=0.025)
+    assert cats["facilitation"] == [(0, 0), (1, 0), (2, 2)]  # most negative first
+    assert cats["interference"] == [(0, 1), (1, 2), (2, 0)]  # most positive first
+    assert cats["irrelevance"] == [(1, 1), (0, 2), (2, 1)]  # smallest |e| first
+    assert sum(len(v) for v in cats.values()) == effects.numel()
+    # on the threshold counts as no effect
+    assert classify_heads(torch.tensor([[0.5, -0.5]]), 0.5)["irrelevance"] == [(0, 0), (0, 1)]
+    with pytest.raises(ModularError):
+        classify_heads(effects, -1.0)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_response_logprob_matches_full_logits(tiny_model, tok, arch):
+    ds = _data()
+    batch = response_batch(tok, ds)
+    got = response_logprob(tiny_model, batch, chunk=2)
+    with torch.no_grad():
+        logits = tiny_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    logp = torch.log_softmax(logits[:, :-1].double(), -1)
+    labels = batch["labels"][:, 1:]
+    mask = labels != -100
+    want = (logp.gather(-1, labels.clamp(min=0)[..., None])[..., 0] * mask).sum(1)
+    assert got.shape == (len(ds),)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+    assert (got < 0).all()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_curve_starts_at_zero_and_ablation_matches_hooks(tiny_model, tok, arch):
+    batch = response_batch(tok, _data())
+    zeros = head_values(tiny_model, batch, "zero")
+    heads = [(0, 1), (1, 3), (1, 0)]
+    curve = ablation_curve(tiny_model, batch, heads, zeros, max_heads=50)
+    assert curve["n"] == [0, 1, 2, 3]
+    assert curve["mean"][0] == 0.0 and all(d == 0.0 for d in curve["per_example"][0])
+    assert any(abs(m) > 1e-6 for m in curve["mean"][1:])
+    # zero values are zero ablation: the same as the zero_heads hook
+    adapter = ArchitectureAdapter(tiny_model)
+    with zero_heads(adapter, heads[:2]):
+        hooked = response_logprob(tiny_model, batch)
+    torch.testing.assert_close(ablated_logprob(tiny_model, batch, heads[:2], zeros), hooked)
+    clean = response_logprob(tiny_model, batch)
+    assert curve["mean"][2] == pytest.approx(float((hooked - clean).mean()), abs=1e-6)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_mean_values_are_the_mean_head_input_over_real_tokens(tiny_model, tok, arch):
+    from modular.hooks import capture_head_inputs
+
+    batch = response_batch(tok, _data())
+    means = head_values(tiny_model, batch, "mean")
+    adapter = ArchitectureAdapter(tiny_model)
+    with torch.no_grad(), capture_head_inputs(adapter) as z:
+        tiny_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    real = batch["attention_mask"].bool()
+    for layer in range(adapter.n_layers):
+        torch.testing.assert_close(means[layer], z[layer][real].mean(0), atol=1e-5, rtol=1e-4)
+    with pytest.raises(ModularError):
+        head_values(tiny_model, batch, "counterfactual")
+
+
+@pytest.mark.parametrize("arch", ["llama"])
+def test_single_head_effects_classify_into_curves_of_the_right_sign(tiny_model, tok, arch):
+    batch = response_batch(tok, _data(6))
+    values = head_values(tiny_model, batch, "mean")
+    effects = single_head_effects(tiny_model, batch, values)
+    assert effects.shape == (2, 4)
+    adapter = ArchitectureAdapter(tiny_model)
+    clean = response_logprob(tiny_model, batch)
+    with replace_heads(adapter, [(1, 2)], values):
+        one = response_logprob(tiny_model, batch)
+    assert effects[1, 2].item() == pytest.approx(float((one - clean).mean()), abs=1e-9)
+    cats = classify_heads(effects, threshold=1e-4)
+    curves = {c: ablation_curve(tiny_model, batch, cats[c], values) for c in cats}
+    # measured on the classifying items, the first head of each class moves log p the way its class says
+    if cats["facilitation"]:
+        assert curves["facilitation"]["mean"][1] < 0
+    if cats["interference"]:
+        assert curves["interference"]["mean"][1] > 0
+    checks = curve_checks(curves)
+    assert set(checks) >= {"facilitation_falls", "interference_does_not_fall", "irrelevance_within_band"}
+
+
+def test_curve_checks_on_constructed_curves():
+    curves = {"facilitation": {"mean": [0, -0.5, -1.0]}, "interference": {"mean": [0, 0.2, 0.05]},
+              "irrelevance": {"mean": [0, 0.02, -0.05]}}
+    assert curve_checks(curves) == {"facilitation_falls": True, "interference_does_not_fall": True,
+                                    "irrelevance_within_band": True, "irrelevance_max_abs_first": 0.05}
+    bad = {"facilitation": {"mean": [0, 0.1]}, "interference": {"mean": [0, -0.3]}, "irrelevance": {"mean": [0, 0.2]}}
+    assert curve_checks(bad)["facilitation_falls"] is False
+    assert curve_checks(bad)["interference_does_not_fall"] is False
+    assert curve_checks(bad)["irrelevance_within_band"] is False
+    assert curve_checks({"facilitation": {"mean": [0]}})["facilitation_falls"] is None
+
+
+def test_plot_grid(tmp_path):
+    c = {"n": [0, 1, 2], "mean": [0, -1, -2], "sem": [0, 0.1, 0.1]}
+    grid = {t: {m: {"facilitation": c, "irrelevance": c, "interference": c} for m in ("a", "b")}
+            for t in ("agreement", "arithmetic")}
+    path = plot_ablation_grid(tmp_path / "g.png", grid, title="t")
+    assert path.stat().st_size > 10_000

