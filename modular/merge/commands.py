@@ -2,4 +2,63 @@
 
 from __future__ import annotations
 
-COMMANDS: dict = {}
+import logging
+from pathlib import Path
+
+log = logging.getLogger("modular")
+
+
+def merge(pairs: str = "configs/merge_pairs.yaml", out: str | None = None, limit: int | None = None,
+          progress: bool = True) -> dict:
+    """Merge gain of model pairs: perf A, perf B, perf of the combination (activation communication or
+    weight merging), gain = perf(combination) - mean(perf A, perf B) with a bootstrap interval over items,
+    and the similarity of A's and B's activation spaces; writes merge.json and merge_gain.png (gain vs
+    similarity, Pearson/Spearman with bootstrap intervals) and logs to W&B.
+
+    Args:
+        pairs: Pairs file (YAML; see configs/merge_pairs.yaml, every key commented).
+        out: Output folder (default: outputs/merge/<pairs file name>).
+        limit: Override the pairs file's items per task (for quick runs).
+        progress: Show progress bars.
+    """
+    from modular.merge.pairs import load_pairs
+    from modular.merge.plots import gain_scatter
+    from modular.merge.runner import MergeRunner
+    from modular.tracking import log_to_wandb, write_json
+
+    cfg = load_pairs(pairs)
+    if limit is not None:
+        cfg.limit = limit
+    out_dir = Path(out or Path("outputs") / "merge" / Path(pairs).stem)
+    report = MergeRunner(cfg, progress=progress).run()
+    report = {"pairs_file": str(pairs), **report}
+    write_json(out_dir / "merge.json", report)
+    rows = report["pairs"]
+    methods = {r["pair"]["method"] for r in rows}
+    what = "AC" if methods == {"ac"} else "merge"
+    tasks = ", ".join(dict.fromkeys(r["task"] for r in rows))
+    figures = {}
+    for metric, name in (("frobenius", "merge_gain.png"), ("cka", "merge_gain_cka.png")):
+        figures[metric] = gain_scatter(out_dir / name, rows, report["correlation"][metric], metric, what, tasks)
+    summary = {
+        "pairs": {r["label"]: {"perf_a": r["gain"]["perf_a"], "perf_b": r["gain"]["perf_b"],
+                               "perf_combined": r["gain"]["perf_combined"], "gain": r["gain"]["gain"],
+                               "gain_ci_low": r["gain"]["ci95"][0], "gain_ci_high": r["gain"]["ci95"][1],
+                               "frobenius": r["similarity"]["frobenius"], "cka": r["similarity"]["cka"]}
+                  for r in rows},
+        "correlation": report["correlation"],
+    }
+    table = [{"pair": r["label"], "method": r["pair"]["method"], "f": r["pair"]["f"], "task": r["task"],
+              **summary["pairs"][r["label"]]} for r in rows]
+    log_to_wandb(out_dir, "evaluate-merge", summary, config={"pairs_file": str(pairs), **report["config"]},
+                 figures={f"merge_gain_{m}": p for m, p in figures.items()}, tables={"pairs": table})
+    for r in rows:
+        g = r["gain"]
+        log.info("%-40s A %.3f  B %.3f  comb %.3f  gain %+.3f [%+.3f, %+.3f]  sim %.3f  CKA %.3f", r["label"],
+                 g["perf_a"], g["perf_b"], g["perf_combined"], g["gain"], *g["ci95"], r["similarity"]["frobenius"],
+                 r["similarity"]["cka"])
+    log.info("wrote %s, %s and %s", out_dir / "merge.json", figures["frobenius"], figures["cka"])
+    return report
+
+
+COMMANDS: dict = {"merge": merge}
