@@ -116,15 +116,40 @@ def ablated_logprob(model, batch: dict, heads: list[Head], values: dict[int, tor
         return response_logprob(model, batch)
 
 
-def single_head_effects(model, batch: dict, values: dict[int, torch.Tensor], desc: str = "single-head ablation") -> torch.Tensor:
-    """e[l, h] = mean over examples of Δ log p(target) when head (l, h) alone is ablated, (n_layers, n_heads)."""
+@torch.no_grad()
+def single_head_effects(model, batch: dict, values: dict[int, torch.Tensor], desc: str = "single-head ablation",
+                        chunk: int = 16) -> torch.Tensor:
+    """e[l, h] = mean over examples of Δ log p(target) when head (l, h) alone is ablated, (n_layers, n_heads).
+
+    The blocks before the ablated layer are replayed from the clean pass (they cannot change).
+    """
+    from modular.heads.ranking import reuse_block_outputs
+    from modular.hooks import registered
+
     adapter = ArchitectureAdapter(model)
-    clean = response_logprob(model, batch)
-    effects = torch.zeros(adapter.n_layers, adapter.n_heads, dtype=torch.float64)
-    for layer in tqdm(range(adapter.n_layers), desc=desc, leave=False):
-        for head in range(adapter.n_heads):
-            effects[layer, head] = (ablated_logprob(model, batch, [(layer, head)], values) - clean).mean()
-    return effects
+    n = len(batch["input_ids"])
+    total = torch.zeros(adapter.n_layers, adapter.n_heads, dtype=torch.float64)
+    chunks = [slice(s, s + chunk) for s in range(0, n, chunk)]
+    progress = tqdm(total=len(chunks) * adapter.n_layers, desc=desc, leave=False)
+    for sl in chunks:
+        part = {k: v[sl] for k, v in batch.items()}
+        outputs: list = [None] * adapter.n_layers
+
+        def record(i):
+            def fn(module, args, output):
+                outputs[i] = output
+
+            return fn
+
+        with registered([(adapter.block(i), "forward", record(i)) for i in range(adapter.n_layers)]):
+            clean = response_logprob(model, part, chunk=chunk)
+        for layer in range(adapter.n_layers):
+            with reuse_block_outputs(adapter, outputs, layer):
+                for head in range(adapter.n_heads):
+                    total[layer, head] += (ablated_logprob(model, part, [(layer, head)], values) - clean).sum()
+            progress.update(1)
+    progress.close()
+    return total / n
 
 
 def classify_heads(effects: torch.Tensor, threshold: float) -> dict[str, list[Head]]:

@@ -24,7 +24,15 @@ from modular.heads.curves import (
     heads_needed,
     ranking_from_effects,
 )
-from modular.heads.ranking import ABLATIONS, ablation_values, attribution_effects, exhaustive_effects, logit_diff, task_batch
+from modular.heads.ranking import (
+    ABLATIONS,
+    ablation_values,
+    attribution_effects,
+    exhaustive_effects,
+    last_position_logits,
+    logit_diff,
+    task_batch,
+)
 from modular.hooks import replace_heads
 from modular.models.adapter import ArchitectureAdapter
 
@@ -75,7 +83,7 @@ def keep_only_metric(model, batch: dict, values: dict[int, torch.Tensor]):
     def metric(kept: set) -> float:
         ablated = [lh for lh in heads if lh not in kept]
         with replace_heads(adapter, ablated, values):
-            return float(logit_diff(model(**batch["clean"]).logits, batch["good"], batch["bad"]))
+            return float(logit_diff(last_position_logits(model, batch["clean"]), batch["good"], batch["bad"]))
 
     return metric
 

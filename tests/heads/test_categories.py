@@ -137,3 +137,14 @@ def test_plot_grid(tmp_path):
             for t in ("agreement", "arithmetic")}
     path = plot_ablation_grid(tmp_path / "g.png", grid, title="t")
     assert path.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "gemma3_text"])
+def test_single_head_effects_replay_matches_plain_ablation(tiny_model, tok, arch):
+    batch = response_batch(tok, _data(5))
+    values = head_values(tiny_model, batch, "mean")
+    effects = single_head_effects(tiny_model, batch, values, chunk=2)
+    clean = response_logprob(tiny_model, batch)
+    for layer, head in [(0, 0), (1, 3)]:
+        plain = (ablated_logprob(tiny_model, batch, [(layer, head)], values) - clean).mean()
+        assert effects[layer, head].item() == pytest.approx(float(plain), abs=1e-5)

@@ -31,3 +31,18 @@ def test_attribution_tracks_exhaustive_patching(tiny_model, arch, ablation):
         assert approx.shape == exact.shape
         r = torch.corrcoef(torch.stack([exact.flatten(), approx.flatten()]))[0, 1]
         assert r > 0.8, (steps, r)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "gemma3_text", "olmo2", "phi3"])
+def test_replaying_earlier_blocks_gives_the_same_effects(tiny_model, arch):
+    from modular.heads.ranking import last_position_logits
+
+    batch = _batch(seed=3)
+    fast = exhaustive_effects(tiny_model, batch, "counterfactual", reuse_prefix=True)
+    slow = exhaustive_effects(tiny_model, batch, "counterfactual", reuse_prefix=False)
+    torch.testing.assert_close(fast, slow, atol=1e-6, rtol=1e-5)
+    assert fast.abs().max() > 0
+    # the blocks compute again afterwards
+    out = last_position_logits(tiny_model, batch["clean"])
+    torch.testing.assert_close(out[:, -1], tiny_model(**batch["clean"]).logits[:, -1], atol=1e-5, rtol=1e-5)
+    assert not any("forward" in vars(m) for m in tiny_model.modules())
