@@ -45,30 +45,30 @@ def logit_diff(logits: torch.Tensor, good: torch.Tensor, bad: torch.Tensor) -> t
     return (last[idx, good] - last[idx, bad]).mean()
 
 
-@torch.no_grad()
-def ablation_values(model, batch: dict, ablation: str) -> dict[int, torch.Tensor]:
-    """Per-layer replacement values of the heads' inputs, (batch, seq, H, hd) or broadcastable."""
-    adapter = ArchitectureAdapter(model)
-    if ablation == "counterfactual":
-        with capture_head_inputs(adapter) as z:
-            model(**batch["counterfactual"])
-        return dict(z)
-    with capture_head_inputs(adapter) as z:
-        model(**batch["clean"])
-    if ablation == "mean":
-        mask = batch["clean"]["attention_mask"].bool()
-        return {i: v[mask].mean(0) for i, v in z.items()}
-    if ablation == "zero":
-        return {i: torch.zeros_like(v[0, 0]) for i, v in z.items()}
-    raise ValueError(f"unknown ablation '{ablation}': use one of {ABLATIONS}")
-
-
 def last_position_logits(model, inputs: dict) -> torch.Tensor:
     """Logits at the last position only, ``(batch, 1, vocab)`` (the unembedding runs on one position)."""
     try:
         return model(**inputs, use_cache=False, logits_to_keep=1).logits
     except TypeError:  # architectures without logits_to_keep
         return model(**inputs, use_cache=False).logits[:, -1:]
+
+
+@torch.no_grad()
+def ablation_values(model, batch: dict, ablation: str) -> dict[int, torch.Tensor]:
+    """Per-layer replacement values of the heads' inputs, (batch, seq, H, hd) or broadcastable."""
+    adapter = ArchitectureAdapter(model)
+    if ablation == "counterfactual":
+        with capture_head_inputs(adapter) as z:
+            last_position_logits(model, batch["counterfactual"])
+        return dict(z)
+    with capture_head_inputs(adapter) as z:
+        last_position_logits(model, batch["clean"])
+    if ablation == "mean":
+        mask = batch["clean"]["attention_mask"].bool()
+        return {i: v[mask].mean(0) for i, v in z.items()}
+    if ablation == "zero":
+        return {i: torch.zeros_like(v[0, 0]) for i, v in z.items()}
+    raise ValueError(f"unknown ablation '{ablation}': use one of {ABLATIONS}")
 
 
 @contextmanager
@@ -133,7 +133,7 @@ def attribution_effects(model, batch: dict, ablation: str = "counterfactual", ig
     adapter = ArchitectureAdapter(model)
     values = ablation_values(model, batch, ablation)
     with torch.no_grad(), capture_head_inputs(adapter) as clean_z:
-        model(**batch["clean"])
+        last_position_logits(model, batch["clean"])
     clean_z = dict(clean_z)
     deltas = {i: values[i].expand_as(clean_z[i]) - clean_z[i] for i in clean_z}
     grads = {i: torch.zeros_like(clean_z[i]) for i in clean_z}
@@ -142,7 +142,7 @@ def attribution_effects(model, batch: dict, ablation: str = "counterfactual", ig
     for alpha in alphas:
         points = {i: (clean_z[i] + alpha * deltas[i]).requires_grad_(True) for i in clean_z}
         with replace_heads(adapter, heads, points):
-            m = logit_diff(model(**batch["clean"]).logits, batch["good"], batch["bad"])
+            m = logit_diff(last_position_logits(model, batch["clean"]), batch["good"], batch["bad"])
         g = torch.autograd.grad(m, [points[i] for i in sorted(points)])
         for i, gi in zip(sorted(points), g):
             grads[i] += gi / len(alphas)
