@@ -1,0 +1,142 @@
+"""Attention by token position: what the last prompt token attends to, per head, averaged over prompts.
+
+Positions count from each prompt's first real token (left padding removed), so a span
+inserted after a fixed prefix sits at the same positions in every prompt. Attention
+weights need the eager attention implementation; :func:`eager_attention` switches a
+loaded model to it for the duration of a ``with`` block.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+
+from modular.analysis.formats import with_positions
+from modular.data.formatting import LeftPadCollator
+
+
+@contextmanager
+def eager_attention(model) -> Iterator[None]:
+    """Run ``model`` with eager attention (needed for attention weights), then restore its implementation."""
+    previous = getattr(model.config, "_attn_implementation", None)
+    if previous != "eager":
+        model.set_attn_implementation("eager")
+    try:
+        yield
+    finally:
+        if previous not in (None, "eager"):
+            model.set_attn_implementation(previous)
+
+
+@torch.no_grad()
+def last_token_attention(model, tokenizer, sequences: list[list[int]], spans: list[tuple[int, int]] | None = None,
+                         batch_size: int = 8) -> dict:
+    """Attention of the last position to every earlier position, per layer and head.
+
+    Returns ``{"mean": (n_layers, n_heads, max_len) mean over prompts that reach a position,
+    "count": (max_len,), "span_mass": (n_layers, n_heads) mean attention mass on each prompt's span}``.
+    """
+    device = next(model.parameters()).device
+    collate = LeftPadCollator(tokenizer.pad_token_id)
+    max_len = max(len(s) for s in sequences)
+    total = count = span_mass = None
+    with eager_attention(model):
+        for start in range(0, len(sequences), batch_size):
+            chunk = sequences[start:start + batch_size]
+            batch = with_positions(collate([{"input_ids": s} for s in chunk]))
+            out = model(**{k: v.to(device) for k, v in batch.items()}, output_attentions=True)
+            att = torch.stack([a[:, :, -1, :].float().cpu() for a in out.attentions], 1)  # (b, L, H, seq)
+            if total is None:
+                total = torch.zeros(*att.shape[1:3], max_len)
+                count = torch.zeros(max_len)
+                span_mass = torch.zeros(*att.shape[1:3])
+            width = att.shape[-1]
+            for row, seq in enumerate(chunk):
+                pad = width - len(seq)
+                total[..., :len(seq)] += att[row, ..., pad:]
+                count[:len(seq)] += 1
+                if spans is not None:
+                    a, b = spans[start + row]
+                    span_mass += att[row, ..., pad + a:pad + b].sum(-1)
+    return {"mean": total / count.clamp(min=1), "count": count, "span_mass": span_mass / len(sequences)}
+
+
+def top_heads(span_mass: torch.Tensor, k: int) -> list[tuple[int, int]]:
+    """The ``k`` (layer, head) pairs with the most attention mass on the inserted span."""
+    flat = span_mass.flatten()
+    idx = torch.topk(flat, min(k, flat.numel())).indices
+    n_heads = span_mass.shape[1]
+    return [(int(i) // n_heads, int(i) % n_heads) for i in idx]
+
+
+def parse_heads(text: str, n_layers: int, n_heads: int) -> list[tuple[int, int]]:
+    """``"3.1,12.4"`` -> ``[(3, 1), (12, 4)]`` (checked against the model's size)."""
+    from modular import ModularError
+
+    heads = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        try:
+            layer, head = (int(x) for x in part.split("."))
+        except ValueError:
+            raise ModularError(f"bad head '{part}': write LAYER.HEAD, e.g. 3.1") from None
+        if not (0 <= layer < n_layers and 0 <= head < n_heads):
+            raise ModularError(f"head {part} is outside the model ({n_layers} layers, {n_heads} heads)")
+        heads.append((layer, head))
+    return heads
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_attention(curves: dict[str, dict[str, list[float]]], spans: dict[str, tuple[int, int]], path,
+                   suptitle: str):
+    """One panel per head ("Average attention on Head L.H"); one line per condition, by token position."""
+    plt = _plt()
+    heads = list(next(iter(curves.values())))
+    fig, axes = plt.subplots(len(heads), 1, figsize=(8, 2.8 * len(heads)), squeeze=False)
+    for ax, head in zip(axes[:, 0], heads):
+        for label, per_head in curves.items():
+            ys = per_head[head]
+            (line,) = ax.plot(range(len(ys)), ys, lw=1.0, label=label)
+            ax.fill_between(range(len(ys)), ys, color=line.get_color(), alpha=0.12)
+            a, b = spans.get(label, (0, 0))
+            if b > a:
+                ax.axvspan(a - 0.5, b - 0.5, color=line.get_color(), alpha=0.07)
+        ax.set_title(f"Average attention on Head {head}")
+        ax.set_xlabel("token position")
+        ax.set_ylabel("average attention")
+        ax.set_ylim(bottom=0)
+        ax.legend(loc="upper left", fontsize=8)
+    fig.suptitle(suptitle, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_sweep(sweep: dict[str, list[dict]], path, title: str):
+    """Accuracy (95% Wilson band) vs number of inserted tokens, one line per insertion kind."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    for label, rows in sweep.items():
+        xs = [r["length"] for r in rows]
+        (line,) = ax.plot(xs, [r["accuracy"] for r in rows], marker="o", label=label)
+        ax.fill_between(xs, [r["ci95"][0] for r in rows], [r["ci95"][1] for r in rows], color=line.get_color(),
+                        alpha=0.15)
+    ax.set_xlabel("inserted tokens")
+    ax.set_ylabel("accuracy")
+    ax.set_ylim(0, 1.05)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

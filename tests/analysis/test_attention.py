@@ -1,0 +1,50 @@
+"""Attention by token position under eager attention, on tiny random models of several architectures."""
+
+import pytest
+import torch
+
+from modular import ModularError
+from modular.analysis.attention import eager_attention, last_token_attention, parse_heads, top_heads
+from tests.conftest import VOCAB, make_tiny_model, make_tiny_tokenizer
+
+ARCHS = ["llama", "gemma3_text", "gpt2", "qwen2"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_last_token_attention_is_a_distribution_over_real_positions(tiny_model, arch):
+    tok = make_tiny_tokenizer()
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (5, 9, 7)]
+    spans = [(1, 3), (1, 3), (1, 3)]
+    before = tiny_model.config._attn_implementation
+    res = last_token_attention(tiny_model, tok, seqs, spans, batch_size=2)
+    assert tiny_model.config._attn_implementation == before  # restored
+    L, H = tiny_model.config.num_hidden_layers, res["mean"].shape[1]
+    assert res["mean"].shape == (L, H, 9)
+    assert res["count"].tolist() == [3, 3, 3, 3, 3, 2, 2, 1, 1]
+    # each prompt's last token spreads exactly 1 over its own (unpadded) positions
+    single = last_token_attention(tiny_model, tok, seqs[:1])
+    assert torch.allclose(single["mean"][..., :5].sum(-1), torch.ones(L, H), atol=1e-5)
+    # padding does not change what a prompt attends to
+    assert torch.allclose(single["mean"][..., :5], last_token_attention(tiny_model, tok, [seqs[0], seqs[1]])["mean"][..., :5]
+                          * 2 - last_token_attention(tiny_model, tok, seqs[1:2])["mean"][..., :5], atol=1e-5)
+    assert ((res["span_mass"] >= 0) & (res["span_mass"] <= 1 + 1e-6)).all()
+
+
+def test_eager_attention_switches_and_restores():
+    tiny_model = make_tiny_model("llama")
+    tiny_model.set_attn_implementation("sdpa")
+    with eager_attention(tiny_model):
+        assert tiny_model.config._attn_implementation == "eager"
+    assert tiny_model.config._attn_implementation == "sdpa"
+
+
+def test_top_heads_and_parse_heads():
+    mass = torch.zeros(3, 4)
+    mass[2, 1], mass[0, 3] = 0.9, 0.5
+    assert top_heads(mass, 2) == [(2, 1), (0, 3)]
+    assert parse_heads("2.1, 0.3", 3, 4) == [(2, 1), (0, 3)]
+    with pytest.raises(ModularError, match="outside the model"):
+        parse_heads("3.0", 3, 4)
+    with pytest.raises(ModularError, match="LAYER.HEAD"):
+        parse_heads("7", 3, 4)
