@@ -35,7 +35,7 @@ def merge(pairs: str = "configs/merge_pairs.yaml", out: str | None = None, limit
     write_json(out_dir / "merge.json", report)
     rows = report["pairs"]
     methods = {r["pair"]["method"] for r in rows}
-    what = "AC" if methods == {"ac"} else "merge"
+    what = "AC" if methods == {"ac"} else "Merge"
     tasks = ", ".join(dict.fromkeys(r["task"] for r in rows))
     figures = {}
     for metric, name in (("frobenius", "merge_gain.png"), ("cka", "merge_gain_cka.png")):

@@ -50,6 +50,7 @@ def gain_scatter(path: str | Path, pairs: list[dict], corr: dict, metric: str = 
     for x, y, p in zip(xs, ys, pairs):
         ax.annotate(p["label"], (x, y), xytext=(6, 4), textcoords="offset points", fontsize=8)
     ax.axhline(0.0, color="#999999", linewidth=0.8, zorder=1)
+    ax.margins(x=0.2, y=0.12)  # room for the labels right of the points
     ax.grid(True, linestyle="--", color="#d0d0d0", zorder=0)
     ax.set_xlabel(X_LABELS[metric])
     ax.set_ylabel(f"{what} performance gain on {task} ({what} perf. - avg(A, B) perf.)")

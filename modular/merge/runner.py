@@ -126,7 +126,7 @@ class MergeRunner:
 
         split = split or self.cfg.split
         limit = self.cfg.limit if limit == -1 else limit
-        key = (spec, task, tag, split, limit)
+        key = (spec, task, tag, split, limit, data_tokenizer is not None)
         if key not in self._scores:
             if model is None:
                 model, tokenizer, _ = self.bank.get(spec)
