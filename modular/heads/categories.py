@@ -54,9 +54,9 @@ def response_batch(tokenizer, dataset) -> dict:
 
 def _forward_logits(model, input_ids, attention_mask, keep: int) -> torch.Tensor:
     try:
-        return model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=keep).logits
+        return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=keep).logits
     except TypeError:  # architectures without logits_to_keep: full logits
-        return model(input_ids=input_ids, attention_mask=attention_mask).logits[:, -keep:]
+        return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, -keep:]
 
 
 @torch.no_grad()
