@@ -106,7 +106,7 @@ def plot_attention(curves: dict[str, dict[str, list[float]]], spans: dict[str, t
         for label, per_head in curves.items():
             ys = per_head[head]
             (line,) = ax.plot(range(len(ys)), ys, lw=1.0, label=label)
-            ax.fill_between(range(len(ys)), ys, color=line.get_color(), alpha=0.12)
+            ax.fill_between(range(len(ys)), ys, color=line.get_color(), alpha=0.08)
             a, b = spans.get(label, (0, 0))
             if b > a:
                 ax.axvspan(a - 0.5, b - 0.5, color=line.get_color(), alpha=0.07)

@@ -45,6 +45,7 @@ def directions(
     layers: str | None = None,
     metric: str = "auto",
     max_new_tokens: int = 16,
+    kl_budget: float = 0.1,
     batch_size: int = 16,
     run: str | None = None,
     seed: int = 0,
@@ -72,6 +73,7 @@ def directions(
         metric: auto (choice accuracy when every item has a competing answer, else greedy generation),
             generation or choice.
         max_new_tokens: Length of greedy responses when scoring by generation.
+        kl_budget: Also report the best direction among those whose retain KL stays within this budget.
         batch_size: Prompts per forward pass.
         run: Gated training run folder: analyse its trained (open) model and report the cosine between each
             found direction and the run's designated direction for ``behaviour``.
@@ -164,10 +166,11 @@ def directions(
                                      chosen_layers, max_new_tokens, batch_size, choice_only, desc=f"ablate {fmt}",
                                      baseline=baseline, reference_logp=ref)
     best = best_direction(curves)
-    if best is not None:
-        best = {**best, "baseline_accuracy": baseline["accuracy"]}
-        log.info("best direction: %s layer %d: accuracy %.3f -> %.3f (drop %.3f), retain KL %.4f", best["format"],
-                 best["layer"], baseline["accuracy"], best["accuracy"], best["drop"], best["retain_kl"])
+    best_cheap = best_direction(curves, kl_budget)
+    for label, b in (("best direction", best), (f"best within KL {kl_budget}", best_cheap)):
+        if b is not None:
+            log.info("%s: %s layer %d: accuracy %.3f -> %.3f (drop %.3f), retain KL %.4f", label, b["format"],
+                     b["layer"], baseline["accuracy"], b["accuracy"], b["drop"], b["retain_kl"])
 
     out_dir = Path(out or Path("outputs") / "analysis" / "directions" / f"{_slug(model)}-{_slug(behaviour)}")
     settings = {"model": model, "behaviour": behaviour, "run": run, "formats": fmts, "n_prompts": n,
@@ -190,10 +193,12 @@ def directions(
         figures["designated"] = plot_designated({f: report_formats[f]["designated_cosine"] for f in fmts},
                                                 out_dir / "designated.png",
                                                 f"{behaviour}: found directions vs the run's designated direction")
-    report = {**settings, "baseline": baseline, "best": best, "formats": report_formats, "ablation": curves,
+    report = {**settings, "baseline": baseline, "best": best, "kl_budget": kl_budget,
+              "best_within_kl_budget": best_cheap, "formats": report_formats, "ablation": curves,
               "files": {"directions": out_dir / "directions.safetensors", **figures}}
     write_json(out_dir / "directions.json", report)
-    summary = {"baseline_accuracy": baseline["accuracy"], "best": best or {}}
+    summary = {"baseline_accuracy": baseline["accuracy"], "best": best or {},
+               "best_within_kl_budget": best_cheap or {}}
     if designated is not None:
         summary["max_abs_designated_cosine"] = {f: max(abs(c) for c in report_formats[f]["designated_cosine"])
                                                 for f in fmts}

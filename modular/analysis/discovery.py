@@ -99,9 +99,13 @@ def ablation_curve(model, tokenizer, directions: torch.Tensor, test, retain_prom
     return {"baseline": baseline, "layers": rows}
 
 
-def best_direction(curves: dict[str, dict]) -> dict | None:
-    """The (format, layer) whose ablation removes the most accuracy; ties go to the lower retain KL."""
-    rows = [{"format": fmt, **row} for fmt, c in curves.items() for row in c["layers"]]
+def best_direction(curves: dict[str, dict], max_kl: float | None = None) -> dict | None:
+    """The (format, layer) whose ablation removes the most accuracy; ties go to the lower retain KL.
+
+    ``max_kl``: only directions whose retain KL stays within this budget compete.
+    """
+    rows = [{"format": fmt, **row} for fmt, c in curves.items() for row in c["layers"]
+            if max_kl is None or row["retain_kl"] <= max_kl]
     if not rows:
         return None
     return max(rows, key=lambda r: (round(r["drop"], 9), -r["retain_kl"]))
@@ -132,12 +136,17 @@ def plot_heatmaps(cosines: dict[str, torch.Tensor], path: str | Path, title: str
     """One panel per format: cosine between the directions found at every pair of layers."""
     plt = _plt()
     fig, axes = plt.subplots(1, len(cosines), figsize=(4.2 * len(cosines) + 0.8, 4.0), squeeze=False)
+    from matplotlib.ticker import MaxNLocator
+
     im = None
-    for ax, (fmt, c) in zip(axes[0], cosines.items()):
-        im = ax.imshow(c.numpy(), vmin=-1, vmax=1, cmap="RdBu_r", origin="lower")
+    for j, (ax, (fmt, c)) in enumerate(zip(axes[0], cosines.items())):
+        im = ax.imshow(torch.as_tensor(c).numpy(), vmin=-1, vmax=1, cmap="RdBu_r", origin="lower")
         ax.set_title(f"{fmt}")
         ax.set_xlabel("layer")
-        ax.set_ylabel("layer")
+        if j == 0:
+            ax.set_ylabel("layer")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     fig.colorbar(im, ax=axes[0].tolist(), shrink=0.85, label="cosine similarity")
     fig.suptitle(title)
     path = Path(path)
