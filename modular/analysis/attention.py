@@ -113,7 +113,15 @@ def plot_attention(curves: dict[str, dict[str, list[float]]], spans: dict[str, t
         ax.set_title(f"Average attention on Head {head}")
         ax.set_xlabel("token position")
         ax.set_ylabel("average attention")
-        ax.set_ylim(bottom=0)
+        # the first position is often an attention sink that would flatten every other position: clip it
+        rest = max((max(per_head[head][1:], default=0.0) for per_head in curves.values()), default=0.0)
+        first = max(per_head[head][0] for per_head in curves.values())
+        if rest > 0 and first > 1.5 * rest:
+            ax.set_ylim(0, 1.15 * rest)
+            ax.annotate(f"position 0: up to {first:.2f} (off scale)", (0.99, 0.95), xycoords="axes fraction",
+                        ha="right", va="top", fontsize=8)
+        else:
+            ax.set_ylim(bottom=0)
         ax.legend(loc="upper left", fontsize=8)
     fig.suptitle(suptitle, fontsize=10)
     fig.tight_layout()
