@@ -51,9 +51,9 @@ def directions(
     seed: int = 0,
     out: str | None = None,
 ) -> dict:
-    """Discover behaviour directions by difference in means at every layer and measure what ablating them does;
-    writes directions.safetensors, directions.json, heatmap.png and ablation.png (and logs to W&B).
+    """Behaviour directions by difference in means at every layer, and what ablating each one removes.
 
+    Writes directions.safetensors, directions.json, heatmap.png and ablation.png (and logs to W&B).
     Direction of layer i = normalised mean(behaviour prompts) − mean(contrast prompts) of the residual stream
     leaving block i, averaged over the format's suffix positions (chat: the template tokens after the content,
     aligned by left padding; newline: the trailing newline; raw: the last token). Contrast prompts are retain
@@ -227,10 +227,9 @@ def attention(
     batch_size: int = 16,
     out: str | None = None,
 ) -> dict:
-    """Token insertion: task accuracy with and without N inserted tokens between instruction and problem, and
-    the average attention of chosen heads by token position; writes attention.json beside accuracy.png,
-    attention.png (and sweep.png), and logs to W&B.
+    """Token insertion: accuracy with and without N inserted tokens, and attention of chosen heads by position.
 
+    Writes attention.json beside accuracy.png, attention.png (and sweep.png), and logs to W&B.
     Where the span goes: chat tasks get ``<instruction line>\\n<filler>\\n<problem>`` (the instruction line is
     the prompt's first line if it has several, else ``--instruction``); the baseline is the same message
     without the filler line. Completion tasks (raw text) get the filler as a prefix line. Meaningless filler
