@@ -28,14 +28,16 @@ def read_run(run_dir: str | Path) -> Run:
     if not (path / "run.json").is_file():
         raise ModularError(f"{path} is not a finished training run (no run.json); train with train.py fit first")
     record = json.loads((path / "run.json").read_text())
-    dirs = load_file(str(path / "directions.safetensors"))
     behaviours = record["behaviours"]
+    # a run without gated behaviours (sparse post-training) has no directions
+    dirs = load_file(str(path / "directions.safetensors")) if behaviours else {}
     return Run(path, record["model_name"], behaviours, {b: dirs[b] for b in behaviours}, record)
 
 
 def load_open_model(run: Run):
     """The trained ("open") model of a run: the base model with the checkpoint's trained weights
-    (LoRA adapters merged)."""
+    (LoRA adapters merged). A run trained with head gates comes back as a plain model with its
+    deterministic gates folded into the attention output projections (closed heads: zero columns)."""
     from modular.models import load_model
 
     recorded = Path(run.record.get("checkpoint") or "last.ckpt")
@@ -46,18 +48,39 @@ def load_open_model(run: Run):
     ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False, mmap=True)
     state = {k[len("model."):]: v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
     model = load_model(run.model_name)
+    gated = any(".head_gate." in k for k in state)
     if run.record.get("finetuning") == "lora":
         from peft import LoraConfig, get_peft_model
 
         hp = ckpt.get("hyper_parameters", {})
         model = get_peft_model(model, LoraConfig(r=hp.get("lora_rank", 16), lora_alpha=hp.get("lora_alpha", 32),
                                                  target_modules="all-linear", lora_dropout=0.0))
+        if gated:  # the gates wrap the LoRA-wrapped projections, as in training
+            from modular.heads.gates import install_head_gates
+
+            install_head_gates(model.get_base_model())
         missing = model.load_state_dict(state, strict=False)
         if missing.unexpected_keys:
             raise ModularError(f"checkpoint does not fit the model: {missing.unexpected_keys[:3]}")
+        if gated:  # unwrap the gates before merging, fold them into the merged weights after
+            from modular.heads.gates import deterministic_gate_values, remove_head_gates, scale_head_columns
+
+            values = deterministic_gate_values(model)
+            remove_head_gates(model.get_base_model())
+            model = model.merge_and_unload()
+            scale_head_columns(model, values)
+            return model.eval()
         model = model.merge_and_unload()
     else:
+        if gated:
+            from modular.heads.gates import install_head_gates
+
+            install_head_gates(model)
         result = model.load_state_dict(state, strict=False)
         if result.unexpected_keys:
             raise ModularError(f"checkpoint does not fit the model: {result.unexpected_keys[:3]}")
+    if gated:
+        from modular.heads.gates import fold_head_gates
+
+        fold_head_gates(model)
     return model.eval()

@@ -47,12 +47,57 @@ class LockMetricsCallback(Callback):
         retain = dm.retain["validation"]
         ref = dm.reference_first_logp["validation"]
         metrics["val/retain/first_token_kl_open"] = first_token_kl(model, tok, retain["prompt"], retain["chat"], ref)
-        with ablate_directions(adapter, dirs):
-            metrics["val/retain/first_token_kl_locked"] = first_token_kl(
-                model, tok, retain["prompt"], retain["chat"], ref
-            )
+        if len(pl_module.behaviours):  # nothing is locked without behaviours
+            with ablate_directions(adapter, dirs):
+                metrics["val/retain/first_token_kl_locked"] = first_token_kl(
+                    model, tok, retain["prompt"], retain["chat"], ref
+                )
         for name, value in metrics.items():
             pl_module.log(name, value, batch_size=1, rank_zero_only=True)
+
+
+class SparseHeadsCallback(Callback):
+    """After each validation (deterministic gates): the number of open heads, the tasks' accuracy on
+    their validation split (greedy responses) and the perplexity of the held-out neutral text
+    (validation split); writes the gate values to ``head_gates.json`` in the run folder.
+
+    Args:
+        limit: Score at most this many validation items per task.
+        max_new_tokens: Length of greedy responses.
+    """
+
+    def __init__(self, limit: int | None = 32, max_new_tokens: int = 8):
+        self.limit = limit
+        self.max_new_tokens = max_new_tokens
+
+    @torch.no_grad()
+    def on_validation_epoch_end(self, trainer, pl_module) -> None:
+        if trainer.sanity_checking or not pl_module.hparams.head_gates:
+            return
+        from pathlib import Path
+
+        from modular.data import neutral_text
+        from modular.evaluation.retain import perplexity
+        from modular.heads.gates import deterministic_gate_values
+        from modular.tracking import write_json
+
+        dm = trainer.datamodule
+        model, tok = pl_module.hf_model, dm.tokenizer
+        gates = deterministic_gate_values(model)
+        metrics = {"val/open_heads": float((gates > 0).sum()), "val/closed_heads": float((gates == 0).sum())}
+        for t in getattr(dm, "tasks", []):
+            r = evaluate_behaviour(model, tok, dm.task_data[t]["validation"], self.max_new_tokens, limit=self.limit,
+                                   desc=False)
+            metrics[f"val/{t}/accuracy"] = r.accuracy
+        texts = list(neutral_text(seed=dm.hparams.seed)["validation"]["text"])
+        metrics["val/neutral_perplexity"] = perplexity(model, tok, texts)
+        for name, value in metrics.items():
+            pl_module.log(name, value, batch_size=1, rank_zero_only=True)
+        if trainer.is_global_zero:
+            write_json(Path(trainer.default_root_dir) / "head_gates.json", {
+                "global_step": trainer.global_step, "open_heads": int((gates > 0).sum()), "n_heads": gates.numel(),
+                "gates": gates.tolist(),
+            })
 
 
 class RunRecordCallback(Callback):
@@ -69,12 +114,21 @@ class RunRecordCallback(Callback):
         run_dir = Path(trainer.default_root_dir)
         ckpt = next((c.last_model_path for c in trainer.checkpoint_callbacks if c.last_model_path), None)
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
+        gates = {}
+        if pl_module.hparams.get("head_gates", False):
+            from modular.heads.gates import deterministic_gate_values
+
+            values = deterministic_gate_values(pl_module.hf_model)
+            gates = {"open_heads": int((values > 0).sum()), "n_heads": values.numel()}
         write_json(run_dir / "run.json", {
             "model_name": pl_module.hparams.model_name,
             "behaviours": pl_module.behaviours,
             "finetuning": pl_module.hparams.finetuning,
             "direction_strategy": pl_module.hparams.direction_strategy,
+            "tasks": list(getattr(trainer.datamodule, "tasks", [])),
+            "head_gates": bool(pl_module.hparams.get("head_gates", False)),
             "checkpoint": ckpt,
             "global_step": trainer.global_step,
             "metrics": metrics,
+            **gates,
         })

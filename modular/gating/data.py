@@ -27,6 +27,28 @@ class _Rows(Dataset):
         return self.rows[i]
 
 
+def _pad_ref(items: list[dict], key: str, n: int) -> torch.Tensor:
+    """Reference tensors are aligned with the label positions: left-pad them to ``n`` positions."""
+    k = items[0][key].shape[-1]
+    out = torch.zeros(len(items), n, k, dtype=torch.float32 if "logp" in key else torch.long)
+    for i, it in enumerate(items):
+        t = it[key]
+        out[i, n - t.shape[0]:] = t.to(out.dtype)
+    return out
+
+
+def _collate_part(base: LeftPadCollator, items: list[dict], which: str) -> dict:
+    encs = [it[which] if which in it else it for it in items]
+    batch = base([{"input_ids": e["input_ids"], "labels": e["labels"]} for e in encs])
+    if "topk_ids" in items[0]:
+        n = batch["input_ids"].shape[1] - 1  # positions that predict a next token
+        batch["topk_ids"] = _pad_ref(items, "topk_ids", n)
+        batch["topk_logp"] = _pad_ref(items, "topk_logp", n)
+        if "first_logp" in items[0]:
+            batch["first_logp"] = torch.stack([it["first_logp"] for it in items])
+    return batch
+
+
 def split_collate(pad_token_id: int, pad_extra: dict[str, float] | None = None):
     """Collate a list of items into ``{"open": batch, "locked": batch}``: the first half of the items
     is seen in the open state, the second half in the locked state (no example is duplicated).
@@ -35,40 +57,45 @@ def split_collate(pad_token_id: int, pad_extra: dict[str, float] | None = None):
     """
     base = LeftPadCollator(pad_token_id)
 
-    def pad_ref(items, key, n):  # reference tensors are aligned with the label positions
-        k = items[0][key].shape[-1]
-        out = torch.zeros(len(items), n, k, dtype=torch.float32 if "logp" in key else torch.long)
-        for i, it in enumerate(items):
-            t = it[key]
-            out[i, n - t.shape[0]:] = t.to(out.dtype)
-        return out
-
-    def collate_part(items, which):
-        encs = [it[which] if which in it else it for it in items]
-        batch = base([{"input_ids": e["input_ids"], "labels": e["labels"]} for e in encs])
-        if "topk_ids" in items[0]:
-            n = batch["input_ids"].shape[1] - 1  # positions that predict a next token
-            batch["topk_ids"] = pad_ref(items, "topk_ids", n)
-            batch["topk_logp"] = pad_ref(items, "topk_logp", n)
-            batch["first_logp"] = torch.stack([it["first_logp"] for it in items])
-        return batch
-
     def collate(items: list[dict]) -> dict:
         half = (len(items) + 1) // 2
-        out = {"open": collate_part(items[:half], "open"), "locked": collate_part(items[half:], "locked")}
+        out = {"open": _collate_part(base, items[:half], "open"), "locked": _collate_part(base, items[half:], "locked")}
         if "open" in items[0]:  # behaviours: the locked half with its true targets (for unlikelihood)
-            out["locked_true"] = collate_part(items[half:], "open")
+            out["locked_true"] = _collate_part(base, items[half:], "open")
         return out
 
     return collate
 
 
+def open_collate(pad_token_id: int):
+    """Collate items seen in the open state only (tasks, LM texts) into ``{"open": batch}``."""
+    base = LeftPadCollator(pad_token_id)
+
+    def collate(items: list[dict]) -> dict:
+        return {"open": _collate_part(base, items, "open")}
+
+    return collate
+
+
+#: batch keys of tasks (trained in the open state only) start with this prefix
+TASK_PREFIX = "task:"
+
+
 class GatingDataModule(L.LightningDataModule):
     """Behaviour and retain data for gated training.
 
+    Besides the gated behaviours (and for sparse post-training, instead of them) the module can
+    train *tasks* in the open state only (CE on their targets; batch keys ``task:<name>``) and
+    keep language modelling on raw text (``lm``: KL to the reference's next-token distributions
+    at every position of the training split of the built-in neutral text; its test split stays
+    held out for perplexity).
+
     Args:
         model_name: Model reference (linked from the model's ``model_name``); its tokenizer formats the data.
-        behaviours: Behaviours to gate: built-in names, .jsonl files or hf:<dataset>.
+        behaviours: Behaviours to gate: built-in names, .jsonl files or hf:<dataset>; may be empty.
+        tasks: Behaviours trained in the open state only, never locked (e.g. for sparse post-training).
+        lm_text: ``neutral`` adds LM batches of the built-in neutral text (train split); ``null``: none.
+        lm_max_length: Truncate each LM text to this many tokens.
         locked_response: What the model should answer in the locked state.
         batch_size: Examples per behaviour and per retain batch (half open, half locked).
         max_length: Truncate encodings to this many tokens (from the left).
@@ -82,6 +109,9 @@ class GatingDataModule(L.LightningDataModule):
         self,
         model_name: str = "smollm2-135m-instruct",
         behaviours: list[str] = ("capitals",),
+        tasks: list[str] = (),
+        lm_text: str | None = None,
+        lm_max_length: int = 128,
         locked_response: str = "I don't know.",
         batch_size: int = 8,
         max_length: int = 256,
@@ -93,6 +123,15 @@ class GatingDataModule(L.LightningDataModule):
         super().__init__()
         self.save_hyperparameters()
         self.behaviours = list(behaviours)
+        self.tasks = list(tasks)
+        if lm_text not in (None, "neutral"):
+            from modular import ModularError
+
+            raise ModularError(f"lm_text must be 'neutral' or null, got '{lm_text}'")
+        if not self.behaviours and not self.tasks:
+            from modular import ModularError
+
+            raise ModularError("nothing to train: give at least one behaviour or one task")
         self._ready = False
 
     # --- data --------------------------------------------------------------------------------
@@ -103,7 +142,12 @@ class GatingDataModule(L.LightningDataModule):
         self.behaviour_data = {
             b: load_behaviour(b, seed=self.hparams.seed, tokenizer=self.tokenizer) for b in self.behaviours
         }
+        self.task_data = {t: load_behaviour(t, seed=self.hparams.seed, tokenizer=self.tokenizer) for t in self.tasks}
         self.retain = retain_data(seed=self.hparams.seed)
+        if self.hparams.lm_text:
+            from modular.data import neutral_text
+
+            self.lm_texts = neutral_text(seed=self.hparams.seed)
 
     def reference(self, model=None) -> dict:
         """Cached reference outputs for every retain prompt (train, validation and test)."""
@@ -120,10 +164,26 @@ class GatingDataModule(L.LightningDataModule):
         return load_or_compute(source, model, self.tokenizer, prompts, chats, hp.reference_max_new_tokens,
                                hp.reference_top_k)
 
+    def lm_reference(self) -> dict[str, list[dict]]:
+        """Cached reference next-token distributions on the LM texts (train and validation splits)."""
+        from modular.gating.reference import load_or_compute_text
+        from modular.models import load_model
+        from modular.models.loading import resolve_model
+
+        hp = self.hparams
+        texts = {s: list(self.lm_texts[s]["text"]) for s in ("train", "validation")}
+        flat = texts["train"] + texts["validation"]
+        records = load_or_compute_text(resolve_model(hp.model_name), lambda: load_model(hp.model_name),
+                                       self.tokenizer, flat, hp.lm_max_length, hp.reference_top_k)
+        n = len(texts["train"])
+        return {"train": records[:n], "validation": records[n:]}
+
     def prepare_data(self) -> None:
         """Runs on one process: computes the reference cache so other processes only read it."""
         self._load()
         self.reference()
+        if self.hparams.lm_text:
+            self.lm_reference()
 
     def setup(self, stage: str | None = None) -> None:
         if self._ready:
@@ -157,7 +217,23 @@ class GatingDataModule(L.LightningDataModule):
             }
             for b, ds in self.behaviour_data.items()
         }
+        self.task_rows = {
+            t: {s: [{"open": encode_example(self.tokenizer, r["prompt"], r["target"], r["chat"], hp.max_length)}
+                    for r in ds[s]] for s in ("train", "validation")}
+            for t, ds in self.task_data.items()
+        }
+        self.lm_rows = {}
+        if hp.lm_text:
+            self.lm_rows = {s: [self._lm_item(rec) for rec in recs] for s, recs in self.lm_reference().items()}
         self._ready = True
+
+    @staticmethod
+    def _lm_item(rec: dict) -> dict:
+        ids = rec["input_ids"]
+        labels = list(ids)
+        labels[0] = IGNORE  # the first token is predicted by nothing
+        return {"input_ids": ids, "labels": labels, "topk_ids": rec["topk_ids"].long(),
+                "topk_logp": rec["topk_logp"].float()}
 
     def _retain_item(self, rec: dict) -> dict:
         ids, labels = rec["input_ids"], rec["labels"]
@@ -177,6 +253,11 @@ class GatingDataModule(L.LightningDataModule):
                   drop_last=shuffle)
         loaders = {b: DataLoader(_Rows(rows[split]), shuffle=shuffle, **kw) for b, rows in self.behaviour_rows.items()}
         loaders["retain"] = DataLoader(_Rows(self.retain_rows[split]), shuffle=shuffle, **kw)
+        kw["collate_fn"] = open_collate(self.tokenizer.pad_token_id)
+        for t, rows in self.task_rows.items():
+            loaders[f"{TASK_PREFIX}{t}"] = DataLoader(_Rows(rows[split]), shuffle=shuffle, **kw)
+        if self.lm_rows:
+            loaders["lm"] = DataLoader(_Rows(self.lm_rows[split]), shuffle=shuffle, **kw)
         return CombinedLoader(loaders, mode="max_size_cycle" if shuffle else "min_size")
 
     def train_dataloader(self):

@@ -11,6 +11,7 @@ import lightning as L
 import torch
 
 from modular.data.formatting import IGNORE
+from modular.gating.data import TASK_PREFIX
 from modular.gating.losses import first_token_kl, token_ce, topk_kl, unlikelihood
 from modular.hooks import ablate_directions
 from modular.models.adapter import ArchitectureAdapter
@@ -43,11 +44,19 @@ def concat_left_padded(batches: list[dict], pad_token_id: int) -> dict:
 
 
 class GatedLM(L.LightningModule):
-    """Fine-tunes a causal LM so that each gated behaviour lives in its own residual direction.
+    """Fine-tunes a causal LM so that each gated behaviour lives in its own residual direction,
+    optionally with hard-concrete head gates under a sparsity pressure (sparse post-training).
+
+    With ``head_gates`` every layer's attention output projection is wrapped in a
+    :class:`~modular.heads.gates.GatedOutputProjection` (registered parameters: the optimizer,
+    FSDP and checkpoints see them). ``sparsity`` adds ``λ·E[L0]/N`` (``penalty``) or minimises it
+    under the constraint ``lm_loss ≤ τ`` (``constraint``, GECO multiplier); ``lm_loss`` is the sum of
+    the LM-keeping terms (retain KL to the reference and the LM-text KL). Sparse post-training
+    needs no behaviour to lock: give ``behaviours: []`` and the DataModule's ``tasks``.
 
     Args:
         model_name: Model reference: built-in alias, .gguf file, local HF folder or hub id.
-        behaviours: Behaviours to gate (one direction each); must match the data's behaviours.
+        behaviours: Behaviours to gate (one direction each); must match the data's behaviours; may be empty.
         direction_strategy: How to choose directions: low_variance, random, diff_in_means or file.
         direction_files: One direction file per behaviour (strategy ``file``): safetensors key ``direction``.
         direction_fraction: low_variance: sample inside this lowest fraction of principal components.
@@ -57,13 +66,23 @@ class GatedLM(L.LightningModule):
         first_token_weight: Weight of a full-vocabulary KL at the first retain response token (the top-k KL
             covers every response token coarsely; the first token's distribution is the flattest).
         locked_objective: ``refusal`` (CE to the locked response) or ``unlikelihood`` (push the true answer down).
-        finetuning: ``full`` or ``lora``.
+        finetuning: ``full``, ``lora`` or ``none`` (model frozen: only head gates train).
         lora_rank: LoRA rank (finetuning=lora).
         lora_alpha: LoRA alpha (finetuning=lora).
         lr: AdamW learning rate.
         weight_decay: AdamW weight decay.
         warmup_steps: Linear warm-up steps.
         seed: Seed of direction choice and of state assignment.
+        task_weight: Weight of the CE of the DataModule's tasks (open state only).
+        head_gates: Install hard-concrete gates on every attention head (on the output projection's input).
+        gate_init: Initial log α of the gates (3.0: deterministic gate 1, model unchanged).
+        gate_lr: AdamW learning rate of the gate parameters (no weight decay).
+        sparsity: ``none``, ``penalty`` (λ·E[L0]/N added) or ``constraint`` (minimise λ·E[L0]/N s.t. lm_loss ≤ τ).
+        sparsity_weight: λ, weight of the expected fraction of open heads E[L0]/N.
+        lm_loss_target: τ of the constraint (sparsity: constraint).
+        multiplier_lr: η of the multiplicative ascent on the Lagrange multiplier.
+        multiplier_ema: Decay of the moving average of the constraint violation.
+        multiplier_init: Initial Lagrange multiplier.
     """
 
     def __init__(
@@ -85,14 +104,32 @@ class GatedLM(L.LightningModule):
         weight_decay: float = 0.0,
         warmup_steps: int = 0,
         seed: int = 0,
+        task_weight: float = 1.0,
+        head_gates: bool = False,
+        gate_init: float = 3.0,
+        gate_lr: float = 0.05,
+        sparsity: str = "none",
+        sparsity_weight: float = 1.0,
+        lm_loss_target: float | None = None,
+        multiplier_lr: float = 0.1,
+        multiplier_ema: float = 0.9,
+        multiplier_init: float = 1.0,
     ):
         super().__init__()
         self.save_hyperparameters()
         from modular import ModularError
         from modular.models import load_model
 
-        if finetuning not in ("full", "lora"):
-            raise ModularError(f"finetuning must be 'full' or 'lora', got '{finetuning}'")
+        from modular.heads.sparsity import make_sparsity
+
+        if finetuning not in ("full", "lora", "none"):
+            raise ModularError(f"finetuning must be 'full', 'lora' or 'none', got '{finetuning}'")
+        if finetuning == "none" and not head_gates:
+            raise ModularError("finetuning 'none' trains nothing without head_gates: true")
+        if sparsity != "none" and not head_gates:
+            raise ModularError(f"sparsity '{sparsity}' needs head_gates: true")
+        self.sparsity = make_sparsity(sparsity, sparsity_weight, lm_loss_target, multiplier_lr, multiplier_ema,
+                                      multiplier_init)
         if locked_objective not in ("refusal", "unlikelihood"):
             raise ModularError(f"locked_objective must be 'refusal' or 'unlikelihood', got '{locked_objective}'")
         self.behaviours = list(behaviours)
@@ -102,7 +139,13 @@ class GatedLM(L.LightningModule):
 
             model = get_peft_model(model, LoraConfig(r=lora_rank, lora_alpha=lora_alpha, target_modules="all-linear",
                                                      lora_dropout=0.0))
+        elif finetuning == "none":
+            model.requires_grad_(False)
         self.model = model.train()  # loaded in eval mode; dropout (if any) belongs to training
+        if head_gates:  # after LoRA, so a gate wraps the (LoRA-wrapped) output projection
+            from modular.heads.gates import install_head_gates
+
+            install_head_gates(self.hf_model, init_log_alpha=gate_init)
         d = ArchitectureAdapter(self.hf_model).d_model
         # the designated directions (k, d): a persistent buffer, saved in every checkpoint
         self.register_buffer("directions", torch.zeros(len(self.behaviours), d))
@@ -123,7 +166,7 @@ class GatedLM(L.LightningModule):
 
     # --- directions ----------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
-        if self.directions.abs().sum() > 0:
+        if not self.behaviours or self.directions.abs().sum() > 0:
             return
         dm = self.trainer.datamodule
         run_dir = Path(self.trainer.default_root_dir)
@@ -166,6 +209,11 @@ class GatedLM(L.LightningModule):
             pieces.append((extra | {i}, locked, locked_kind, f"{b}/locked_{locked_kind}"))
         pieces.append((frozenset(), batch["retain"]["open"], "kl", "retain/open_kl"))
         pieces.append((all_idx, batch["retain"]["locked"], "kl", "retain/locked_kl"))
+        for key in batch:
+            if key.startswith(TASK_PREFIX):
+                pieces.append((frozenset(), batch[key]["open"], "ce", f"{key[len(TASK_PREFIX):]}/task_ce"))
+        if "lm" in batch:
+            pieces.append((frozenset(), batch["lm"]["open"], "lm_kl", "lm/kl"))
         return [p for p in pieces if p[1]["input_ids"].shape[0] > 0]
 
     def _loss_of(self, kind: str, logits: torch.Tensor, piece: dict) -> torch.Tensor:
@@ -173,6 +221,8 @@ class GatedLM(L.LightningModule):
             return token_ce(logits, piece["labels"])
         if kind == "unlikelihood":
             return unlikelihood(logits, piece["labels"])
+        if kind == "lm_kl":
+            return topk_kl(logits, piece["labels"], piece["topk_ids"], piece["topk_logp"])
         kl = topk_kl(logits, piece["labels"], piece["topk_ids"], piece["topk_logp"])
         if self.hparams.first_token_weight:
             kl = kl + self.hparams.first_token_weight * first_token_kl(logits, piece["labels"], piece["first_logp"])
@@ -203,22 +253,45 @@ class GatedLM(L.LightningModule):
                 terms[name] = self._loss_of(kind, logits[row:row + n], sub)
                 row += n
         total = torch.zeros((), device=self.device)
+        lm_loss = torch.zeros((), device=self.device)
         for name, value in terms.items():
-            weight = hp.retain_weight if name.startswith("retain/") else 1.0
+            keeps_lm = name.startswith(("retain/", "lm/"))
+            weight = hp.retain_weight if keeps_lm else hp.task_weight if name.endswith("/task_ce") else 1.0
             if "/locked" in name:
                 weight *= hp.locked_weight
             total = total + weight * value
+            if keeps_lm:
+                lm_loss = lm_loss + weight * value
+        if hp.head_gates:
+            from modular.heads.gates import expected_l0
+
+            l0 = expected_l0(self.hf_model)
+            terms["expected_l0"] = l0
+            terms["lm_loss"] = lm_loss
+            if self.sparsity is not None:
+                n_heads = self.adapter.n_layers * self.adapter.n_heads
+                total = self.sparsity(total, lm_loss, l0 / n_heads)
         return total, terms
 
     @staticmethod
     def _batch_size(batch: dict) -> int:
-        return sum(v["open"]["input_ids"].shape[0] + v["locked"]["input_ids"].shape[0] for v in batch.values())
+        return sum(p["input_ids"].shape[0] for v in batch.values() for k, p in v.items() if k in ("open", "locked"))
 
     def training_step(self, batch, batch_idx):
         loss, terms = self.model_step(batch, train=True)
         bs = self._batch_size(batch)
         self.log("train/loss", loss, prog_bar=True, batch_size=bs)
         self.log_dict({f"train/{k}": v.detach() for k, v in terms.items()}, batch_size=bs)
+        if self.hparams.head_gates:
+            from modular.heads.gates import open_heads
+
+            self.log("train/open_heads", float(open_heads(self.hf_model)), prog_bar=True, batch_size=bs)
+        if self.sparsity is not None:
+            lm_loss = terms["lm_loss"].detach()
+            if self._trainer is not None and self.trainer.world_size > 1:  # one μ on every process
+                lm_loss = self.trainer.strategy.reduce(lm_loss, reduce_op="mean")
+            self.sparsity.update(lm_loss.item())  # μ for the next step
+            self.log_dict({f"train/{k}": v for k, v in self.sparsity.metrics().items()}, batch_size=bs)
         return loss
 
     def validation_step(self, batch, batch_idx):
@@ -229,8 +302,12 @@ class GatedLM(L.LightningModule):
 
     # --- optimisation ----------------------------------------------------------------------------
     def configure_optimizers(self):
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
+        gates = [p for n, p in self.model.named_parameters() if p.requires_grad and "head_gate." in n]
+        params = [p for n, p in self.model.named_parameters() if p.requires_grad and "head_gate." not in n]
+        groups = [{"params": params}] if params else []
+        if gates:
+            groups.append({"params": gates, "lr": self.hparams.gate_lr, "weight_decay": 0.0})
+        opt = torch.optim.AdamW(groups, lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
         if not self.hparams.warmup_steps:
             return opt
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / self.hparams.warmup_steps))
@@ -240,9 +317,10 @@ class GatedLM(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         trainable = {f"model.{n}" for n, p in self.model.named_parameters() if p.requires_grad}
         checkpoint["state_dict"] = {
-            k: v for k, v in checkpoint["state_dict"].items() if k in trainable or not k.startswith("model.")
+            k: v for k, v in checkpoint["state_dict"].items()
+            if k in trainable or not k.startswith("model.") or ".head_gate." in k  # gates' fixed values too
         }
         checkpoint["modular"] = {"behaviours": self.behaviours, "model_name": self.hparams.model_name,
-                                 "finetuning": self.hparams.finetuning}
+                                 "finetuning": self.hparams.finetuning, "head_gates": self.hparams.head_gates}
 
     strict_loading = False

@@ -68,3 +68,38 @@ def load_or_compute(model_source: str, model, tokenizer, prompts: list[str], cha
     torch.save(ref, tmp)
     os.replace(tmp, path)
     return ref
+
+
+def text_cache_path(model_source: str, texts: list[str], max_length: int, top_k: int) -> Path:
+    key = json.dumps(["text", str(model_source), texts, max_length, top_k])
+    return cache_dir() / "reference" / f"text-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
+
+
+@torch.no_grad()
+def compute_text_reference(model, tokenizer, texts: list[str], max_length: int = 128, top_k: int = 32) -> list[dict]:
+    """For raw texts (language modelling): token ids and the reference's top-k next-token
+    log-probabilities at every position."""
+    records = []
+    for text in tqdm(texts, desc="reference on LM texts", leave=False):
+        ids = tokenizer(text, truncation=True, max_length=max_length)["input_ids"]
+        logp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0, :-1].float(), -1)
+        top = logp.topk(top_k, dim=-1)
+        records.append({"input_ids": ids, "topk_ids": top.indices.to(torch.int32),
+                        "topk_logp": top.values.to(torch.float16)})
+    return records
+
+
+def load_or_compute_text(model_source: str, load_model, tokenizer, texts: list[str], max_length: int = 128,
+                         top_k: int = 32) -> list[dict]:
+    """:func:`compute_text_reference` from the on-disk cache; ``load_model()`` is called only on a miss."""
+    path = text_cache_path(model_source, texts, max_length, top_k)
+    if path.exists():
+        return torch.load(path, weights_only=False)
+    log.info("computing reference outputs for %d LM texts (cached in %s)", len(texts), path)
+    records = compute_text_reference(load_model(), tokenizer, texts, max_length, top_k)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix="tmp-ref-", suffix=".pt")
+    os.close(fd)
+    torch.save(records, tmp)
+    os.replace(tmp, path)
+    return records

@@ -44,6 +44,12 @@ class HardConcreteGate(nn.Module):
         z = (s * (self.r - self.l) + self.l).clamp(0.0, 1.0)
         return torch.where(torch.isnan(self.fixed), z, self.fixed)
 
+    @torch.no_grad()
+    def deterministic(self) -> torch.Tensor:
+        """The evaluation-time gate values, whatever the module's mode."""
+        z = (torch.sigmoid(self.log_alpha) * (self.r - self.l) + self.l).clamp(0.0, 1.0)
+        return torch.where(torch.isnan(self.fixed), z, self.fixed)
+
     def expected_l0(self) -> torch.Tensor:
         """Expected number of non-zero gates."""
         p = torch.sigmoid(self.log_alpha - self.beta * math.log(-self.l / self.r))
@@ -95,3 +101,59 @@ def gate_values(model: nn.Module) -> torch.Tensor:
     """Current (deterministic in eval mode) gates as an (n_layers, n_heads) tensor."""
     adapter = ArchitectureAdapter(model)
     return torch.stack([adapter.attn_out(i).head_gate() for i in range(adapter.n_layers)])
+
+
+def head_gate_modules(model: nn.Module) -> list[HardConcreteGate]:
+    """Every installed head gate, in layer order (empty when none are installed)."""
+    return [m for m in model.modules() if isinstance(m, HardConcreteGate)]
+
+
+def expected_l0(model: nn.Module) -> torch.Tensor:
+    """Expected number of open heads over all installed gates (differentiable)."""
+    gates = head_gate_modules(model)
+    if not gates:
+        raise ValueError("no head gates installed")
+    return torch.stack([g.expected_l0() for g in gates]).sum()
+
+
+def deterministic_gate_values(model: nn.Module) -> torch.Tensor:
+    """Evaluation-time gates as an (n_layers, n_heads) tensor, whatever the model's mode."""
+    return torch.stack([g.deterministic() for g in head_gate_modules(model)])
+
+
+def open_heads(model: nn.Module) -> int:
+    """Number of heads whose deterministic gate is non-zero."""
+    return int((deterministic_gate_values(model) > 0).sum())
+
+
+@torch.no_grad()
+def scale_head_columns(model: nn.Module, values: torch.Tensor) -> None:
+    """Multiply each head's slice of every (plain) output projection's input columns by ``values[layer, head]``."""
+    from modular.models.adapter import weight_out_in
+
+    adapter = ArchitectureAdapter(model)
+    for i in range(adapter.n_layers):
+        base = adapter.attn_out(i)
+        if hasattr(base, "base_layer"):
+            raise ValueError(f"layer {i}: remove gates and merge adapters (e.g. LoRA) before scaling head columns")
+        w = weight_out_in(base)  # (out, in) view, also for GPT-2 Conv1D
+        z = values[i].to(device=w.device, dtype=w.dtype)
+        w.mul_(z.repeat_interleave(w.shape[1] // adapter.n_heads)[None, :])
+
+
+@torch.no_grad()
+def fold_head_gates(model: nn.Module) -> torch.Tensor:
+    """Bake the deterministic gates into the weights and remove the wrappers.
+
+    Each head's slice of the output projection's input columns is multiplied by its gate
+    (heads with gate 0 become zero columns; the bias is untouched, as in the gated forward),
+    so the plain model computes what the gated model computes in evaluation mode.
+    Returns the folded gate values (n_layers, n_heads). With LoRA, take
+    :func:`deterministic_gate_values`, :func:`remove_head_gates`, merge, then :func:`scale_head_columns`.
+    """
+    values = deterministic_gate_values(model)
+    if len(values) != ArchitectureAdapter(model).n_layers:
+        raise ValueError("head gates are not installed on every layer")
+    remove_head_gates(model)
+    scale_head_columns(model, values)
+    return values

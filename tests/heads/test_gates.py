@@ -50,3 +50,39 @@ def test_gate_fixed_at_one_leaves_logits_unchanged_whatever_log_alpha(tiny_model
     for i in range(a.n_layers):
         a.attn_out(i).head_gate.fixed[:] = 1.0
     torch.testing.assert_close(tiny_model(tokens).logits, ref, atol=0, rtol=0)
+
+
+def test_gate_fixed_at_one_leaves_logits_unchanged(tiny_model, tokens):
+    ref = tiny_model(tokens).logits
+    install_head_gates(tiny_model, init_log_alpha=-1.0)  # learned gates would be fractional
+    a = ArchitectureAdapter(tiny_model)
+    for i in range(a.n_layers):
+        a.attn_out(i).head_gate.fixed.fill_(1.0)
+    for m in tiny_model.modules():  # stochastic gates (the rest stays in eval mode: no dropout)
+        if isinstance(m, GatedOutputProjection):
+            m.train()
+    torch.testing.assert_close(tiny_model(tokens).logits, ref, atol=1e-6, rtol=1e-5)
+
+
+def test_folding_deterministic_gates_gives_the_gated_logits(tiny_model, tokens):
+    from modular.heads.gates import deterministic_gate_values, fold_head_gates, open_heads
+
+    install_head_gates(tiny_model)
+    a = ArchitectureAdapter(tiny_model)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for i in range(a.n_layers):
+            a.attn_out(i).head_gate.log_alpha.copy_(torch.randn(a.n_heads, generator=g) * 3)
+        a.attn_out(0).head_gate.log_alpha[0] = -8.0  # closed
+        a.attn_out(0).head_gate.log_alpha[1] = 0.2  # half open
+    tiny_model.train()
+    values = deterministic_gate_values(tiny_model)  # whatever the mode
+    tiny_model.eval()
+    torch.testing.assert_close(values, gate_values(tiny_model))
+    assert values[0, 0] == 0 and 0 < values[0, 1] < 1
+    assert open_heads(tiny_model) == int((values > 0).sum())
+    gated = tiny_model(tokens).logits
+    folded = fold_head_gates(tiny_model)
+    torch.testing.assert_close(folded, values)
+    assert not any(isinstance(m, GatedOutputProjection) for m in tiny_model.modules())
+    torch.testing.assert_close(tiny_model(tokens).logits, gated, atol=1e-5, rtol=1e-4)

@@ -1,0 +1,191 @@
+"""Sparse post-training: head gates inside the gating LightningModule, tasks without a lock, the LM-text term,
+checkpoints and loading the run folder as a plain model with the gates folded in."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+import yaml
+
+from modular.gating.data import GatingDataModule
+from modular.gating.module import GatedLM
+from modular.heads.gates import GatedOutputProjection, deterministic_gate_values, head_gate_modules
+from modular.models import load_model
+from modular.models.adapter import ArchitectureAdapter
+from tests.conftest import save_tiny_folder
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def tiny_folder(tmp_path_factory, monkeypatch):
+    """Tiny model folders and a cache shared by this module's tests (reference outputs are computed once)."""
+    base = tmp_path_factory.getbasetemp() / "sparse-heads"
+    monkeypatch.setenv("MODULAR_CACHE", str(base / "cache"))
+
+    def make(arch):
+        path = base / arch
+        if not (path / "config.json").exists():
+            save_tiny_folder(path, arch)
+        return path
+
+    return make
+
+
+def _fit(module, dm, root, steps=3):
+    trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        limit_val_batches=0, default_root_dir=str(root))
+    trainer.fit(module, datamodule=dm)
+    return trainer
+
+
+def _sparse(model_dir, **kw):
+    args = dict(model_name=str(model_dir), behaviours=[], head_gates=True, gate_lr=0.1, lr=1e-3)
+    args.update(kw)
+    return GatedLM(**args)
+
+
+def _data(model_dir, **kw):
+    args = dict(model_name=str(model_dir), behaviours=[], tasks=["ioi", "greater_than"], lm_text="neutral",
+                batch_size=4, max_length=64, lm_max_length=32, reference_max_new_tokens=4, reference_top_k=8)
+    args.update(kw)
+    return GatingDataModule(**args)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "gemma3_text"])
+def test_gates_only_training_keeps_base_weights_and_saves_gates(tmp_path, tiny_folder, arch):
+    model_dir = tiny_folder(arch)
+    module = _sparse(model_dir, finetuning="none", sparsity="penalty", sparsity_weight=1.0)
+    names = [n for n, _ in module.named_parameters()]
+    n_layers = ArchitectureAdapter(module.hf_model).n_layers
+    assert sum(n.endswith("head_gate.log_alpha") for n in names) == n_layers
+    assert {n for n, p in module.named_parameters() if p.requires_grad} == {n for n in names if "head_gate." in n}
+    trainer = _fit(module, _data(model_dir), tmp_path / "run")
+    base = load_model(str(model_dir)).state_dict()
+    trained = {k.replace(".base_layer", ""): v for k, v in module.hf_model.state_dict().items() if "head_gate" not in k}
+    for k, v in base.items():
+        torch.testing.assert_close(trained[k], v, atol=0, rtol=0)
+    moved = torch.cat([g.log_alpha.detach() for g in head_gate_modules(module.hf_model)])
+    assert not torch.allclose(moved, torch.full_like(moved, 3.0))  # the gates did train
+    path = tmp_path / "gates.ckpt"
+    trainer.save_checkpoint(path)
+    state = torch.load(path, weights_only=False)["state_dict"]
+    assert sum(k.endswith("head_gate.log_alpha") for k in state) == n_layers
+    assert sum(k.endswith("head_gate.fixed") for k in state) == n_layers
+    assert not any(k.endswith("weight") and "head_gate" not in k for k in state)  # frozen base is referenced
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_penalty_lowers_expected_l0_jointly_with_full_finetuning(tmp_path, tiny_folder, arch):
+    model_dir = tiny_folder(arch)
+    module = _sparse(model_dir, sparsity="penalty", sparsity_weight=10.0, gate_lr=0.2, gate_init=0.0)
+    with torch.no_grad():
+        start = sum(g.expected_l0() for g in head_gate_modules(module.hf_model)).item()
+    _fit(module, _data(model_dir), tmp_path / "run", steps=6)
+    with torch.no_grad():
+        end = sum(g.expected_l0() for g in head_gate_modules(module.hf_model)).item()
+    assert end < start - 0.5
+
+
+def test_constraint_multiplier_is_a_checkpointed_buffer(tmp_path, tiny_folder):
+    model_dir = tiny_folder("llama")
+    module = _sparse(model_dir, sparsity="constraint", lm_loss_target=1e-6, multiplier_lr=0.5, multiplier_ema=0.0)
+    trainer = _fit(module, _data(model_dir), tmp_path / "run", steps=3)
+    assert module.sparsity.multiplier.item() > 1.0  # violated (τ tiny): μ rose
+    assert "train/multiplier" in trainer.callback_metrics and "train/expected_l0" in trainer.callback_metrics
+    assert {"train/lm_loss", "train/open_heads", "train/lm/kl", "train/ioi/task_ce"} <= set(trainer.callback_metrics)
+    path = tmp_path / "c.ckpt"
+    trainer.save_checkpoint(path)
+    assert torch.load(path, weights_only=False)["state_dict"]["sparsity.multiplier"].item() > 1.0
+
+
+def test_lm_and_task_batches_are_open_only(tmp_path, tiny_folder):
+    model_dir = tiny_folder("llama")
+    dm = _data(model_dir)
+    dm.setup("fit")
+    batch = next(iter(dm.train_dataloader()))
+    batch = batch[0] if isinstance(batch, tuple) else batch
+    assert set(batch) == {"retain", "task:ioi", "task:greater_than", "lm"}
+    assert set(batch["task:ioi"]) == {"open"} and set(batch["lm"]) == {"open"}
+    lm = batch["lm"]["open"]
+    assert lm["topk_ids"].shape[:2] == (4, lm["input_ids"].shape[1] - 1)
+    assert (lm["labels"][:, 1:] != -100).sum() == lm["attention_mask"][:, 1:].sum()  # every real token
+
+
+def test_nothing_to_train_is_an_error():
+    from modular import ModularError
+
+    with pytest.raises(ModularError):
+        GatingDataModule(behaviours=[], tasks=[])
+    with pytest.raises(ModularError):
+        GatedLM(model_name="unused-alias", finetuning="none")
+
+
+@pytest.mark.parametrize("arch,finetuning", [("llama", "full"), ("gpt2", "lora"), ("gemma3_text", "none")])
+def test_run_folder_loads_with_gates_folded(tmp_path, tiny_folder, arch, finetuning):
+    from modular.runs import load_open_model, read_run
+
+    model_dir = tiny_folder(arch)
+    module = _sparse(model_dir, finetuning=finetuning, sparsity="penalty", sparsity_weight=5.0, gate_lr=0.5)
+    run = tmp_path / "run"
+    trainer = _fit(module, _data(model_dir), run, steps=4)
+    with torch.no_grad():  # make sure some heads are closed, some half-open
+        gates = head_gate_modules(module.hf_model)
+        gates[0].log_alpha[0] = -10.0
+        gates[-1].log_alpha[1] = 0.3
+    trainer.save_checkpoint(run / "last.ckpt")
+    (run / "run.json").write_text(json.dumps({"model_name": str(model_dir), "behaviours": [],
+                                              "finetuning": finetuning, "checkpoint": str(run / "last.ckpt")}))
+    module.eval()
+    tokens = torch.randint(0, 300, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = module.model(input_ids=tokens).logits
+        values = deterministic_gate_values(module.hf_model)
+    assert values[0, 0] == 0 and 0 < values[-1, 1] < 1
+    plain = load_open_model(read_run(run))
+    assert not any(isinstance(m, GatedOutputProjection) for m in plain.modules())
+    with torch.no_grad():
+        torch.testing.assert_close(plain(input_ids=tokens).logits, expected, atol=2e-5, rtol=1e-4)
+
+
+def tiny_sparse_config(tmp_path, model_dir):
+    cfg = yaml.safe_load((ROOT / "configs" / "sparse_heads_smollm2.yaml").read_text())
+    run = tmp_path / "run"
+    cfg["model"].update({"model_name": str(model_dir), "lr": 1e-3, "lm_loss_target": 0.05})
+    cfg["data"].update({"reference_max_new_tokens": 4, "batch_size": 2, "max_length": 64, "lm_max_length": 32,
+                        "tasks": ["ioi", "docstring"]})
+    cfg["trainer"].update({"default_root_dir": str(run), "max_steps": 3, "val_check_interval": 3,
+                           "limit_val_batches": 1, "log_every_n_steps": 1, "enable_progress_bar": False})
+    cfg["trainer"]["logger"]["init_args"]["save_dir"] = str(run)
+    cfg["trainer"]["callbacks"][0]["init_args"].update({"dirpath": str(run), "every_n_train_steps": 2})
+    cfg["trainer"]["callbacks"][1]["init_args"].update({"limit": 4, "max_new_tokens": 3})
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path, run
+
+
+def test_sparse_config_trains_through_train_py_and_resumes(tmp_path, tiny_folder):
+    import os
+
+    model_dir = tiny_folder("qwen2")
+    cfg, run = tiny_sparse_config(tmp_path, model_dir)
+    env = dict(os.environ, WANDB_MODE="offline")
+    cmd = [sys.executable, str(ROOT / "train.py"), "fit", "--config", str(cfg)]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    record = json.loads((run / "run.json").read_text())
+    assert record["head_gates"] and record["tasks"] == ["ioi", "docstring"] and record["behaviours"] == []
+    assert record["n_heads"] == 2 * 4 and 0 <= record["open_heads"] <= 8
+    assert {"train/multiplier", "train/expected_l0", "train/lm_loss", "val/open_heads", "val/ioi/accuracy",
+            "val/neutral_perplexity"} <= set(record["metrics"])
+    assert json.loads((run / "head_gates.json").read_text())["n_heads"] == 8
+    assert not (run / "directions.safetensors").exists()
+    out = subprocess.run(cmd + ["--trainer.max_steps", "4"], capture_output=True, text=True, cwd=ROOT, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "Restoring states from the checkpoint" in out.stderr + out.stdout
+    assert json.loads((run / "run.json").read_text())["global_step"] == 4
