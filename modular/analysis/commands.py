@@ -156,22 +156,6 @@ def directions(
     if chosen_layers is not None and any(not 0 <= i < n_layers for i in chosen_layers):
         raise ModularError(f"layers must lie in 0..{n_layers - 1}")
 
-    base = evaluate_behaviour(m, tokenizer, test, max_new_tokens, batch_size, desc=False, choice_only=choice_only)
-    k = sum(i["correct"] for i in base.items) if base.items else round(base.accuracy * base.n)
-    baseline = {**base.summary(), "ci95": wilson_interval(k, base.n)}
-    ref = first_token_logp(m, tokenizer, list(held["prompt"]), list(held["chat"]))
-    curves = {}
-    for fmt in ablate:
-        curves[fmt] = ablation_curve(m, tokenizer, found[fmt], test, list(held["prompt"]), list(held["chat"]),
-                                     chosen_layers, max_new_tokens, batch_size, choice_only, desc=f"ablate {fmt}",
-                                     baseline=baseline, reference_logp=ref)
-    best = best_direction(curves)
-    best_cheap = best_direction(curves, kl_budget)
-    for label, b in (("best direction", best), (f"best within KL {kl_budget}", best_cheap)):
-        if b is not None:
-            log.info("%s: %s layer %d: accuracy %.3f -> %.3f (drop %.3f), retain KL %.4f", label, b["format"],
-                     b["layer"], baseline["accuracy"], b["accuracy"], b["drop"], b["retain_kl"])
-
     out_dir = Path(out or Path("outputs") / "analysis" / "directions" / f"{_slug(model)}-{_slug(behaviour)}")
     settings = {"model": model, "behaviour": behaviour, "run": run, "formats": fmts, "n_prompts": n,
                 "contrast": "retain_data train prompts", "test_items": len(test), "retain_items": len(held),
@@ -181,22 +165,39 @@ def directions(
                      "keys": "<format>.layer<NN>, unit vectors (d_model,)",
                      "positions": "; ".join(f"{f}: {report_formats[f]['positions']} ({report_formats[f]['n_positions']})"
                                             for f in fmts)})
-    figures = {
-        "heatmap": plot_heatmaps({f: report_formats[f]["cross_layer_cosine"] for f in fmts},
-                                 out_dir / "heatmap.png",
-                                 f"{Path(model).name}, {behaviour}: cosine between layers' diff-in-means directions"),
-        "ablation": plot_ablation(curves, out_dir / "ablation.png",
-                                  f"{Path(model).name}, {behaviour}: ablating one layer's direction at every write "
-                                  f"({len(test)} test items, {len(held)} retain prompts)", metric_name),
-    }
+    figures = {"heatmap": plot_heatmaps({f: report_formats[f]["cross_layer_cosine"] for f in fmts},
+                                        out_dir / "heatmap.png",
+                                        f"{Path(model).name}, {behaviour}: cosine between layers' diff-in-means "
+                                        "directions")}
     if designated is not None:
         figures["designated"] = plot_designated({f: report_formats[f]["designated_cosine"] for f in fmts},
                                                 out_dir / "designated.png",
                                                 f"{behaviour}: found directions vs the run's designated direction")
-    report = {**settings, "baseline": baseline, "best": best, "kl_budget": kl_budget,
-              "best_within_kl_budget": best_cheap, "formats": report_formats, "ablation": curves,
-              "files": {"directions": out_dir / "directions.safetensors", **figures}}
-    write_json(out_dir / "directions.json", report)
+
+    base = evaluate_behaviour(m, tokenizer, test, max_new_tokens, batch_size, desc=False, choice_only=choice_only)
+    k = sum(i["correct"] for i in base.items) if base.items else round(base.accuracy * base.n)
+    baseline = {**base.summary(), "ci95": wilson_interval(k, base.n)}
+    ref = first_token_logp(m, tokenizer, list(held["prompt"]), list(held["chat"]))
+    curves: dict = {}
+    report: dict = {}
+    for fmt in [None, *ablate]:  # the JSON and the curve figure are rewritten after every format
+        if fmt is not None:
+            curves[fmt] = ablation_curve(m, tokenizer, found[fmt], test, list(held["prompt"]), list(held["chat"]),
+                                         chosen_layers, max_new_tokens, batch_size, choice_only,
+                                         desc=f"ablate {fmt}", baseline=baseline, reference_logp=ref)
+            figures["ablation"] = plot_ablation(curves, out_dir / "ablation.png",
+                                                f"{Path(model).name}, {behaviour}: ablating one layer's direction at "
+                                                f"every write ({len(test)} test items, {len(held)} retain prompts)",
+                                                metric_name)
+        best, best_cheap = best_direction(curves), best_direction(curves, kl_budget)
+        report = {**settings, "complete": fmt == ablate[-1], "baseline": baseline, "best": best,
+                  "kl_budget": kl_budget, "best_within_kl_budget": best_cheap, "formats": report_formats,
+                  "ablation": curves, "files": {"directions": out_dir / "directions.safetensors", **figures}}
+        write_json(out_dir / "directions.json", report)
+    for label, b in (("best direction", best), (f"best within KL {kl_budget}", best_cheap)):
+        if b is not None:
+            log.info("%s: %s layer %d: accuracy %.3f -> %.3f (drop %.3f), retain KL %.4f", label, b["format"],
+                     b["layer"], baseline["accuracy"], b["accuracy"], b["drop"], b["retain_kl"])
     summary = {"baseline_accuracy": baseline["accuracy"], "best": best or {},
                "best_within_kl_budget": best_cheap or {}}
     if designated is not None:
@@ -330,17 +331,6 @@ def attention(
     span_mass = {LABELS[c]: {f"{layer}.{head}": att[c]["span_mass"][layer, head].item() for layer, head in chosen}
                  for c in kinds}
 
-    sweep_rows = {}
-    if lengths:
-        sub = items if sweep_limit is None else items.select(range(min(sweep_limit, len(items))))
-        for kind in kinds:
-            sweep_rows[LABELS[kind]] = []
-            for n in lengths:
-                span = filler(tokenizer, kind, n, symbol)
-                for r in sub.select(range(min(4, len(sub)))):
-                    render_with_span(tokenizer, r["prompt"], r["chat"], span, instruction)
-                sweep_rows[LABELS[kind]].append({"length": n, **score(inserted(sub, span), f"{kind} ({n})")})
-
     out_dir = Path(out or Path("outputs") / "analysis" / "attention" / f"{_slug(model)}-{_slug(task)}")
     bar_labels = ["w/o"] + [f"w/ {LABELS[k]}" for k in kinds]
     figures = {
@@ -351,9 +341,6 @@ def attention(
                                     f"{Path(model).name}, {task}: attention of the last prompt token, "
                                     f"{n_att} prompts, {length} inserted tokens"),
     }
-    if sweep_rows:
-        figures["sweep"] = plot_sweep(sweep_rows, out_dir / "sweep.png",
-                                      f"{task}: accuracy vs inserted tokens ({len(sub)} items)")
     report = {
         "model": model, "task": task, "length": length, "kinds": kinds, "splits": split_names, "seeds": seed_list,
         "n_items": len(items), "instruction": instruction, "symbol": symbol,
@@ -364,9 +351,25 @@ def attention(
         "heads": [f"{layer}.{head}" for layer, head in chosen], "head_choice": how,
         "attention": {"query": "last prompt token", "items": n_att, "spans": spans, "span_mass": span_mass,
                       "curves": curves},
-        "sweep": sweep_rows, "files": figures,
+        "sweep": {}, "complete": not lengths, "files": figures,
     }
-    write_json(out_dir / "attention.json", report)
+    write_json(out_dir / "attention.json", report)  # written again with the sweep
+
+    sweep_rows = report["sweep"]
+    if lengths:
+        sub = items if sweep_limit is None else items.select(range(min(sweep_limit, len(items))))
+        for kind in kinds:
+            sweep_rows[LABELS[kind]] = []
+            for n in lengths:
+                span = filler(tokenizer, kind, n, symbol)
+                for r in sub.select(range(min(4, len(sub)))):
+                    render_with_span(tokenizer, r["prompt"], r["chat"], span, instruction)
+                sweep_rows[LABELS[kind]].append({"length": n, **score(inserted(sub, span), f"{kind} ({n})")})
+        figures["sweep"] = plot_sweep(sweep_rows, out_dir / "sweep.png",
+                                      f"{task}: accuracy vs inserted tokens ({len(sub)} items)")
+        report["sweep_items"] = len(sub)
+        report["complete"] = True
+        write_json(out_dir / "attention.json", report)
     summary = {"accuracy": {k: v["accuracy"] for k, v in report["accuracy"].items()}, "span_mass": span_mass}
     log_to_wandb(out_dir, "evaluate-attention", summary,
                  config={k: report[k] for k in ("model", "task", "length", "kinds", "splits", "seeds", "n_items")},

@@ -52,7 +52,7 @@ def test_directions_command_writes_directions_json_and_figures(folders, name, mo
     n_layers = 2
     assert report["formats"]["chat"]["suffix_text"] == "<|im_end|>\n<|im_start|>assistant\n"
     assert report["formats"]["raw"]["n_positions"] == 1
-    assert list(report["ablation"]) == ["chat", "newline"]
+    assert list(report["ablation"]) == ["chat", "newline"] and report["complete"]
     for fmt in ("chat", "newline"):
         assert [r["layer"] for r in report["ablation"][fmt]["layers"]] == list(range(n_layers))
     best = report["best"]
@@ -105,7 +105,7 @@ def test_attention_command_writes_json_and_figures(folders, monkeypatch):
     assert set(curves) == {"None", "Mless", "Mful"}
     # the inserted prompts are exactly N tokens (+ one newline) longer than the baseline
     assert len(curves["Mless"][report["heads"][0]]) == len(curves["None"][report["heads"][0]]) + 7
-    assert [r["length"] for r in report["sweep"]["Mless"]] == [0, 2, 6]
+    assert [r["length"] for r in report["sweep"]["Mless"]] == [0, 2, 6] and report["complete"]
     assert report["sweep"]["Mless"][0]["accuracy"] == report["sweep"]["Mful"][0]["accuracy"]
 
 
