@@ -10,10 +10,12 @@ log = logging.getLogger("modular")
 
 def merge(pairs: str = "configs/merge_pairs.yaml", out: str | None = None, limit: int | None = None,
           progress: bool = True) -> dict:
-    """Merge gain of model pairs: perf A, perf B, perf of the combination (activation communication or
-    weight merging), gain = perf(combination) - mean(perf A, perf B) with a bootstrap interval over items,
-    and the similarity of A's and B's activation spaces; writes merge.json and merge_gain.png (gain vs
-    similarity, Pearson/Spearman with bootstrap intervals) and logs to W&B.
+    """Merge gain of model pairs vs. the similarity of their activation spaces (merge.json, merge_gain.png).
+
+    For every pair: perf A, perf B, perf of the combination (activation communication or weight merging),
+    gain = perf(combination) - mean(perf A, perf B) with a bootstrap interval over items, and the similarity
+    of A's and B's activation spaces; the scatter of gain vs. similarity carries Pearson and Spearman
+    correlations with bootstrap intervals. Everything is logged to W&B too.
 
     Args:
         pairs: Pairs file (YAML; see configs/merge_pairs.yaml, every key commented).
