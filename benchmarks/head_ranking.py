@@ -18,6 +18,7 @@ Writes head_ranking.json.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from pathlib import Path
@@ -85,6 +86,9 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=20, help="size of the top-k overlap")
     ap.add_argument("--naive_sample", type=int, default=18, help="patched forwards timed for the no-replay cost")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--exhaustive_from", default=None,
+                    help="head_ranking.json of an earlier run on the same setting: reuse its exhaustive effects and "
+                         "timings instead of measuring them again")
     ap.add_argument("--out", default="outputs/benchmarks", help="output folder")
     args = ap.parse_args()
     torch.manual_seed(args.seed)
@@ -95,11 +99,21 @@ def main() -> None:
     ds = ds.select(range(min(args.limit, len(ds))))
     batch = task_batch(tokenizer, ds)
 
-    t0 = time.perf_counter()
-    exact = exhaustive_effects(model, batch, args.ablation)
-    t_exact = time.perf_counter() - t0
-    print(f"exhaustive patching: {t_exact:.1f} s ({exact.numel()} heads; earlier blocks replayed)")
-    t_naive = naive_exhaustive_seconds(model, batch, args.ablation, args.naive_sample)
+    if args.exhaustive_from:  # re-measure the fast rankings against an earlier exhaustive run of this benchmark
+        earlier = json.loads(Path(args.exhaustive_from).read_text())
+        same = {k: earlier[k] for k in ("model", "task", "split", "n_prompts", "ablation")}
+        if same != {"model": args.model, "task": args.task, "split": args.split, "n_prompts": len(ds),
+                    "ablation": args.ablation}:
+            raise SystemExit(f"{args.exhaustive_from} measured another setting: {same}")
+        exact = torch.tensor(earlier["exhaustive_effects"])
+        t_exact, t_naive = earlier["exhaustive_seconds"], earlier["naive_exhaustive_seconds"]
+        print(f"exhaustive patching: {t_exact:.1f} s, from {args.exhaustive_from}")
+    else:
+        t0 = time.perf_counter()
+        exact = exhaustive_effects(model, batch, args.ablation)
+        t_exact = time.perf_counter() - t0
+        print(f"exhaustive patching: {t_exact:.1f} s ({exact.numel()} heads; earlier blocks replayed)")
+        t_naive = naive_exhaustive_seconds(model, batch, args.ablation, args.naive_sample)
     print(f"exhaustive patching without replay (one full forward per head, from {args.naive_sample}): {t_naive:.1f} s")
 
     variants = {}
@@ -125,7 +139,7 @@ def main() -> None:
               "ablation": args.ablation, "n_heads": exact.numel(), "exhaustive_seconds": t_exact,
               "naive_exhaustive_seconds": t_naive,
               "targets": targets, "meets_targets": meets, "variants": variants, "exhaustive_effects": exact.tolist(),
-              "torch_threads": torch.get_num_threads()}
+              "exhaustive_from": args.exhaustive_from, "torch_threads": torch.get_num_threads()}
     path = write_json(Path(args.out) / "head_ranking.json", report)
     print(f"wrote {path}")
 

@@ -1,9 +1,9 @@
 """Ranking attention heads by their effect on a task metric.
 
 * :func:`exhaustive_effects`: activation patching, one head at a time (L·H forward passes);
-* :func:`attribution_effects`: attribution patching, all heads from 2 forwards + 1 backward
-  (``ig_steps > 1``: integrated gradients along the path from the clean to the ablated activations,
-  which tracks exhaustive patching more closely at ``ig_steps`` times the cost).
+* :func:`attribution_effects`: attribution patching, all heads from 2 forwards + 1 backward, with
+  total derivatives through every downstream path (``ig_steps > 1``: integrated gradients along a
+  path from the clean to the ablated run, at ``ig_steps`` times the cost).
 
 Ablation values (``ablation``): ``counterfactual`` (the same prompts with other names / numbers,
 default), ``mean`` (mean activation over the batch and positions) or ``zero``.
@@ -19,7 +19,7 @@ from contextlib import contextmanager
 
 from modular.data.formatting import batch_prompts
 from modular.evaluation.behaviour import first_token_ids
-from modular.hooks import capture_head_inputs, registered, replace_heads
+from modular.hooks import capture_head_inputs, registered, replace_heads, split_heads
 from modular.models.adapter import ArchitectureAdapter
 
 ABLATIONS = ("counterfactual", "mean", "zero")
@@ -123,29 +123,66 @@ def exhaustive_effects(model, batch: dict, ablation: str = "counterfactual", reu
     return effects
 
 
+@contextmanager
+def offset_heads(adapter: ArchitectureAdapter, offsets: dict[int, torch.Tensor]):
+    """Add ``offsets[layer]`` (broadcastable to ``(batch, seq, n_heads, head_dim)``) to every head's live
+    input of the attention output projection. Unlike :func:`modular.hooks.replace_heads`, the heads keep
+    depending on everything upstream, so gradients with respect to an offset are total derivatives."""
+    def make(v):
+        def fn(module, args):
+            x = args[0]
+            z = split_heads(x, adapter.n_heads) + v.to(dtype=x.dtype, device=x.device)
+            return (z.reshape(x.shape), *args[1:])
+
+        return fn
+
+    with registered([(adapter.attn_out(i), "pre", make(v)) for i, v in offsets.items()]):
+        yield
+
+
 def attribution_effects(model, batch: dict, ablation: str = "counterfactual", ig_steps: int = 1) -> torch.Tensor:
     """First-order estimate of :func:`exhaustive_effects` for every head at once.
 
-    score(l, h) = Σ_pos (z_ref − z_clean) · ∂m/∂z, with the gradient taken at the clean
-    activations (``ig_steps=1``) or averaged over ``ig_steps`` points between clean and
-    reference activations (integrated gradients).
+    score(l, h) = Σ_pos (z_ref − z_clean) · dm/dz, where dm/dz is the total derivative of the metric
+    with respect to the head's input of the output projection (through every downstream path, later
+    attention heads included: a zero offset is added to each live head input and differentiated).
+
+    ``ig_steps = 1``: the gradient at the clean run (attribution patching, 2 forwards + 1 backward).
+    ``ig_steps > 1``: the gradient averaged over ``ig_steps`` points of a path from the clean to the
+    ablated run (integrated gradients, as in EAP-IG): for counterfactual ablation whose prompts align
+    with the clean ones (same attention mask), the input embeddings are interpolated; otherwise every
+    head input is shifted by α·(z_ref − z_clean) on top of its live value.
     """
     adapter = ArchitectureAdapter(model)
     values = ablation_values(model, batch, ablation)
     with torch.no_grad(), capture_head_inputs(adapter) as clean_z:
         last_position_logits(model, batch["clean"])
     clean_z = dict(clean_z)
-    deltas = {i: values[i].expand_as(clean_z[i]) - clean_z[i] for i in clean_z}
-    grads = {i: torch.zeros_like(clean_z[i]) for i in clean_z}
+    layers = sorted(clean_z)
+    deltas = {i: values[i].expand_as(clean_z[i]) - clean_z[i] for i in layers}
+    grads = {i: torch.zeros_like(clean_z[i]) for i in layers}
     alphas = [0.0] if ig_steps <= 1 else [(k + 0.5) / ig_steps for k in range(ig_steps)]
-    heads = [(i, h) for i in range(adapter.n_layers) for h in range(adapter.n_heads)]
+    clean_in, cf_in = batch["clean"], batch.get("counterfactual")
+    embed_path = (ablation == "counterfactual" and len(alphas) > 1 and cf_in is not None
+                  and torch.equal(clean_in["attention_mask"], cf_in["attention_mask"]))
+    if embed_path:
+        with torch.no_grad():
+            embed = model.get_input_embeddings()
+            e_clean, e_cf = embed(clean_in["input_ids"]), embed(cf_in["input_ids"])
     for alpha in alphas:
-        points = {i: (clean_z[i] + alpha * deltas[i]).requires_grad_(True) for i in clean_z}
-        with replace_heads(adapter, heads, points):
-            m = logit_diff(last_position_logits(model, batch["clean"]), batch["good"], batch["bad"])
-        g = torch.autograd.grad(m, [points[i] for i in sorted(points)])
-        for i, gi in zip(sorted(points), g):
+        eps = {i: torch.zeros_like(clean_z[i], requires_grad=True) for i in layers}
+        shifted = eps if embed_path or alpha == 0 else {i: eps[i] + alpha * deltas[i] for i in layers}
+        with offset_heads(adapter, shifted):
+            if embed_path:
+                inputs = {"inputs_embeds": e_clean + alpha * (e_cf - e_clean),
+                          "attention_mask": clean_in["attention_mask"]}
+                logits = last_position_logits(model, inputs)
+            else:
+                logits = last_position_logits(model, clean_in)
+            m = logit_diff(logits, batch["good"], batch["bad"])
+        g = torch.autograd.grad(m, [eps[i] for i in layers])
+        for i, gi in zip(layers, g):
             grads[i] += gi / len(alphas)
-    mask = batch["clean"]["attention_mask"][..., None, None].to(deltas[0].dtype)
+    mask = clean_in["attention_mask"][..., None, None].to(deltas[layers[0]].dtype)
     # m is already a mean over the batch, so its gradient carries the 1/batch factor
-    return torch.stack([((deltas[i] * grads[i]) * mask).sum(dim=(0, 1, 3)) for i in sorted(grads)])
+    return torch.stack([((deltas[i] * grads[i]) * mask).sum(dim=(0, 1, 3)) for i in layers])
