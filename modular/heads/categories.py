@@ -172,13 +172,15 @@ def classify_heads(effects: torch.Tensor, threshold: float) -> dict[str, list[He
 
 def ablation_curve(model, batch: dict, heads: list[Head], values: dict[int, torch.Tensor], max_heads: int = 50,
                    desc: str = "ablation curve") -> dict:
-    """Δ log p(target) per example when the first n heads of ``heads`` are ablated together, n = 0…max_heads.
+    """Δ log p(target) per example when the first n heads of ``heads`` are ablated together, for n = 0…20
+    and every 5th n up to ``max_heads`` (and the last n).
 
     Returns ``{"n": [...], "mean": [...], "sem": [...], "per_example": [[...], ...]}`` (Δ in nats; the
     entry at n = 0 is computed like the others, with nothing ablated, so it is 0).
     """
     clean = response_logprob(model, batch)
-    ns = list(range(0, min(max_heads, len(heads)) + 1))
+    top = min(max_heads, len(heads))
+    ns = sorted({n for n in range(0, min(top, 20) + 1)} | set(range(20, top + 1, 5)) | {top})
     means, sems, rows = [], [], []
     for n in tqdm(ns, desc=desc, leave=False):
         delta = ablated_logprob(model, batch, list(heads[:n]), values) - clean

@@ -218,22 +218,38 @@ def _ablation(models, tasks, kind, limit, split, classify_split, threshold, max_
             log.info("%s %s: %s; Δ log p at max n: %s; checks %s", label, task,
                      {c: len(cats[c]) for c in CATEGORIES},
                      {c: round(curves[c]["mean"][-1], 3) for c in CATEGORIES}, checks)
+            _write_ablation(out_dir, results, labels, models, tasks, kind, threshold, split, classify_split, limit,
+                            max_heads, seed, partial=True)  # a run cut short keeps what it measured
         del model
         gc.collect()
+    return _write_ablation(out_dir, results, labels, models, tasks, kind, threshold, split, classify_split, limit,
+                           max_heads, seed, partial=False)
 
-    grid = {task: {label: {c: results[task][label]["curves"][c] for c in CATEGORIES} for label in labels}
-            for task in tasks}
+
+def _write_ablation(out_dir, results, labels, models, tasks, kind, threshold, split, classify_split, limit, max_heads,
+                    seed, partial: bool) -> dict:
+    from modular.heads.categories import CATEGORIES, plot_ablation_grid
+    from modular.tracking import log_to_wandb, write_json
+
+    specs = dict(zip(labels, models))
+    tasks = [t for t in tasks if results[t]]
+    labels = [m for m in labels if any(m in results[t] for t in tasks)]
+    grid = {task: {label: {c: results[task][label]["curves"][c] for c in CATEGORIES}
+                   for label in labels if label in results[task]} for task in tasks}
     fig = plot_ablation_grid(out_dir / "ablation.png", grid,
                              title=f"{kind} ablation; categories from single-head effects on '{classify_split}' "
-                                   f"(|Δ| ≤ {threshold} nats: Irrelevance)\ncurves on held-out '{split}' items")
+                                   f"(|Δ| ≤ {threshold} nats: Irrelevance)\ncurves on held-out '{split}' items"
+                                   + (" (partial run)" if partial else ""))
     summary = {task: {label: {"counts": results[task][label]["counts"], "checks": results[task][label]["checks"],
                               "final": {c: results[task][label]["curves"][c]["mean"][-1] for c in CATEGORIES}}
-                      for label in labels} for task in tasks}
-    report = {"models": dict(zip(labels, models)), "tasks": tasks, "ablation": kind, "threshold": threshold,
+                      for label in labels if label in results[task]} for task in tasks}
+    report = {"models": {m: specs[m] for m in labels}, "tasks": tasks, "ablation": kind, "threshold": threshold,
               "split": split, "classify_split": classify_split, "limit": limit, "max_heads": max_heads,
-              "seed": seed, "method": "single-head ablation effect with threshold", "summary": summary,
-              "results": results}
+              "seed": seed, "method": "single-head ablation effect with threshold", "partial": partial,
+              "summary": summary, "results": {t: results[t] for t in tasks}}
     write_json(out_dir / "ablation.json", report)
+    if partial:
+        return report
     log_to_wandb(out_dir, "evaluate-heads-ablation", {"summary": summary},
                  config={k: report[k] for k in ("models", "tasks", "ablation", "threshold", "split", "classify_split",
                                                 "limit", "max_heads", "seed")},
