@@ -252,7 +252,10 @@ def plot_ablation_grid(path, grid: dict[str, dict[str, dict]], title: str | None
     handles = [plt.Line2D([], [], color=COLORS[c], label=LABELS[c]) for c in ("facilitation", "irrelevance", "interference")]
     fig.legend(handles=handles, loc="center right", frameon=False)
     if title:
-        fig.suptitle(title)
+        import textwrap
+
+        width = max(40, int(fig.get_figwidth() * 11))
+        fig.suptitle("\n".join(textwrap.fill(line, width) for line in title.split("\n")), fontsize=10)
     fig.tight_layout(rect=(0, 0, 1 - 1.3 / fig.get_figwidth(), 1))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
