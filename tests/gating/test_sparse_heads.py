@@ -151,6 +151,12 @@ def test_run_folder_loads_with_gates_folded(tmp_path, tiny_folder, arch, finetun
     assert not any(isinstance(m, GatedOutputProjection) for m in plain.modules())
     with torch.no_grad():
         torch.testing.assert_close(plain(input_ids=tokens).logits, expected, atol=2e-5, rtol=1e-4)
+    # every command's model loader takes the run folder too
+    from modular.models import load_model, load_tokenizer
+
+    with torch.no_grad():
+        torch.testing.assert_close(load_model(run)(input_ids=tokens).logits, expected, atol=2e-5, rtol=1e-4)
+    assert load_tokenizer(run).padding_side == "left"
 
 
 def tiny_sparse_config(tmp_path, model_dir):
