@@ -110,6 +110,48 @@ def main_job(config: str = "configs/gate_capitals_smollm2.yaml", out: str | None
 COMMANDS = {"main": main_job, "inspect": inspect, "convert": convert, "publish": publish, "unlock": unlock}
 
 
+def expand_argv(argv: list[str], commands: dict) -> list[str]:
+    """Shell-style options for jsonargparse: ``--flag`` (a bool option given without a value) becomes
+    ``--flag=true`` and ``--opt a b c`` (a list option) becomes ``--opt=[a, b, c]``."""
+    import inspect
+    import typing
+
+    if not argv or argv[0] not in commands:
+        return argv
+    fn = commands[argv[0]]
+    params = inspect.signature(fn).parameters
+    hints = typing.get_type_hints(fn)
+
+    def kind(name: str) -> str | None:
+        t = hints.get(name)
+        if t is bool:
+            return "bool"
+        if typing.get_origin(t) is list or any(typing.get_origin(a) is list for a in typing.get_args(t)):
+            return "list"
+        return None
+
+    out, i = [argv[0]], 1
+    while i < len(argv):
+        arg = argv[i]
+        name = arg[2:]
+        if arg.startswith("--") and "=" not in arg and name in params:
+            j = i + 1
+            while j < len(argv) and not argv[j].startswith("--"):
+                j += 1
+            values = argv[i + 1:j]
+            if kind(name) == "bool" and not values:
+                out.append(f"{arg}=true")
+                i = j
+                continue
+            if kind(name) == "list" and values and not (len(values) == 1 and values[0].startswith("[")):
+                out.append(f"{arg}=[{', '.join(values)}]")
+                i = j
+                continue
+        out.append(arg)
+        i += 1
+    return out
+
+
 def run_cli(commands: dict, argv: list[str] | None = None, description: str | None = None) -> int:
     """Run a jsonargparse command set; input errors become one line on stderr and exit status 2."""
     from jsonargparse import auto_cli
@@ -119,6 +161,7 @@ def run_cli(commands: dict, argv: list[str] | None = None, description: str | No
     # `modular inspect MODEL` / `modular convert MODEL`: the model may be given positionally
     if len(argv) >= 2 and argv[0] in ("inspect", "convert") and not argv[1].startswith("-"):
         argv = [argv[0], "--model", *argv[1:]]
+    argv = expand_argv(argv, commands)
     logging.basicConfig(level=logging.INFO, format="[modular] %(message)s")
     for noisy in ("transformers", "httpx", "datasets", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
