@@ -36,7 +36,8 @@ def last_token_attention(model, tokenizer, sequences: list[list[int]], spans: li
     """Attention of the last position to every earlier position, per layer and head.
 
     Returns ``{"mean": (n_layers, n_heads, max_len) mean over prompts that reach a position,
-    "count": (max_len,), "span_mass": (n_layers, n_heads) mean attention mass on each prompt's span}``.
+    "count": (max_len,), "span_mass": (n_layers, n_heads) mean attention mass on each prompt's span, leaving out
+    the first position (an attention sink in most models, also where a span starts at position 0)}``.
     """
     device = next(model.parameters()).device
     collate = LeftPadCollator(tokenizer.pad_token_id)
@@ -59,6 +60,7 @@ def last_token_attention(model, tokenizer, sequences: list[list[int]], spans: li
                 count[:len(seq)] += 1
                 if spans is not None:
                     a, b = spans[start + row]
+                    a = max(a, 1)  # the first position is an attention sink in most models: not the span's merit
                     span_mass += att[row, ..., pad + a:pad + b].sum(-1)
     return {"mean": total / count.clamp(min=1), "count": count, "span_mass": span_mass / len(sequences)}
 

@@ -29,6 +29,9 @@ def test_last_token_attention_is_a_distribution_over_real_positions(tiny_model, 
     assert torch.allclose(single["mean"][..., :5], last_token_attention(tiny_model, tok, [seqs[0], seqs[1]])["mean"][..., :5]
                           * 2 - last_token_attention(tiny_model, tok, seqs[1:2])["mean"][..., :5], atol=1e-5)
     assert ((res["span_mass"] >= 0) & (res["span_mass"] <= 1 + 1e-6)).all()
+    # a span starting at position 0 leaves out the first position (the usual attention sink)
+    sink = last_token_attention(tiny_model, tok, seqs[:1], [(0, 2)])
+    assert torch.allclose(sink["span_mass"], sink["mean"][..., 1], atol=1e-6)
 
 
 def test_eager_attention_switches_and_restores():
