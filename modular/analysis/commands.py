@@ -335,7 +335,7 @@ def attention(
     bar_labels = ["w/o"] + [f"w/ {LABELS[k]}" for k in kinds]
     figures = {
         "accuracy": bar_chart(out_dir / "accuracy.png", bar_labels, [a["accuracy"] for a in accuracy.values()],
-                              f"Results on {task} ({len(items)} items, {length} inserted tokens)", "accuracy",
+                              f"Results on {task}", f"accuracy ({len(items)} items, N = {length})",
                               [tuple(a["ci95"]) for a in accuracy.values()]),
         "attention": plot_attention(curves, spans, out_dir / "attention.png",
                                     f"{Path(model).name}, {task}: attention of the last prompt token, "
