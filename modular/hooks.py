@@ -251,3 +251,41 @@ def capture_writes(adapter: ArchitectureAdapter) -> Iterator[dict[str, torch.Ten
         hooks.append((module, "forward", fn))
     with registered(hooks):
         yield store
+
+
+@contextmanager
+def capture_block_outputs(adapter: ArchitectureAdapter) -> Iterator[list]:
+    """Record every block's raw output (whatever the block returns) in a list indexed by layer."""
+    outputs: list = [None] * adapter.n_layers
+
+    def record(i):
+        def fn(module, args, output):
+            outputs[i] = output
+
+        return fn
+
+    with registered([(adapter.block(i), "forward", record(i)) for i in range(adapter.n_layers)]):
+        yield outputs
+
+
+@contextmanager
+def reuse_block_outputs(adapter: ArchitectureAdapter, outputs: list, upto: int):
+    """Blocks ``0..upto-1`` return their recorded ``outputs`` instead of computing them.
+
+    Patching a head of layer l cannot change what the blocks before l compute, so exhaustive
+    patching replays them from the clean pass (about half the work on average). The blocks'
+    ``forward`` is overridden on the instance and always restored.
+    """
+    saved = []
+    try:
+        for i in range(upto):
+            block = adapter.block(i)
+            saved.append((block, block.__dict__.get("forward")))
+            block.forward = lambda *args, _out=outputs[i], **kwargs: _out
+        yield
+    finally:
+        for block, previous in saved:
+            if previous is None:
+                del block.forward
+            else:
+                block.forward = previous

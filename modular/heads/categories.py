@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 
 from modular import ModularError
 from modular.data.formatting import LeftPadCollator, encode_example
-from modular.hooks import replace_heads
+from modular.hooks import capture_block_outputs, replace_heads, reuse_block_outputs
 from modular.models.adapter import ArchitectureAdapter
 
 CATEGORIES = ("facilitation", "interference", "irrelevance")
@@ -123,9 +123,6 @@ def single_head_effects(model, batch: dict, values: dict[int, torch.Tensor], des
 
     The blocks before the ablated layer are replayed from the clean pass (they cannot change).
     """
-    from modular.heads.ranking import reuse_block_outputs
-    from modular.hooks import registered
-
     adapter = ArchitectureAdapter(model)
     n = len(batch["input_ids"])
     total = torch.zeros(adapter.n_layers, adapter.n_heads, dtype=torch.float64)
@@ -133,15 +130,7 @@ def single_head_effects(model, batch: dict, values: dict[int, torch.Tensor], des
     progress = tqdm(total=len(chunks) * adapter.n_layers, desc=desc, leave=False)
     for sl in chunks:
         part = {k: v[sl] for k, v in batch.items()}
-        outputs: list = [None] * adapter.n_layers
-
-        def record(i):
-            def fn(module, args, output):
-                outputs[i] = output
-
-            return fn
-
-        with registered([(adapter.block(i), "forward", record(i)) for i in range(adapter.n_layers)]):
+        with capture_block_outputs(adapter) as outputs:
             clean = response_logprob(model, part, chunk=chunk)
         for layer in range(adapter.n_layers):
             with reuse_block_outputs(adapter, outputs, layer):

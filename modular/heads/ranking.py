@@ -12,14 +12,15 @@ The metric is the mean logit difference between the target's and the ``wrong`` a
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from tqdm.auto import tqdm
 
-from contextlib import contextmanager
-
 from modular.data.formatting import batch_prompts
 from modular.evaluation.behaviour import first_token_ids
-from modular.hooks import capture_head_inputs, registered, replace_heads, split_heads
+from modular.hooks import (capture_block_outputs, capture_head_inputs, registered, replace_heads, reuse_block_outputs,
+                           split_heads)
 from modular.models.adapter import ArchitectureAdapter
 
 ABLATIONS = ("counterfactual", "mean", "zero")
@@ -71,29 +72,6 @@ def ablation_values(model, batch: dict, ablation: str) -> dict[int, torch.Tensor
     raise ValueError(f"unknown ablation '{ablation}': use one of {ABLATIONS}")
 
 
-@contextmanager
-def reuse_block_outputs(adapter: ArchitectureAdapter, outputs: list, upto: int):
-    """Blocks ``0..upto-1`` return their recorded ``outputs`` instead of computing them.
-
-    Patching a head of layer l cannot change what the blocks before l compute, so exhaustive
-    patching replays them from the clean pass (about half the work on average). The blocks'
-    ``forward`` is overridden on the instance and always restored.
-    """
-    saved = []
-    try:
-        for i in range(upto):
-            block = adapter.block(i)
-            saved.append((block, block.__dict__.get("forward")))
-            block.forward = lambda *args, _out=outputs[i], **kwargs: _out
-        yield
-    finally:
-        for block, previous in saved:
-            if previous is None:
-                del block.forward
-            else:
-                block.forward = previous
-
-
 @torch.no_grad()
 def exhaustive_effects(model, batch: dict, ablation: str = "counterfactual", reuse_prefix: bool = True) -> torch.Tensor:
     """e[l, h] = m(head h of layer l ablated) − m(clean); (n_layers, n_heads).
@@ -103,15 +81,7 @@ def exhaustive_effects(model, batch: dict, ablation: str = "counterfactual", reu
     """
     adapter = ArchitectureAdapter(model)
     values = ablation_values(model, batch, ablation)
-    outputs: list = [None] * adapter.n_layers
-
-    def record(i):
-        def fn(module, args, output):
-            outputs[i] = output
-
-        return fn
-
-    with registered([(adapter.block(i), "forward", record(i)) for i in range(adapter.n_layers)]):
+    with capture_block_outputs(adapter) as outputs:
         clean = logit_diff(last_position_logits(model, batch["clean"]), batch["good"], batch["bad"])
     effects = torch.zeros(adapter.n_layers, adapter.n_heads)
     for layer in tqdm(range(adapter.n_layers), desc="exhaustive patching", leave=False):
