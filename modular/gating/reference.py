@@ -54,6 +54,16 @@ def compute_reference(model, tokenizer, prompts: list[str], chats: list[bool], m
     return {"answers": answers, "records": records}
 
 
+def _save_atomic(obj, path: Path):
+    """``torch.save`` to a temporary file beside ``path``, then rename: readers never see half a cache."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix="tmp-ref-", suffix=".pt")
+    os.close(fd)
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+    return obj
+
+
 def load_or_compute(model_source: str, model, tokenizer, prompts: list[str], chats: list[bool],
                     max_new_tokens: int = 48, top_k: int = 32) -> dict:
     """Reference outputs from the on-disk cache, computing (and caching atomically) if absent."""
@@ -62,12 +72,7 @@ def load_or_compute(model_source: str, model, tokenizer, prompts: list[str], cha
         return torch.load(path, weights_only=False)
     log.info("computing reference outputs for %d retain prompts (cached in %s)", len(prompts), path)
     ref = compute_reference(model, tokenizer, prompts, chats, max_new_tokens, top_k)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix="tmp-ref-", suffix=".pt")
-    os.close(fd)
-    torch.save(ref, tmp)
-    os.replace(tmp, path)
-    return ref
+    return _save_atomic(ref, path)
 
 
 def text_cache_path(model_source: str, texts: list[str], max_length: int, top_k: int) -> Path:
@@ -97,9 +102,4 @@ def load_or_compute_text(model_source: str, load_model, tokenizer, texts: list[s
         return torch.load(path, weights_only=False)
     log.info("computing reference outputs for %d LM texts (cached in %s)", len(texts), path)
     records = compute_text_reference(load_model(), tokenizer, texts, max_length, top_k)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix="tmp-ref-", suffix=".pt")
-    os.close(fd)
-    torch.save(records, tmp)
-    os.replace(tmp, path)
-    return records
+    return _save_atomic(records, path)
