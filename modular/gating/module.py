@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import random
+from contextlib import ExitStack
 from pathlib import Path
 
 import lightning as L
@@ -13,7 +14,7 @@ import torch
 from modular.data.formatting import IGNORE
 from modular.gating.data import TASK_PREFIX
 from modular.gating.losses import first_token_kl, token_ce, topk_kl, unlikelihood
-from modular.hooks import ablate_directions
+from modular.hooks import ablate_directions, add_vectors
 from modular.models.adapter import ArchitectureAdapter
 
 log = logging.getLogger("modular")
@@ -43,6 +44,26 @@ def concat_left_padded(batches: list[dict], pad_token_id: int) -> dict:
     return {k: torch.cat(v) for k, v in out.items()}
 
 
+LOCKED_OBJECTIVES = ("refusal", "unlikelihood")
+
+
+def _locked_objectives(spec: str | dict[str, str], behaviours: list[str]) -> dict[str, str]:
+    """The locked-state objective of every behaviour, from one name or a mapping behaviour → name."""
+    from modular import ModularError
+
+    if isinstance(spec, str):
+        spec = {b: spec for b in behaviours} if spec in LOCKED_OBJECTIVES else {"": spec}
+    else:
+        spec = dict(spec)
+        unknown = sorted(set(spec) - set(behaviours))
+        if unknown:
+            raise ModularError(f"locked_objective names behaviours that are not gated: {', '.join(unknown)}")
+    for value in spec.values():
+        if value not in LOCKED_OBJECTIVES:
+            raise ModularError(f"locked_objective must be 'refusal' or 'unlikelihood', got '{value}'")
+    return {b: spec.get(b, "refusal") for b in behaviours}
+
+
 class GatedLM(L.LightningModule):
     """Fine-tunes a causal LM so that each gated behaviour lives in its own residual direction,
     optionally with hard-concrete head gates under a sparsity pressure (sparse post-training).
@@ -65,7 +86,9 @@ class GatedLM(L.LightningModule):
         retain_ce_weight: Weight of an extra CE on the reference's greedy retain answers.
         first_token_weight: Weight of a full-vocabulary KL at the first retain response token (the top-k KL
             covers every response token coarsely; the first token's distribution is the flattest).
-        locked_objective: ``refusal`` (CE to the locked response) or ``unlikelihood`` (push the true answer down).
+        locked_objective: ``refusal`` (CE to the locked response) or ``unlikelihood`` (push the true answer down),
+            for every behaviour, or a mapping behaviour → objective (e.g. ``{capitals: refusal, ioi: unlikelihood}``:
+            completion tasks such as IOI keep predicting the answer after a refusal prefix; unlikelihood removes it).
         finetuning: ``full``, ``lora`` or ``none`` (model frozen: only head gates train).
         lora_rank: LoRA rank (finetuning=lora).
         lora_alpha: LoRA alpha (finetuning=lora).
@@ -83,6 +106,10 @@ class GatedLM(L.LightningModule):
         multiplier_lr: η of the multiplicative ascent on the Lagrange multiplier.
         multiplier_ema: Decay of the moving average of the constraint violation.
         multiplier_init: Initial Lagrange multiplier.
+        locked_steering: Train the lock to hold under difference-in-means steering (the published weights'
+            attack (b)): locked-state behaviour examples get a steering vector of the current model added at a
+            random layer, scaled up to this multiple of the typical residual norm; 0 disables.
+        steering_refresh: Steps between recomputing the steering vectors from the model being trained.
     """
 
     def __init__(
@@ -96,7 +123,7 @@ class GatedLM(L.LightningModule):
         retain_weight: float = 1.0,
         retain_ce_weight: float = 0.0,
         first_token_weight: float = 1.0,
-        locked_objective: str = "refusal",
+        locked_objective: str | dict[str, str] = "refusal",
         finetuning: str = "full",
         lora_rank: int = 16,
         lora_alpha: int = 32,
@@ -114,6 +141,8 @@ class GatedLM(L.LightningModule):
         multiplier_lr: float = 0.1,
         multiplier_ema: float = 0.9,
         multiplier_init: float = 1.0,
+        locked_steering: float = 0.0,
+        steering_refresh: int = 20,
     ):
         super().__init__()
         self.save_hyperparameters()
@@ -130,9 +159,8 @@ class GatedLM(L.LightningModule):
             raise ModularError(f"sparsity '{sparsity}' needs head_gates: true")
         self.sparsity = make_sparsity(sparsity, sparsity_weight, lm_loss_target, multiplier_lr, multiplier_ema,
                                       multiplier_init)
-        if locked_objective not in ("refusal", "unlikelihood"):
-            raise ModularError(f"locked_objective must be 'refusal' or 'unlikelihood', got '{locked_objective}'")
         self.behaviours = list(behaviours)
+        self.locked_objectives = _locked_objectives(locked_objective, self.behaviours)
         model = load_model(model_name)
         if finetuning == "lora":
             from peft import LoraConfig, get_peft_model
@@ -150,6 +178,11 @@ class GatedLM(L.LightningModule):
         # the designated directions (k, d): a persistent buffer, saved in every checkpoint
         self.register_buffer("directions", torch.zeros(len(self.behaviours), d))
         self._rng = random.Random(seed)
+        self.steering = None
+        if locked_steering > 0 and self.behaviours:
+            from modular.gating.steering import SteeringAdversary
+
+            self.steering = SteeringAdversary(locked_steering, steering_refresh, seed=seed)
 
     # --- model access ------------------------------------------------------------------------
     @property
@@ -194,8 +227,8 @@ class GatedLM(L.LightningModule):
         log.info("directions chosen (%s) for %s", hp.direction_strategy, ", ".join(self.behaviours))
 
     # --- the objective --------------------------------------------------------------------------
-    def _pieces(self, batch: dict, train: bool) -> list[tuple[frozenset, dict, str, str]]:
-        """(ablated set, sub-batch, loss kind, log name) for every part of the batch."""
+    def _pieces(self, batch: dict, train: bool) -> list[tuple[frozenset, dict, str, str, tuple | None]]:
+        """(ablated set, sub-batch, loss kind, log name, steering (block, vector) or None) for every part of the batch."""
         k = len(self.behaviours)
         all_idx = frozenset(range(k))
         pieces = []
@@ -203,17 +236,18 @@ class GatedLM(L.LightningModule):
             others = frozenset(j for j in range(k) if j != i)
             # with several behaviours, the others are ablated or not at random: B_i depends on u_i only
             extra = others if (k > 1 and (self._rng.random() < 0.5 if train else i % 2 == 0)) else frozenset()
-            pieces.append((extra, batch[b]["open"], "ce", f"{b}/open_ce"))
-            locked_kind = "ce" if self.hparams.locked_objective == "refusal" else "unlikelihood"
+            pieces.append((extra, batch[b]["open"], "ce", f"{b}/open_ce", None))
+            locked_kind = "ce" if self.locked_objectives[b] == "refusal" else "unlikelihood"
             locked = batch[b]["locked"] if locked_kind == "ce" else batch[b]["locked_true"]
-            pieces.append((extra | {i}, locked, locked_kind, f"{b}/locked_{locked_kind}"))
-        pieces.append((frozenset(), batch["retain"]["open"], "kl", "retain/open_kl"))
-        pieces.append((all_idx, batch["retain"]["locked"], "kl", "retain/locked_kl"))
+            steer = self.steering.draw(b) if (train and self.steering is not None) else None
+            pieces.append((extra | {i}, locked, locked_kind, f"{b}/locked_{locked_kind}", steer))
+        pieces.append((frozenset(), batch["retain"]["open"], "kl", "retain/open_kl", None))
+        pieces.append((all_idx, batch["retain"]["locked"], "kl", "retain/locked_kl", None))
         for key in batch:
             if key.startswith(TASK_PREFIX):
-                pieces.append((frozenset(), batch[key]["open"], "ce", f"{key[len(TASK_PREFIX):]}/task_ce"))
+                pieces.append((frozenset(), batch[key]["open"], "ce", f"{key[len(TASK_PREFIX):]}/task_ce", None))
         if "lm" in batch:
-            pieces.append((frozenset(), batch["lm"]["open"], "lm_kl", "lm/kl"))
+            pieces.append((frozenset(), batch["lm"]["open"], "lm_kl", "lm/kl", None))
         return [p for p in pieces if p[1]["input_ids"].shape[0] > 0]
 
     def _loss_of(self, kind: str, logits: torch.Tensor, piece: dict) -> torch.Tensor:
@@ -234,17 +268,23 @@ class GatedLM(L.LightningModule):
         """One gated step: pieces sharing an ablation set run in one forward pass."""
         hp = self.hparams
         pad = self.trainer.datamodule.tokenizer.pad_token_id if self._trainer else 0
-        groups: dict[frozenset, list] = {}
-        for ablated, piece, kind, name in self._pieces(batch, train):
-            groups.setdefault(ablated, []).append((piece, kind, name))
+        groups: dict[tuple, list] = {}
+        steering: dict[tuple, tuple] = {}
+        for ablated, piece, kind, name, steer in self._pieces(batch, train):
+            key = (ablated, name if steer is not None else None)  # a steered piece runs on its own
+            groups.setdefault(key, []).append((piece, kind, name))
+            if steer is not None:
+                steering[key] = steer
         terms: dict[str, torch.Tensor] = {}
-        for ablated, items in groups.items():
+        for key, items in groups.items():
+            ablated = key[0]
             merged = concat_left_padded([p for p, _, _ in items], pad)
-            if ablated:
-                dirs = self.directions[sorted(ablated)]
-                with ablate_directions(self.adapter, dirs):
-                    logits = self.model(input_ids=merged["input_ids"], attention_mask=merged["attention_mask"]).logits
-            else:
+            with ExitStack() as stack:
+                if ablated:
+                    stack.enter_context(ablate_directions(self.adapter, self.directions[sorted(ablated)]))
+                if key in steering:
+                    block, vector = steering[key]
+                    stack.enter_context(add_vectors(self.adapter, {block: vector}))
                 logits = self.model(input_ids=merged["input_ids"], attention_mask=merged["attention_mask"]).logits
             row = 0
             for piece, kind, name in items:
@@ -277,7 +317,17 @@ class GatedLM(L.LightningModule):
     def _batch_size(batch: dict) -> int:
         return sum(p["input_ids"].shape[0] for v in batch.values() for k, p in v.items() if k in ("open", "locked"))
 
+    def _refresh_steering(self) -> None:
+        """Recompute the steering vectors from the current model under the full lock (every few steps)."""
+        if self.steering is None or not self.steering.needs_refresh(self.global_step):
+            return
+        dm = self.trainer.datamodule
+        self.steering.update(self.hf_model, dm.tokenizer, {b: dm.behaviour_data[b]["train"] for b in self.behaviours},
+                             dm.retain["train"], self.global_step,
+                             intervention=lambda: ablate_directions(self.adapter, self.directions))
+
     def training_step(self, batch, batch_idx):
+        self._refresh_steering()
         loss, terms = self.model_step(batch, train=True)
         bs = self._batch_size(batch)
         self.log("train/loss", loss, prog_bar=True, batch_size=bs)

@@ -1,9 +1,12 @@
+import pytest
 import torch
+
+from modular import ModularError
 
 from modular.data.formatting import IGNORE
 from modular.gating.data import split_collate
 from modular.gating.losses import first_token_kl, token_ce, topk_kl, unlikelihood
-from modular.gating.module import concat_left_padded
+from modular.gating.module import _locked_objectives, concat_left_padded
 
 
 def _item(n_prompt, n_target, k=3):
@@ -74,3 +77,14 @@ def test_first_token_kl_uses_the_first_response_position():
     assert first_token_kl(logits, labels, own).abs() < 1e-6
     shifted = torch.stack([torch.log_softmax(logits[0, 2], -1), torch.log_softmax(logits[1, 2], -1)])
     assert first_token_kl(logits, labels, shifted) > 0
+
+
+def test_locked_objective_per_behaviour():
+    assert _locked_objectives("unlikelihood", ["a", "b"]) == {"a": "unlikelihood", "b": "unlikelihood"}
+    assert _locked_objectives({"b": "unlikelihood"}, ["a", "b"]) == {"a": "refusal", "b": "unlikelihood"}
+    with pytest.raises(ModularError, match="not gated: c"):
+        _locked_objectives({"c": "refusal"}, ["a", "b"])
+    with pytest.raises(ModularError, match="'refusal' or 'unlikelihood'"):
+        _locked_objectives({"a": "forget"}, ["a"])
+    with pytest.raises(ModularError, match="'refusal' or 'unlikelihood'"):
+        _locked_objectives("forget", ["a"])

@@ -62,11 +62,15 @@ def test_gated_training_runs_checkpoints_and_resumes(tmp_path, tiny_env):
 def test_two_behaviours_with_lora(tmp_path, tiny_env, arch):
     model_dir = save_tiny_folder(tmp_path / "tiny", arch)
     cfg, run = tiny_config(tmp_path, model_dir, ("capitals", "arithmetic"),
-                           {"finetuning": "lora", "lr": 1e-3, "locked_objective": "unlikelihood"})
+                           {"finetuning": "lora", "lr": 1e-3,
+                            "locked_objective": {"arithmetic": "unlikelihood"},
+                            "locked_steering": 0.5, "steering_refresh": 2})
     out = _train(cfg, env=tiny_env)
     assert out.returncode == 0, out.stderr[-3000:]
     record = json.loads((run / "run.json").read_text())
     assert {"val/capitals/accuracy_open", "val/arithmetic/accuracy_locked"} <= set(record["metrics"])
+    # one objective per behaviour: refusal CE for capitals (the default), unlikelihood for arithmetic
+    assert {"train/capitals/locked_ce", "train/arithmetic/locked_unlikelihood"} <= set(record["metrics"])
 
 
 @pytest.mark.parametrize("config", sorted(p.name for p in (ROOT / "configs").glob("*.yaml")))

@@ -1,0 +1,48 @@
+"""The steering adversary used to train steering-robust locks (tiny random models)."""
+
+import datasets
+import pytest
+import torch
+
+from modular.gating.steering import SteeringAdversary, last_position_states, robust_norm
+from modular.hooks import add_vectors
+from modular.models.adapter import ArchitectureAdapter
+from tests.conftest import make_tiny_model, make_tiny_tokenizer
+
+
+def _prompts(words, n):
+    return datasets.Dataset.from_dict({"prompt": [f"{words} {i}" for i in range(n)], "chat": [i % 2 == 0 for i in range(n)]})
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "gpt2"])
+def test_vectors_are_unit_differences_of_means_at_every_layer(arch):
+    model, tok = make_tiny_model(arch), make_tiny_tokenizer()
+    behaviour, contrast = _prompts("what is the capital of", 6), _prompts("tell me a story about", 5)
+    adv = SteeringAdversary(max_scale=0.5, refresh=3, n_prompts=4, seed=0)
+    assert adv.needs_refresh(0)
+    adv.update(model, tok, {"capitals": behaviour}, contrast, step=0)
+    n_layers = ArchitectureAdapter(model).n_layers
+    v = adv.vectors["capitals"]
+    assert v.shape == (n_layers + 1, model.config.hidden_size)
+    torch.testing.assert_close(v.norm(dim=-1), torch.ones(n_layers + 1))
+    assert adv.scale > 0
+    assert not adv.needs_refresh(2) and adv.needs_refresh(3)
+    for _ in range(20):
+        block, vec = adv.draw("capitals")
+        assert 0 <= block <= n_layers - 2  # enters a block from 1 to n_layers - 1
+        assert vec.norm() <= 0.5 * adv.scale + 1e-4
+        assert torch.allclose(vec / vec.norm().clamp(min=1e-12), v[block + 1], atol=1e-5) or vec.norm() < 1e-6
+
+
+def test_states_follow_the_intervention_and_the_robust_norm_skips_the_outlier():
+    model, tok = make_tiny_model("llama"), make_tiny_tokenizer()
+    adapter = ArchitectureAdapter(model)
+    prompts, chats = ["a b c", "d e"], [False, True]
+    plain = last_position_states(model, tok, prompts, chats)
+    shift = torch.zeros(model.config.hidden_size)
+    shift[0] = 3.0
+    moved = last_position_states(model, tok, prompts, chats, intervention=lambda: add_vectors(adapter, {0: shift}))
+    torch.testing.assert_close(moved[:, 1] - plain[:, 1], shift.expand(2, -1))  # entering block 1 = leaving block 0
+    torch.testing.assert_close(moved[:, 0], plain[:, 0])
+    x = torch.tensor([[100.0, 3.0, 4.0], [0.0, 6.0, 80.0], [-90.0, 0.0, 7.0]])
+    assert robust_norm(x).item() == pytest.approx(6.0)  # median of 5, 6 and 7
