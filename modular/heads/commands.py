@@ -6,6 +6,8 @@ import logging
 import re
 from pathlib import Path
 
+import torch
+
 log = logging.getLogger("modular")
 
 CURVE_TASKS = ("ioi", "ioi_long", "greater_than", "docstring")
@@ -129,10 +131,18 @@ def _curve(models, tasks, ranking, ig_steps, definition, ablation_kind, limit, s
         raise ModularError(f"unknown ablation kind '{ablation_kind}': use one of {ABLATIONS}")
     if ig_steps < 1:
         raise ModularError("ig_steps must be ≥ 1")
+    from modular.data import neutral_text
+    from modular.evaluation.retain import perplexity
+
     labels = _labels(models)
     results: dict[str, dict[str, dict]] = {t: {} for t in tasks}
+    texts = list(neutral_text(seed)["test"]["text"])  # held out from every training run's LM text
+    ppl: dict[str, float] = {}
     for spec, label in zip(models, labels):
         model, tokenizer, _ = load_head_model(spec)
+        with torch.no_grad():
+            ppl[label] = perplexity(model, tokenizer, texts)
+        log.info("%s: held-out neutral-text perplexity %.3f", label, ppl[label])
         for task in tasks:
             ds = _items(task, split, tokenizer, seed, limit)
             try:
@@ -161,10 +171,13 @@ def _curve(models, tasks, ranking, ig_steps, definition, ablation_kind, limit, s
         "models": dict(zip(labels, models)), "base": base, "tasks": tasks, "split": split, "limit": limit,
         "seed": seed, "ranking": ranking, "ig_steps": ig_steps if ranking == "attribution" else None,
         "ablation": ablation_kind, "threshold": threshold, "plotted_definition": definition,
-        "summary": summary, "multipliers": multipliers, "annotations": drawn, "curves": results,
+        "summary": summary, "multipliers": multipliers,
+        "perplexity": {label: {"neutral_test": ppl[label], "ratio_to_base": ppl[label] / ppl[base]} for label in labels},
+        "annotations": drawn, "curves": results,
     }
     write_json(out_dir / "heads.json", report)
-    log_to_wandb(out_dir, "evaluate-heads-curve", {"summary": summary, "multipliers": multipliers},
+    log_to_wandb(out_dir, "evaluate-heads-curve", {"summary": summary, "multipliers": multipliers,
+                                                   "perplexity": report["perplexity"]},
                  config={k: report[k] for k in ("models", "tasks", "split", "limit", "seed", "ranking", "ig_steps",
                                                 "ablation", "threshold", "plotted_definition")},
                  figures={"heads": fig})

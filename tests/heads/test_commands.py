@@ -62,6 +62,9 @@ def test_curve_command_writes_json_and_figure(folders, monkeypatch):
                 assert {"ks", "values", "needed", "auc"} <= set(curves[d])
                 assert report["summary"][task][label][d]["needed"] == curves[d]["needed"]
         assert set(report["multipliers"][task]["sparse"]) == {"effect_share", "faithfulness"}
+    # held-out perplexity of each model beside the curves: the base's ratio is 1
+    assert report["perplexity"]["llama"]["ratio_to_base"] == 1.0
+    assert report["perplexity"]["sparse"]["neutral_test"] > 1.0
     # the closed heads of the sparse run write nothing: ablating them alone has no effect
     sparse = report["curves"]["greater_than"]["sparse"]["effects"]
     assert sparse[0][1] == 0 and sparse[1][2] == 0
