@@ -9,6 +9,7 @@ Several behaviours get mutually orthogonal directions.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -69,6 +70,27 @@ def low_variance_direction(cov: torch.Tensor, others: torch.Tensor | None = None
 def random_direction(d: int, others: torch.Tensor | None = None, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return _orthogonalise_against(torch.randn(d, generator=g, dtype=torch.float64), others)
+
+
+@torch.no_grad()
+def last_position_states(model, tokenizer, prompts: list[str], chats: list[bool], intervention=None,
+                         batch_size: int = 16) -> torch.Tensor:
+    """Residual stream at the last prompt position entering every block and leaving the last: (n, L+1, d)."""
+    adapter = ArchitectureAdapter(model)
+    device = next(model.parameters()).device
+    rows = []
+    for start in range(0, len(prompts), batch_size):
+        batch = batch_prompts(tokenizer, prompts[start:start + batch_size], chats[start:start + batch_size])
+        with (intervention() if intervention is not None else nullcontext()), capture_residual(adapter) as states:
+            model(**{k: v.to(device) for k, v in batch.items()})
+        rows.append(torch.stack([s[:, -1].float() for s in states], dim=1))
+    return torch.cat(rows)
+
+
+def robust_norm(x: torch.Tensor) -> torch.Tensor:
+    """Median norm of the rows of ``x`` (n, d) without each row's largest coordinate (outlier dimensions)."""
+    x = x.scatter(1, x.abs().argmax(dim=1, keepdim=True), 0.0)
+    return x.norm(dim=-1).median()
 
 
 @torch.no_grad()

@@ -18,7 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 from modular.data.formatting import LeftPadCollator, encode_example
-from modular.directions import last_position_mean
+from modular.directions import last_position_mean, robust_norm
 from modular.evaluation.behaviour import evaluate_behaviour
 from modular.hooks import add_vectors, capture_residual
 from modular.models.adapter import ArchitectureAdapter, weight_out_in
@@ -51,9 +51,7 @@ def residual_scale(model, tokenizer, prompts, chats) -> float:
         model(**batch)
     # median over prompts of the residual norm without its largest coordinate (outlier dimensions
     # dominate the norm but not what a behaviour direction carries)
-    x = states[adapter.n_layers // 2][:, -1].float()
-    x = x.scatter(1, x.abs().argmax(dim=1, keepdim=True), 0.0)
-    return x.norm(dim=-1).median().item()
+    return robust_norm(states[adapter.n_layers // 2][:, -1].float()).item()
 
 
 def _scan(model, tokenizer, test, make_vectors, scales, desc) -> dict:

@@ -13,34 +13,10 @@ steps, so the lock must hold under the attack's own construction.
 from __future__ import annotations
 
 import random
-from contextlib import nullcontext
 
 import torch
 
-from modular.data.formatting import batch_prompts
-from modular.hooks import capture_residual
-from modular.models.adapter import ArchitectureAdapter
-
-
-@torch.no_grad()
-def last_position_states(model, tokenizer, prompts: list[str], chats: list[bool], intervention=None,
-                         batch_size: int = 16) -> torch.Tensor:
-    """Residual stream at the last prompt position entering every block and leaving the last: (n, L+1, d)."""
-    adapter = ArchitectureAdapter(model)
-    device = next(model.parameters()).device
-    rows = []
-    for start in range(0, len(prompts), batch_size):
-        batch = batch_prompts(tokenizer, prompts[start:start + batch_size], chats[start:start + batch_size])
-        with (intervention() if intervention is not None else nullcontext()), capture_residual(adapter) as states:
-            model(**{k: v.to(device) for k, v in batch.items()})
-        rows.append(torch.stack([s[:, -1].float() for s in states], dim=1))
-    return torch.cat(rows)
-
-
-def robust_norm(x: torch.Tensor) -> torch.Tensor:
-    """Median norm of the rows of ``x`` (n, d) without each row's largest coordinate (outlier dimensions)."""
-    x = x.scatter(1, x.abs().argmax(dim=1, keepdim=True), 0.0)
-    return x.norm(dim=-1).median()
+from modular.directions import last_position_states, robust_norm
 
 
 class SteeringAdversary:

@@ -4,7 +4,8 @@ import datasets
 import pytest
 import torch
 
-from modular.gating.steering import SteeringAdversary, last_position_states, robust_norm
+from modular.directions import last_position_states, robust_norm
+from modular.gating.steering import SteeringAdversary
 from modular.hooks import add_vectors
 from modular.models.adapter import ArchitectureAdapter
 from tests.conftest import make_tiny_model, make_tiny_tokenizer
