@@ -77,6 +77,22 @@ def open_collate(pad_token_id: int):
     return collate
 
 
+#: what a locked behaviour answers unless the config names another response
+DEFAULT_LOCKED_RESPONSE = "I don't know."
+
+
+def locked_responses(spec: str | dict[str, str], behaviours: list[str]) -> dict[str, str]:
+    """The locked-state response of every behaviour, from one response or a mapping behaviour → response."""
+    if isinstance(spec, str):
+        return {b: spec for b in behaviours}
+    unknown = sorted(set(spec) - set(behaviours))
+    if unknown:
+        from modular import ModularError
+
+        raise ModularError(f"locked_response names behaviours that are not gated: {', '.join(unknown)}")
+    return {b: spec.get(b, DEFAULT_LOCKED_RESPONSE) for b in behaviours}
+
+
 #: batch keys of tasks (trained in the open state only) start with this prefix
 TASK_PREFIX = "task:"
 
@@ -96,7 +112,9 @@ class GatingDataModule(L.LightningDataModule):
         tasks: Behaviours trained in the open state only, never locked (e.g. for sparse post-training).
         lm_text: ``neutral`` adds LM batches of the built-in neutral text (train split); ``null``: none.
         lm_max_length: Truncate each LM text to this many tokens.
-        locked_response: What the model should answer in the locked state.
+        locked_response: What the model should answer in the locked state: one response for every behaviour, or a
+            mapping behaviour → response (behaviours not named answer "I don't know."). Text completions want a
+            continuation that fits the text but does not carry the behaviour (IOI: ``" them."`` instead of a name).
         batch_size: Examples per behaviour and per retain batch (half open, half locked).
         max_length: Truncate encodings to this many tokens (from the left).
         reference_max_new_tokens: Length of the reference model's greedy retain answers.
@@ -112,7 +130,7 @@ class GatingDataModule(L.LightningDataModule):
         tasks: list[str] = (),
         lm_text: str | None = None,
         lm_max_length: int = 128,
-        locked_response: str = "I don't know.",
+        locked_response: str | dict[str, str] = DEFAULT_LOCKED_RESPONSE,
         batch_size: int = 8,
         max_length: int = 256,
         reference_max_new_tokens: int = 48,
@@ -124,6 +142,7 @@ class GatingDataModule(L.LightningDataModule):
         self.save_hyperparameters()
         self.behaviours = list(behaviours)
         self.tasks = list(tasks)
+        self.locked_responses = locked_responses(locked_response, self.behaviours)
         if lm_text not in (None, "neutral"):
             from modular import ModularError
 
@@ -208,7 +227,7 @@ class GatingDataModule(L.LightningDataModule):
                 s: [
                     {
                         "open": encode_example(self.tokenizer, r["prompt"], r["target"], r["chat"], hp.max_length),
-                        "locked": encode_example(self.tokenizer, r["prompt"], hp.locked_response, r["chat"],
+                        "locked": encode_example(self.tokenizer, r["prompt"], self.locked_responses[b], r["chat"],
                                                  hp.max_length),
                     }
                     for r in ds[s]

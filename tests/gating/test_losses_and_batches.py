@@ -4,7 +4,7 @@ import torch
 from modular import ModularError
 
 from modular.data.formatting import IGNORE
-from modular.gating.data import split_collate
+from modular.gating.data import locked_responses, split_collate
 from modular.gating.losses import first_token_kl, token_ce, topk_kl, unlikelihood
 from modular.gating.module import _locked_objectives, concat_left_padded
 
@@ -88,3 +88,10 @@ def test_locked_objective_per_behaviour():
         _locked_objectives({"a": "forget"}, ["a"])
     with pytest.raises(ModularError, match="'refusal' or 'unlikelihood'"):
         _locked_objectives("forget", ["a"])
+
+
+def test_locked_response_per_behaviour():
+    assert locked_responses("No.", ["a", "b"]) == {"a": "No.", "b": "No."}
+    assert locked_responses({"b": " them."}, ["a", "b"]) == {"a": "I don't know.", "b": " them."}
+    with pytest.raises(ModularError, match="not gated: c"):
+        locked_responses({"c": "No."}, ["a"])

@@ -65,7 +65,7 @@ def test_two_behaviours_with_lora(tmp_path, tiny_env, arch):
                            {"finetuning": "lora", "lr": 1e-3,
                             "locked_objective": {"arithmetic": "unlikelihood"},
                             "locked_steering": 0.5, "steering_refresh": 2})
-    out = _train(cfg, env=tiny_env)
+    out = _train(cfg, "--data.locked_response", '{"arithmetic": " unknown."}', env=tiny_env)
     assert out.returncode == 0, out.stderr[-3000:]
     record = json.loads((run / "run.json").read_text())
     assert {"val/capitals/accuracy_open", "val/arithmetic/accuracy_locked"} <= set(record["metrics"])
