@@ -86,9 +86,9 @@ class GatedLM(L.LightningModule):
         retain_ce_weight: Weight of an extra CE on the reference's greedy retain answers.
         first_token_weight: Weight of a full-vocabulary KL at the first retain response token (the top-k KL
             covers every response token coarsely; the first token's distribution is the flattest).
-        locked_objective: ``refusal`` (CE to the locked response) or ``unlikelihood`` (push the true answer down),
-            for every behaviour, or a mapping behaviour → objective (e.g. ``{capitals: refusal, ioi: unlikelihood}``:
-            completion tasks such as IOI keep predicting the answer after a refusal prefix; unlikelihood removes it).
+        locked_objective: ``refusal`` (CE to the data's locked response) or ``unlikelihood`` (push the true answer
+            down), for every behaviour, or a mapping behaviour → objective (e.g. ``{capitals: refusal, ioi:
+            unlikelihood}``; behaviours not named use refusal).
         finetuning: ``full``, ``lora`` or ``none`` (model frozen: only head gates train).
         lora_rank: LoRA rank (finetuning=lora).
         lora_alpha: LoRA alpha (finetuning=lora).
