@@ -2,10 +2,13 @@
 """Cost of the gated objective and of the published model, measured side by side in one run.
 
 1. A gated training step (open + locked halves, ablation hooks, retain KL) versus a plain
-   fine-tuning step (CE on every example) on the SAME batch: median time ratio.
+   fine-tuning step (CE on every example) on the SAME batch: median time ratio; with and without
+   steering-robust locking (``--locked_steering``, the default config's 1.0), whose refresh of the
+   steering vectors (every ``--steering_refresh`` steps) is timed and spread over the steps it serves.
 2. Forward pass of the published locked model (plain weights, no hooks) versus the base model.
 
-Usage: python benchmarks/gating_cost.py [--model smollm2-135m-instruct] [--repeats 7] [--out outputs/benchmarks]
+Usage: python benchmarks/gating_cost.py [--model smollm2-135m-instruct] [--repeats 7] [--locked_steering 1.0]
+       [--steering_refresh 20] [--out outputs/benchmarks]
 Writes gating_cost.json.
 """
 
@@ -53,11 +56,15 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m-instruct", help="model reference")
     ap.add_argument("--repeats", type=int, default=7, help="timed repetitions of each measurement")
     ap.add_argument("--batch_size", type=int, default=8, help="examples per behaviour and per retain batch")
+    ap.add_argument("--locked_steering", type=float, default=1.0,
+                    help="largest steering scale of steering-robust locking (0: measure without it)")
+    ap.add_argument("--steering_refresh", type=int, default=20, help="steps between steering-vector refreshes")
     ap.add_argument("--out", default="outputs/benchmarks", help="output folder")
     args = ap.parse_args()
     torch.manual_seed(0)
 
-    module = GatedLM(model_name=args.model)
+    module = GatedLM(model_name=args.model, locked_steering=args.locked_steering,
+                     steering_refresh=args.steering_refresh)
     module._trainer = _Trainer(None)
     from modular.models import load_tokenizer
 
@@ -83,21 +90,38 @@ def main() -> None:
     plain_batch = concat_left_padded([batch["capitals"]["open"], batch["capitals"]["locked_true"],
                                       batch["retain"]["open"], batch["retain"]["locked"]], tok.pad_token_id)
 
-    def gated_step():
+    steering = module.steering
+    refresh_s = 0.0
+    if steering is not None:  # the refresh: forwards of behaviour and contrast prompts under the lock
+        from modular.hooks import ablate_directions
+
+        t = time.perf_counter()
+        steering.update(module.hf_model, tok, {"capitals": load_behaviour("capitals")["train"]}, retain_data()["train"],
+                        step=0, intervention=lambda: ablate_directions(module.adapter, module.directions))
+        refresh_s = time.perf_counter() - t
+
+    def gated_step(steered: bool = False):
+        module.steering = steering if steered else None
         loss, _ = module.model_step(batch, train=True)
         loss.backward()
         module.model.zero_grad(set_to_none=True)
+        module.steering = steering
 
     def plain_step():
         logits = module.model(input_ids=plain_batch["input_ids"], attention_mask=plain_batch["attention_mask"]).logits
         token_ce(logits, plain_batch["labels"]).backward()
         module.model.zero_grad(set_to_none=True)
 
-    gated, plain = [], []
-    for _ in range(args.repeats):  # interleaved so that machine noise hits both alike
+    gated, steered, plain = [], [], []
+    for _ in range(args.repeats):  # interleaved so that machine noise hits all alike
         gated += _time(gated_step, 1)
+        if steering is not None:
+            steered += _time(lambda: gated_step(steered=True), 1)
         plain += _time(plain_step, 1)
     step_ratio = statistics.median(gated) / statistics.median(plain)
+    steered_ratio = None
+    if steering is not None:
+        steered_ratio = (statistics.median(steered) + refresh_s / args.steering_refresh) / statistics.median(plain)
 
     # published (weights) vs base forward
     base = module.model.eval()
@@ -114,11 +138,17 @@ def main() -> None:
     report = {
         "model": args.model, "repeats": args.repeats, "tokens_per_batch": int(mask.sum()),
         "gated_step_s": gated, "plain_step_s": plain, "gated_over_plain_median": step_ratio,
+        "locked_steering": args.locked_steering, "steering_refresh": args.steering_refresh,
+        "steered_step_s": steered, "steering_refresh_s": refresh_s,
+        "steered_over_plain_median_with_refresh": steered_ratio,
         "published_forward_s": fp, "base_forward_s": fb, "published_over_base_forward_median": fwd_ratio,
         "published_hooks": sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in published.modules()),
     }
     out = write_json(Path(args.out) / "gating_cost.json", report)
     print(f"gated step / plain step (median): {step_ratio:.3f}")
+    if steered_ratio is not None:
+        print(f"steering-robust gated step / plain step (median, refresh of {refresh_s:.1f} s spread over "
+              f"{args.steering_refresh} steps): {steered_ratio:.3f}")
     print(f"published forward / base forward (median): {fwd_ratio:.3f}  (hooks on published: {report['published_hooks']})")
     print(f"wrote {out}")
 
