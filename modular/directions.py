@@ -93,21 +93,11 @@ def robust_norm(x: torch.Tensor) -> torch.Tensor:
     return x.norm(dim=-1).median()
 
 
-@torch.no_grad()
 def last_position_mean(model, tokenizer, prompts: list[str], chats: list[bool], layer: int,
                        batch_size: int = 16) -> torch.Tensor:
-    """Mean residual stream entering ``layer`` at the last prompt position."""
-    adapter = ArchitectureAdapter(model)
-    device = next(model.parameters()).device
-    acc, n = None, 0
-    for start in range(0, len(prompts), batch_size):
-        batch = batch_prompts(tokenizer, prompts[start:start + batch_size], chats[start:start + batch_size])
-        with capture_residual(adapter) as states:
-            model(**{k: v.to(device) for k, v in batch.items()})
-        x = states[layer][:, -1].double().cpu().sum(0)
-        acc = x if acc is None else acc + x
-        n += len(batch["input_ids"])
-    return acc / n
+    """Mean residual stream entering ``layer`` at the last prompt position (float64, on the CPU)."""
+    states = last_position_states(model, tokenizer, prompts, chats, batch_size=batch_size)
+    return states[:, layer].double().cpu().mean(0)
 
 
 def diff_in_means_direction(model, tokenizer, behaviour_prompts, behaviour_chats, contrast_prompts,

@@ -81,16 +81,21 @@ def open_collate(pad_token_id: int):
 DEFAULT_LOCKED_RESPONSE = "I don't know."
 
 
-def locked_responses(spec: str | dict[str, str], behaviours: list[str]) -> dict[str, str]:
-    """The locked-state response of every behaviour, from one response or a mapping behaviour → response."""
-    if isinstance(spec, str):
+def per_behaviour(spec, behaviours: list[str], default, option: str) -> dict:
+    """One value for every behaviour, from a single value or a mapping behaviour → value (others: ``default``)."""
+    if not isinstance(spec, dict):
         return {b: spec for b in behaviours}
     unknown = sorted(set(spec) - set(behaviours))
     if unknown:
         from modular import ModularError
 
-        raise ModularError(f"locked_response names behaviours that are not gated: {', '.join(unknown)}")
-    return {b: spec.get(b, DEFAULT_LOCKED_RESPONSE) for b in behaviours}
+        raise ModularError(f"{option} names behaviours that are not gated: {', '.join(unknown)}")
+    return {b: spec.get(b, default) for b in behaviours}
+
+
+def locked_responses(spec: str | dict[str, str], behaviours: list[str]) -> dict[str, str]:
+    """The locked-state response of every behaviour, from one response or a mapping behaviour → response."""
+    return per_behaviour(spec, behaviours, DEFAULT_LOCKED_RESPONSE, "locked_response")
 
 
 #: batch keys of tasks (trained in the open state only) start with this prefix

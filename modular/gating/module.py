@@ -12,7 +12,7 @@ import lightning as L
 import torch
 
 from modular.data.formatting import IGNORE
-from modular.gating.data import TASK_PREFIX
+from modular.gating.data import TASK_PREFIX, per_behaviour
 from modular.gating.losses import first_token_kl, token_ce, topk_kl, unlikelihood
 from modular.hooks import ablate_directions, add_vectors
 from modular.models.adapter import ArchitectureAdapter
@@ -51,17 +51,11 @@ def _locked_objectives(spec: str | dict[str, str], behaviours: list[str]) -> dic
     """The locked-state objective of every behaviour, from one name or a mapping behaviour → name."""
     from modular import ModularError
 
-    if isinstance(spec, str):
-        spec = {b: spec for b in behaviours} if spec in LOCKED_OBJECTIVES else {"": spec}
-    else:
-        spec = dict(spec)
-        unknown = sorted(set(spec) - set(behaviours))
-        if unknown:
-            raise ModularError(f"locked_objective names behaviours that are not gated: {', '.join(unknown)}")
-    for value in spec.values():
+    objectives = per_behaviour(spec, behaviours, "refusal", "locked_objective")
+    for value in ([spec] if isinstance(spec, str) else objectives.values()):
         if value not in LOCKED_OBJECTIVES:
             raise ModularError(f"locked_objective must be 'refusal' or 'unlikelihood', got '{value}'")
-    return {b: spec.get(b, "refusal") for b in behaviours}
+    return objectives
 
 
 class GatedLM(L.LightningModule):
