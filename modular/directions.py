@@ -73,9 +73,13 @@ def random_direction(d: int, others: torch.Tensor | None = None, seed: int = 0) 
 
 
 @torch.no_grad()
+@torch.no_grad()
 def last_position_states(model, tokenizer, prompts: list[str], chats: list[bool], intervention=None,
                          batch_size: int = 16) -> torch.Tensor:
-    """Residual stream at the last prompt position entering every block and leaving the last: (n, L+1, d)."""
+    """Residual stream at the last prompt position entering every block and leaving the last: (n, L+1, d).
+
+    Read-only (no autograd graph), so it is cheap to call inside a training step.
+    """
     adapter = ArchitectureAdapter(model)
     device = next(model.parameters()).device
     rows = []

@@ -134,12 +134,18 @@ def ablate_directions(adapter: ArchitectureAdapter, directions: torch.Tensor) ->
 
 @contextmanager
 def add_vectors(adapter: ArchitectureAdapter, vectors: Mapping[int, torch.Tensor]) -> Iterator[None]:
-    """Add ``vectors[i]`` (shape (d,)) to the residual stream leaving block ``i`` (all positions)."""
+    """Add ``vectors[i]`` to the residual stream leaving block ``i`` at all positions.
+
+    A vector of shape (d,) is added to every sequence; one of shape (batch, d) adds row ``r`` to
+    sequence ``r`` only (zero rows leave their sequences untouched), so differently steered
+    sequences can share one forward pass.
+    """
 
     def make(vec):
         def fn(module, args, output):
             x = _hidden(output)
-            return _replace_hidden(output, x + vec.to(dtype=x.dtype, device=x.device))
+            v = vec.to(dtype=x.dtype, device=x.device)
+            return _replace_hidden(output, x + (v[:, None] if v.dim() == 2 else v))
 
         return fn
 

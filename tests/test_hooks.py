@@ -107,6 +107,24 @@ def test_add_vectors_shifts_the_residual(tiny_model, tokens):
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "gemma3_text"])
+def test_row_vectors_steer_only_their_own_sequences(tiny_model, tokens):
+    """A (batch, d) vector steers row r by row r: one shared forward equals separate steered/plain ones."""
+    a = ArchitectureAdapter(tiny_model)
+    v = 3 * torch.randn(D)
+    rows = torch.zeros(tokens.shape[0], D)
+    rows[0] = v
+    with torch.no_grad():
+        plain = tiny_model(tokens).logits
+        with add_vectors(a, {0: v}):
+            steered = tiny_model(tokens[:1]).logits
+        with add_vectors(a, {0: rows}):
+            shared = tiny_model(tokens).logits
+    torch.testing.assert_close(shared[0], steered[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(shared[1:], plain[1:], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(shared[0], plain[0])
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "gemma3_text"])
 def test_no_hook_left_behind_even_when_the_body_raises(tiny_model, tokens):
     a = ArchitectureAdapter(tiny_model)
     managers = [

@@ -262,26 +262,21 @@ class GatedLM(L.LightningModule):
         """One gated step: pieces sharing an ablation set run in one forward pass."""
         hp = self.hparams
         pad = self.trainer.datamodule.tokenizer.pad_token_id if self._trainer else 0
-        groups: dict[tuple, list] = {}
-        steering: dict[tuple, tuple] = {}
+        groups: dict[frozenset, list] = {}
         for ablated, piece, kind, name, steer in self._pieces(batch, train):
-            key = (ablated, name if steer is not None else None)  # a steered piece runs on its own
-            groups.setdefault(key, []).append((piece, kind, name))
-            if steer is not None:
-                steering[key] = steer
+            groups.setdefault(ablated, []).append((piece, kind, name, steer))
         terms: dict[str, torch.Tensor] = {}
-        for key, items in groups.items():
-            ablated = key[0]
-            merged = concat_left_padded([p for p, _, _ in items], pad)
+        for ablated, items in groups.items():
+            merged = concat_left_padded([p for p, _, _, _ in items], pad)
             with ExitStack() as stack:
                 if ablated:
                     stack.enter_context(ablate_directions(self.adapter, self.directions[sorted(ablated)]))
-                if key in steering:
-                    block, vector = steering[key]
-                    stack.enter_context(add_vectors(self.adapter, {block: vector}))
+                vectors = self._row_vectors(items, merged["input_ids"].shape[0])
+                if vectors:  # steered pieces get their vector on their own rows only, in the shared forward
+                    stack.enter_context(add_vectors(self.adapter, vectors))
                 logits = self.model(input_ids=merged["input_ids"], attention_mask=merged["attention_mask"]).logits
             row = 0
-            for piece, kind, name in items:
+            for piece, kind, name, _ in items:
                 n = piece["input_ids"].shape[0]
                 sub = {key: v[row:row + n] for key, v in merged.items()}
                 terms[name] = self._loss_of(kind, logits[row:row + n], sub)
@@ -306,6 +301,19 @@ class GatedLM(L.LightningModule):
                 n_heads = self.adapter.n_layers * self.adapter.n_heads
                 total = self.sparsity(total, lm_loss, l0 / n_heads)
         return total, terms
+
+    def _row_vectors(self, items: list, n_rows: int) -> dict[int, torch.Tensor]:
+        """{block: (n_rows, d) vectors}: each steered piece's vector on its rows, zeros elsewhere."""
+        vectors: dict[int, torch.Tensor] = {}
+        row = 0
+        for piece, _, _, steer in items:
+            n = piece["input_ids"].shape[0]
+            if steer is not None:
+                block, vector = steer
+                rows = vectors.setdefault(block, torch.zeros(n_rows, vector.shape[-1], device=self.device))
+                rows[row:row + n] += vector.to(rows)
+            row += n
+        return vectors
 
     @staticmethod
     def _batch_size(batch: dict) -> int:

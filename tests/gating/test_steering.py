@@ -1,10 +1,13 @@
 """The steering adversary used to train steering-robust locks (tiny random models)."""
 
+from types import SimpleNamespace
+
 import datasets
 import pytest
 import torch
 
 from modular.directions import last_position_states, robust_norm
+from modular.gating.module import GatedLM
 from modular.gating.steering import SteeringAdversary
 from modular.hooks import add_vectors
 from modular.models.adapter import ArchitectureAdapter
@@ -47,3 +50,18 @@ def test_states_follow_the_intervention_and_the_robust_norm_skips_the_outlier():
     torch.testing.assert_close(moved[:, 0], plain[:, 0])
     x = torch.tensor([[100.0, 3.0, 4.0], [0.0, 6.0, 80.0], [-90.0, 0.0, 7.0]])
     assert robust_norm(x).item() == pytest.approx(6.0)  # median of 5, 6 and 7
+
+
+def test_steered_pieces_get_their_vector_on_their_rows_only():
+    """In the shared forward of an ablation group, each steered piece's vector lands on its own rows."""
+    piece = lambda n: {"input_ids": torch.zeros(n, 5, dtype=torch.long)}
+    v1, v2 = torch.randn(4), torch.randn(4)
+    items = [(piece(2), "ce", "a/open_ce", None), (piece(3), "ce", "a/locked_ce", (1, v1)),
+             (piece(1), "kl", "retain/locked_kl", None), (piece(2), "ce", "b/locked_ce", (0, v2))]
+    vectors = GatedLM._row_vectors(SimpleNamespace(device=torch.device("cpu")), items, 8)
+    assert set(vectors) == {0, 1}
+    expected1, expected0 = torch.zeros(8, 4), torch.zeros(8, 4)
+    expected1[2:5], expected0[6:8] = v1, v2
+    torch.testing.assert_close(vectors[1], expected1)
+    torch.testing.assert_close(vectors[0], expected0)
+    assert GatedLM._row_vectors(SimpleNamespace(device=torch.device("cpu")), items[:1], 2) == {}
