@@ -9,6 +9,8 @@ Several behaviours get mutually orthogonal directions.
 
 from __future__ import annotations
 
+import inspect
+
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -82,11 +84,13 @@ def last_position_states(model, tokenizer, prompts: list[str], chats: list[bool]
     """
     adapter = ArchitectureAdapter(model)
     device = next(model.parameters()).device
+    # only the residual stream is read: skip the unembedding of all but the last position where supported
+    extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
     rows = []
     for start in range(0, len(prompts), batch_size):
         batch = batch_prompts(tokenizer, prompts[start:start + batch_size], chats[start:start + batch_size])
         with (intervention() if intervention is not None else nullcontext()), capture_residual(adapter) as states:
-            model(**{k: v.to(device) for k, v in batch.items()})
+            model(**{k: v.to(device) for k, v in batch.items()}, **extra)
         rows.append(torch.stack([s[:, -1].float() for s in states], dim=1))
     return torch.cat(rows)
 
