@@ -104,6 +104,9 @@ class GatedLM(L.LightningModule):
             attack (b)): locked-state behaviour examples get a steering vector of the current model added at a
             random layer, scaled up to this multiple of the typical residual norm; 0 disables.
         steering_refresh: Steps between recomputing the steering vectors from the model being trained.
+        gate_freeze_step: Prune, then fine-tune: from this step on every head gate is fixed at its
+            deterministic value (closed heads stay closed, no gate noise) and the remaining steps train
+            the weights of the pruned model only; ``null``: the gates learn to the end.
     """
 
     def __init__(
@@ -137,6 +140,7 @@ class GatedLM(L.LightningModule):
         multiplier_init: float = 1.0,
         locked_steering: float = 0.0,
         steering_refresh: int = 20,
+        gate_freeze_step: int | None = None,
     ):
         super().__init__()
         self.save_hyperparameters()
@@ -328,7 +332,22 @@ class GatedLM(L.LightningModule):
                              dm.retain["train"], self.global_step,
                              intervention=lambda: ablate_directions(self.adapter, self.directions))
 
+    def _freeze_gates(self) -> None:
+        """At ``gate_freeze_step``: fix every gate at its deterministic value (kept in checkpoints as ``fixed``)."""
+        step = self.hparams.gate_freeze_step
+        if step is None or self.global_step < step:
+            return
+        from modular.heads.gates import head_gate_modules
+
+        gates = [g for g in head_gate_modules(self.hf_model) if torch.isnan(g.fixed).any()]
+        for g in gates:  # log α then gets zero gradients (kept trainable: DDP expects the same parameters)
+            g.fixed.copy_(g.deterministic())
+        if gates:
+            log.info("step %d: head gates fixed (%d heads open); the weights go on training", self.global_step,
+                     int(sum((g.fixed > 0).sum() for g in head_gate_modules(self.hf_model))))
+
     def training_step(self, batch, batch_idx):
+        self._freeze_gates()
         self._refresh_steering()
         loss, terms = self.model_step(batch, train=True)
         bs = self._batch_size(batch)

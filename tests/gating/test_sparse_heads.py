@@ -92,6 +92,28 @@ def test_penalty_lowers_expected_l0_jointly_with_full_finetuning(tmp_path, tiny_
     assert end < start - 0.5
 
 
+def test_gates_freeze_at_the_given_step_and_the_weights_go_on_training(tmp_path, tiny_folder):
+    """Prune, then fine-tune: after gate_freeze_step the gates are fixed (saved) and only the weights move."""
+    model_dir = tiny_folder("llama")
+    module = _sparse(model_dir, sparsity="penalty", sparsity_weight=10.0, gate_lr=0.2, gate_init=0.0,
+                     gate_freeze_step=3)
+    _fit(module, _data(model_dir), tmp_path / "run", steps=3)
+    gates = head_gate_modules(module.hf_model)
+    assert all(torch.isnan(g.fixed).all() for g in gates)  # steps 0-2 learn the gates
+    weight = module.hf_model.lm_head.weight.detach().clone()
+    trainer = _fit(module, _data(model_dir), tmp_path / "run2", steps=5)  # steps 0..4 again: frozen from step 3
+    frozen = deterministic_gate_values(module.hf_model)
+    assert not any(torch.isnan(g.fixed).any() for g in gates)
+    module.train()
+    for _ in range(3):  # training mode: no noise any more, the fixed values are what the model uses
+        torch.testing.assert_close(torch.stack([g() for g in gates]), frozen)
+    assert not torch.equal(weight, module.hf_model.lm_head.weight.detach())
+    path = tmp_path / "f.ckpt"
+    trainer.save_checkpoint(path)
+    saved = torch.load(path, weights_only=False)["state_dict"]
+    assert not any(torch.isnan(v).any() for k, v in saved.items() if k.endswith("head_gate.fixed"))
+
+
 def test_constraint_multiplier_is_a_checkpointed_buffer(tmp_path, tiny_folder):
     model_dir = tiny_folder("llama")
     module = _sparse(model_dir, sparsity="constraint", lm_loss_target=1e-6, multiplier_lr=0.5, multiplier_ema=0.0)
