@@ -184,7 +184,7 @@ def test_run_folder_loads_with_gates_folded(tmp_path, tiny_folder, arch, finetun
 def tiny_sparse_config(tmp_path, model_dir):
     cfg = yaml.safe_load((ROOT / "configs" / "sparse_heads_smollm2.yaml").read_text())
     run = tmp_path / "run"
-    cfg["model"].update({"model_name": str(model_dir), "lr": 1e-3, "lm_loss_target": 0.05})
+    cfg["model"].update({"model_name": str(model_dir), "lr": 1e-3, "lm_loss_target": 0.05, "gate_freeze_step": 2})
     cfg["data"].update({"reference_max_new_tokens": 4, "batch_size": 2, "max_length": 64, "lm_max_length": 32,
                         "tasks": ["ioi", "docstring"]})
     cfg["trainer"].update({"default_root_dir": str(run), "max_steps": 3, "val_check_interval": 3,
@@ -209,7 +209,7 @@ def test_sparse_config_trains_through_train_py_and_resumes(tmp_path, tiny_folder
     record = json.loads((run / "run.json").read_text())
     assert record["head_gates"] and record["tasks"] == ["ioi", "docstring"] and record["behaviours"] == []
     assert record["n_heads"] == 2 * 4 and 0 <= record["open_heads"] <= 8
-    assert {"train/multiplier", "train/expected_l0", "train/lm_loss", "val/open_heads", "val/ioi/accuracy",
+    assert {"train/expected_l0", "train/lm_loss", "val/open_heads", "val/ioi/accuracy",
             "val/neutral_perplexity"} <= set(record["metrics"])
     assert json.loads((run / "head_gates.json").read_text())["n_heads"] == 8
     assert not (run / "directions.safetensors").exists()
@@ -217,3 +217,6 @@ def test_sparse_config_trains_through_train_py_and_resumes(tmp_path, tiny_folder
     assert out.returncode == 0, out.stderr[-3000:]
     assert "Restoring states from the checkpoint" in out.stderr + out.stdout
     assert json.loads((run / "run.json").read_text())["global_step"] == 4
+    saved = torch.load(run / "last.ckpt", weights_only=False)["state_dict"]  # pruned at step 2, then fine-tuned
+    fixed = [v for k, v in saved.items() if k.endswith("head_gate.fixed")]
+    assert len(fixed) == 2 and not any(torch.isnan(v).any() for v in fixed)
