@@ -10,7 +10,6 @@ Several behaviours get mutually orthogonal directions.
 from __future__ import annotations
 
 import inspect
-
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -74,7 +73,6 @@ def random_direction(d: int, others: torch.Tensor | None = None, seed: int = 0) 
     return _orthogonalise_against(torch.randn(d, generator=g, dtype=torch.float64), others)
 
 
-@torch.no_grad()
 @torch.no_grad()
 def last_position_states(model, tokenizer, prompts: list[str], chats: list[bool], intervention=None,
                          batch_size: int = 16) -> torch.Tensor:
