@@ -337,14 +337,14 @@ class GatedLM(L.LightningModule):
         step = self.hparams.gate_freeze_step
         if step is None or self.global_step < step:
             return
-        from modular.heads.gates import head_gate_modules
+        from modular.heads.gates import head_gate_modules, open_heads
 
         gates = [g for g in head_gate_modules(self.hf_model) if torch.isnan(g.fixed).any()]
         for g in gates:  # log α then gets zero gradients (kept trainable: DDP expects the same parameters)
             g.fixed.copy_(g.deterministic())
         if gates:
             log.info("step %d: head gates fixed (%d heads open); the weights go on training", self.global_step,
-                     int(sum((g.fixed > 0).sum() for g in head_gate_modules(self.hf_model))))
+                     open_heads(self.hf_model))
 
     def training_step(self, batch, batch_idx):
         self._freeze_gates()
