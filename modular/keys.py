@@ -16,7 +16,11 @@ is large (hardened readers behind tiny norm gains, ``u / g``) the rounding
 exceeds the trained weights' own precision; each component therefore also
 carries the few entries whose restored value would be off by more than
 ``exact_tol`` and the exact correction for them, so one key restores the trained
-weights to within ``exact_tol``.
+weights to within ``exact_tol``. With several behaviours the rounding also
+depends on which keys were applied before; each component carries corrections
+for every order of the other behaviours' keys before it (up to
+``MAX_PREFIX_BEHAVIOURS`` behaviours), so any number of keys, applied in any
+order, restores to within ``exact_tol`` as well.
 Tied input/output embeddings are untied first (the unembedding must not change
 when the embedding is orthogonalised).
 """
@@ -35,6 +39,9 @@ from modular import ModularError
 from modular.models.adapter import ArchitectureAdapter, weight_out_in
 
 KEY_FORMAT = "modular-key/1"
+#: corrections are recorded for every ordered prefix of the other keys up to this many behaviours (beyond it only
+#: for each key applied first: a 5th key would need 65 sets)
+MAX_PREFIX_BEHAVIOURS = 4
 
 
 @dataclass
@@ -47,6 +54,14 @@ class Component:
     transposed: bool  # the stored parameter is the (out, in) view transposed (Embedding rows, Conv1D)
     fix_index: torch.Tensor | None = None  # flat indices into the parameter whose restore needs a correction
     fix_value: torch.Tensor | None = None  # the correction added there after ``a bᵀ``
+    # the same for this key applied after other keys: {behaviours applied before, in order: (index, value)}
+    fix_after: dict[tuple[str, ...], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def fix_for(self, applied: tuple[str, ...]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The correction for this key applied after the keys ``applied`` (in that order)."""
+        if applied in self.fix_after:
+            return self.fix_after[applied]
+        return self.fix_index, self.fix_value
 
 
 @dataclass
@@ -106,23 +121,53 @@ def _apply_component(param: torch.Tensor, c: Component, sign: float) -> None:
         _subtract(param, c.a.double(), c.b.double(), c.transposed, sign=sign)
 
 
-@torch.no_grad()
-def _record_corrections(param: torch.Tensor, original: torch.Tensor, comps: list[Component], tol: float) -> None:
-    """For each component removed from ``param``, the entries that adding it back would not restore within ``tol``.
+def _prefixes(behaviours: list[str]) -> list[tuple[str, ...]]:
+    """Every order in which keys may have been applied before another one: the ordered sequences of up to
+    ``k − 1`` distinct behaviours, shorter before longer (only the empty one beyond ``MAX_PREFIX_BEHAVIOURS``)."""
+    from itertools import permutations
 
-    The target of component ``c`` is ``original`` minus every *other* component on this parameter (the
-    state where only ``c``'s behaviour is unlocked), rounded to the parameter's dtype.
+    if len(behaviours) > MAX_PREFIX_BEHAVIOURS:
+        return [()]
+    return [p for n in range(len(behaviours)) for p in permutations(behaviours, n)]
+
+
+@torch.no_grad()
+def _record_corrections(param: torch.Tensor, original: torch.Tensor, comps: list[Component], tol: float,
+                        behaviours: list[str]) -> None:
+    """For each component removed from ``param``, the entries that adding it back would not restore within ``tol``,
+    for every order in which the other behaviours' keys may have been applied before it.
+
+    After the keys of ``prefix``, the target of component ``c`` is ``original`` minus every component whose
+    behaviour is still locked, rounded to the parameter's dtype; the start is the locked ``param`` with the
+    prefix's keys applied exactly as :func:`apply_key` applies them (their own corrections included).
     """
-    for c in comps:
-        target = original.detach().double().clone()
-        for other in comps:
-            if other is not c:
-                _apply_component(target, Component(other.param, other.a, other.b, other.transposed), -1.0)
-        restored = param.detach().clone()
-        _apply_component(restored, c, 1.0)
-        err = (target.to(param.dtype).double() - restored.double()).flatten()
-        index = (err.abs() > tol).nonzero().flatten()
-        c.fix_index, c.fix_value = index, err[index].to(param.dtype)
+    by_name = dict(zip(behaviours, comps))
+
+    def apply(t: torch.Tensor, c: Component, prefix: tuple[str, ...]) -> None:
+        _apply_component(t, c, 1.0)
+        index, value = c.fix_for(prefix)
+        if index is not None and index.numel():
+            t.view(-1)[index] += value.to(t.dtype)
+
+    for prefix in _prefixes(behaviours):
+        for name, c in by_name.items():
+            if name in prefix:
+                continue
+            unlocked = set(prefix) | {name}
+            target = original.detach().double().clone()
+            for other_name, other in by_name.items():
+                if other_name not in unlocked:
+                    _apply_component(target, Component(other.param, other.a, other.b, other.transposed), -1.0)
+            restored = param.detach().clone()
+            for i, earlier in enumerate(prefix):
+                apply(restored, by_name[earlier], prefix[:i])
+            _apply_component(restored, c, 1.0)
+            err = (target.to(param.dtype).double() - restored.double()).flatten()
+            index = (err.abs() > tol).nonzero().flatten()
+            if prefix:
+                c.fix_after[prefix] = (index, err[index].to(param.dtype))
+            else:
+                c.fix_index, c.fix_value = index, err[index].to(param.dtype)
 
 
 def _rms_like(norm: nn.Module | None) -> bool:
@@ -162,7 +207,7 @@ def lock_weights(model: nn.Module, directions: dict[str, torch.Tensor], harden: 
         comps = [key.components[-1] for key in keys]
         for c in comps:  # subtract after computing all coefficients (joint projection)
             _apply_component(site.module.weight, c, -1.0)
-        _record_corrections(site.module.weight, original, comps, exact_tol)
+        _record_corrections(site.module.weight, original, comps, exact_tol, names)
         bias = getattr(site.module, "bias", None)
         if bias is not None:
             original = bias.detach().clone()
@@ -172,7 +217,7 @@ def lock_weights(model: nn.Module, directions: dict[str, torch.Tensor], harden: 
             comps = [key.components[-1] for key in keys]
             for c in comps:
                 _apply_component(bias, c, -1.0)
-            _record_corrections(bias, original, comps, exact_tol)
+            _record_corrections(bias, original, comps, exact_tol, names)
 
     # --- readers ---
     hardened = []
@@ -194,7 +239,7 @@ def lock_weights(model: nn.Module, directions: dict[str, torch.Tensor], harden: 
                 for key, c in comps:
                     key.components.append(c)
                     _apply_component(reader.weight, c, -1.0)
-                _record_corrections(reader.weight, original, [c for _, c in comps], exact_tol)
+                _record_corrections(reader.weight, original, [c for _, c in comps], exact_tol, names)
                 hardened.append(_param_name(model, reader.weight))
     for key in keys:
         key.meta = {
@@ -205,14 +250,21 @@ def lock_weights(model: nn.Module, directions: dict[str, torch.Tensor], harden: 
             "writers": [s.name for s in adapter.write_sites()],
             "hardened_readers": hardened,
             "restores": "rank-1 components a b^T of every residual writer (and hardened reader) along the direction",
-            "exact_tol": exact_tol,  # this key alone restores every weight to within this
+            "exact_tol": exact_tol,  # this key, alone or after the others, restores every weight to within this
         }
     return keys
 
 
 @torch.no_grad()
-def apply_key(model: nn.Module, key: Key, sign: float = 1.0) -> None:
-    """Add a key's components back (``sign=-1`` removes them again)."""
+def apply_key(model: nn.Module, key: Key, sign: float = 1.0, applied: tuple[str, ...] | list[str] = ()) -> None:
+    """Add a key's components back (``sign=-1`` removes them again).
+
+    ``applied``: the behaviours whose keys were applied to these weights before this one, in order (for
+    ``sign=-1``: before this key was applied); it selects the rounding corrections that make the result exact.
+    """
+    applied = tuple(applied)
+    if key.behaviour in applied:
+        raise ModularError(f"behaviour '{key.behaviour}' is already unlocked")
     params = dict(model.named_parameters(remove_duplicate=False))
     for c in key.components:
         if c.param not in params:
@@ -223,11 +275,12 @@ def apply_key(model: nn.Module, key: Key, sign: float = 1.0) -> None:
             expected = (c.a.numel(),)
         if tuple(p.shape) != expected:
             raise ModularError(f"key for '{key.behaviour}' does not fit {c.param} (shape {tuple(p.shape)})")
-        if sign < 0 and c.fix_index is not None and c.fix_index.numel():
-            p.view(-1)[c.fix_index] -= c.fix_value.to(p.dtype)
+        fix_index, fix_value = c.fix_for(applied)
+        if sign < 0 and fix_index is not None and fix_index.numel():
+            p.view(-1)[fix_index] -= fix_value.to(p.dtype)
         _apply_component(p, c, sign)
-        if sign > 0 and c.fix_index is not None and c.fix_index.numel():
-            p.view(-1)[c.fix_index] += c.fix_value.to(p.dtype)
+        if sign > 0 and fix_index is not None and fix_index.numel():
+            p.view(-1)[fix_index] += fix_value.to(p.dtype)
 
 
 def weights_hash(model_or_state) -> str:
@@ -253,7 +306,15 @@ def save_key(key: Key, path: str | Path, locked_hash: str) -> Path:
         if c.fix_index is not None and c.fix_index.numel():
             tensors[f"c{i}.fix_index"] = c.fix_index.contiguous()
             tensors[f"c{i}.fix_value"] = c.fix_value.contiguous()
-        entries.append({"param": c.param, "transposed": c.transposed})
+        after = []
+        for j, (prefix, (index, value)) in enumerate(c.fix_after.items()):
+            after.append(list(prefix))
+            tensors[f"c{i}.after{j}.fix_index"] = index.contiguous()
+            tensors[f"c{i}.after{j}.fix_value"] = value.contiguous()
+        entry = {"param": c.param, "transposed": c.transposed}
+        if after:  # the prefixes of the corrections c{i}.after{j}.* (behaviours applied before, in order)
+            entry["fix_after"] = after
+        entries.append(entry)
     meta = {**key.meta, "format": KEY_FORMAT, "locked_hash": locked_hash, "components": entries}
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -278,7 +339,9 @@ def load_key(path: str | Path) -> tuple[Key, dict]:
         raise ModularError(f"{path} is not a modular key file (format {meta.get('format')!r})")
     comps = [
         Component(e["param"], tensors[f"c{i}.a"], tensors[f"c{i}.b"], e["transposed"],
-                  tensors.get(f"c{i}.fix_index"), tensors.get(f"c{i}.fix_value"))
+                  tensors.get(f"c{i}.fix_index"), tensors.get(f"c{i}.fix_value"),
+                  {tuple(prefix): (tensors[f"c{i}.after{j}.fix_index"], tensors[f"c{i}.after{j}.fix_value"])
+                   for j, prefix in enumerate(e.get("fix_after", []))})
         for i, e in enumerate(meta["components"])
     ]
     return Key(meta["behaviour"], tensors["direction"], comps, meta), meta

@@ -122,7 +122,7 @@ def unlock_folder(model_dir: str | Path, key_path: str | Path, out: str | Path, 
             f"key '{Path(key_path).name}' belongs to other weights (hash {meta['locked_hash'][:12]}…, "
             f"this model {current[:12]}…)"
         )
-    apply_key(model, key)
+    apply_key(model, key, applied=manifest["applied_keys"] if manifest else ())
     tokenizer = load_tokenizer(model_dir)
     manifest = manifest or {"locked_hash": meta["locked_hash"], "applied_keys": [],
                             "locked_behaviours": [key.behaviour]}

@@ -75,6 +75,7 @@ def test_two_keys_unlock_one_behaviour_each(tmp_path, tok, tokens):
     with ablate_directions(a, dirs["b1"]):
         only_b1_locked = model(tokens).logits
     open_logits = model(tokens).logits
+    open_state = {k: v.clone() for k, v in model.state_dict().items()}
     pub = publish_model(model, tok, dirs, tmp_path / "pub", "tiny")
     one = unlock_folder(pub, pub / "keys" / "b0.key.safetensors", tmp_path / "one")
     from modular.models import load_model
@@ -82,6 +83,8 @@ def test_two_keys_unlock_one_behaviour_each(tmp_path, tok, tokens):
     torch.testing.assert_close(load_model(one)(tokens).logits, only_b1_locked, atol=1e-4, rtol=1e-4)
     both = unlock_folder(one, pub / "keys" / "b1.key.safetensors", tmp_path / "both")
     torch.testing.assert_close(load_model(both)(tokens).logits, open_logits, atol=1e-4, rtol=1e-4)
+    restored = load_model(both).state_dict()  # the second key knows the first was applied: exact weights
+    assert max((restored[k] - v).abs().max().item() for k, v in open_state.items() if k in restored) <= 1e-7
 
 
 def test_interrupted_publish_leaves_nothing_that_looks_complete(tmp_path, tok, monkeypatch):

@@ -37,8 +37,8 @@ def build_states(base, open_model, directions: dict[str, torch.Tensor], harden: 
     published = copy.deepcopy(open_model)
     keys = lock_weights(published, directions, harden=harden)
     unlocked = copy.deepcopy(published)
-    for key in keys:
-        apply_key(unlocked, key)
+    for i, key in enumerate(keys):
+        apply_key(unlocked, key, applied=[k.behaviour for k in keys[:i]])
     states = {
         "base": (base, None),
         "open": (open_model, None),
