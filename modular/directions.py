@@ -137,11 +137,37 @@ def load_direction_file(path: str | Path, d: int) -> torch.Tensor:
     return v / v.norm()
 
 
+def load_avoided_directions(paths: list[str | Path], d: int) -> torch.Tensor | None:
+    """Every direction held in the given safetensors files (a run's ``directions.safetensors`` holds one per
+    behaviour) as an ``(m, d)`` tensor, or None when no file is given."""
+    if not paths:
+        return None
+    from safetensors.torch import load_file
+
+    found = []
+    for path in map(Path, paths):
+        if path.is_dir():
+            path = path / "directions.safetensors"
+        if not path.is_file():
+            raise ModularError(f"directions to avoid not found: {path}")
+        for name, v in sorted(load_file(str(path)).items()):
+            if v.numel() != d:
+                raise ModularError(f"{path}: direction '{name}' has {v.numel()} entries, the model's width is {d}")
+            found.append(v.flatten().float() / v.norm())
+    if not found:
+        raise ModularError(f"no directions found in {', '.join(map(str, paths))}")
+    return torch.stack(found)
+
+
 def choose_directions(model, tokenizer, strategy: str, behaviours: list, retain, seed: int = 0,
-                      files: list[str] | None = None, fraction: float = 0.25) -> torch.Tensor:
+                      files: list[str] | None = None, fraction: float = 0.25,
+                      avoid: torch.Tensor | None = None) -> torch.Tensor:
     """One unit direction per behaviour, mutually orthogonal, as a ``(k, d)`` tensor.
 
     ``behaviours``: the behaviours' train splits (for ``diff_in_means``); ``retain``: the retain train split.
+    ``avoid``: ``(m, d)`` directions every chosen one is also orthogonal to (e.g. another run's, so that the two
+    runs can be weight-merged and keep both locks). Seeded draws continue after the avoided directions, as if
+    those had been drawn first: avoiding one run's direction, the first behaviour draws with ``seed + 1``.
     """
     if strategy not in STRATEGIES:
         raise ModularError(f"unknown direction strategy '{strategy}': use one of {', '.join(STRATEGIES)}")
@@ -150,12 +176,13 @@ def choose_directions(model, tokenizer, strategy: str, behaviours: list, retain,
     cov = None
     if strategy == "low_variance":
         _, cov = residual_covariance(model, tokenizer, list(retain["prompt"]), list(retain["chat"]))
+    fixed = [v.float() for v in avoid] if avoid is not None else []
     for i, ds in enumerate(behaviours):
-        others = torch.stack(chosen) if chosen else None
+        others = torch.stack(fixed + chosen) if fixed or chosen else None
         if strategy == "low_variance":
-            v = low_variance_direction(cov, others, fraction, seed + i)
+            v = low_variance_direction(cov, others, fraction, seed + len(fixed) + i)
         elif strategy == "random":
-            v = random_direction(d, others, seed + i)
+            v = random_direction(d, others, seed + len(fixed) + i)
         elif strategy == "diff_in_means":
             n = min(128, len(ds), len(retain))
             v = diff_in_means_direction(model, tokenizer, ds["prompt"][:n], ds["chat"][:n], retain["prompt"][:n],

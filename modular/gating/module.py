@@ -75,6 +75,8 @@ class GatedLM(L.LightningModule):
         direction_strategy: How to choose directions: low_variance, random, diff_in_means or file.
         direction_files: One direction file per behaviour (strategy ``file``): safetensors key ``direction``.
         direction_fraction: low_variance: sample inside this lowest fraction of principal components.
+        avoid_directions: Run folders or directions files whose directions the chosen ones must be orthogonal
+            to: a run gating another behaviour of the same base, so that the two runs merge and keep both locks.
         locked_weight: λ, weight of the locked-state terms.
         retain_weight: Weight of the retain KL terms (both states).
         retain_ce_weight: Weight of an extra CE on the reference's greedy retain answers.
@@ -116,6 +118,7 @@ class GatedLM(L.LightningModule):
         direction_strategy: str = "low_variance",
         direction_files: list[str] | None = None,
         direction_fraction: float = 0.25,
+        avoid_directions: list[str] | None = None,
         locked_weight: float = 1.0,
         retain_weight: float = 1.0,
         retain_ce_weight: float = 0.0,
@@ -208,12 +211,14 @@ class GatedLM(L.LightningModule):
             saved = load_file(str(path))
             self.directions.copy_(torch.stack([saved[b] for b in self.behaviours]))
             return
-        from modular.directions import choose_directions
+        from modular.directions import choose_directions, load_avoided_directions
 
         hp = self.hparams
+        avoid = load_avoided_directions(hp.avoid_directions or [], self.directions.shape[1])
         dirs = choose_directions(self.hf_model, dm.tokenizer, hp.direction_strategy,
                                  [dm.behaviour_data[b]["train"] for b in self.behaviours], dm.retain["train"],
-                                 seed=hp.seed, files=hp.direction_files, fraction=hp.direction_fraction)
+                                 seed=hp.seed, files=hp.direction_files, fraction=hp.direction_fraction,
+                                 avoid=avoid)
         self.directions.copy_(dirs.to(self.directions))
         if self.trainer.is_global_zero:
             from safetensors.torch import save_file
