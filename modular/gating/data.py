@@ -109,13 +109,15 @@ class GatingDataModule(L.LightningDataModule):
     train *tasks* in the open state only (CE on their targets; batch keys ``task:<name>``) and
     keep language modelling on raw text (``lm``: KL to the reference's next-token distributions
     at every position of the training split of the built-in neutral text; its test split stays
-    held out for perplexity).
+    held out for perplexity). With gated behaviours the LM batches, like retain batches, are split
+    between the open and the locked state.
 
     Args:
         model_name: Model reference (linked from the model's ``model_name``); its tokenizer formats the data.
         behaviours: Behaviours to gate: built-in names, .jsonl files or hf:<dataset>; may be empty.
         tasks: Behaviours trained in the open state only, never locked (e.g. for sparse post-training).
-        lm_text: ``neutral`` adds LM batches of the built-in neutral text (train split); ``null``: none.
+        lm_text: ``neutral`` adds LM batches of the built-in neutral text (train split; split between the states
+            when behaviours are gated); ``null``: none.
         lm_max_length: Truncate each LM text to this many tokens.
         locked_response: What the model should answer in the locked state: one response for every behaviour, or a
             mapping behaviour → response (behaviours not named answer "I don't know."). Text completions want a
@@ -280,7 +282,9 @@ class GatingDataModule(L.LightningDataModule):
         kw["collate_fn"] = open_collate(self.tokenizer.pad_token_id)
         for t, rows in self.task_rows.items():
             loaders[f"{TASK_PREFIX}{t}"] = DataLoader(_Rows(rows[split]), shuffle=shuffle, **kw)
-        if self.lm_rows:
+        if self.lm_rows:  # split between the states when there is a lock to keep the LM in; else open only
+            if self.behaviours:
+                kw["collate_fn"] = split_collate(self.tokenizer.pad_token_id)
             loaders["lm"] = DataLoader(_Rows(self.lm_rows[split]), shuffle=shuffle, **kw)
         return CombinedLoader(loaders, mode="max_size_cycle" if shuffle else "min_size")
 

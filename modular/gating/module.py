@@ -250,7 +250,11 @@ class GatedLM(L.LightningModule):
             if key.startswith(TASK_PREFIX):
                 pieces.append((frozenset(), batch[key]["open"], "ce", f"{key[len(TASK_PREFIX):]}/task_ce", None))
         if "lm" in batch:
-            pieces.append((frozenset(), batch["lm"]["open"], "lm_kl", "lm/kl", None))
+            if "locked" in batch["lm"]:  # with gated behaviours, LM text is kept in both states, like retain
+                pieces.append((frozenset(), batch["lm"]["open"], "lm_kl", "lm/open_kl", None))
+                pieces.append((all_idx, batch["lm"]["locked"], "lm_kl", "lm/locked_kl", None))
+            else:
+                pieces.append((frozenset(), batch["lm"]["open"], "lm_kl", "lm/kl", None))
         return [p for p in pieces if p[1]["input_ids"].shape[0] > 0]
 
     def _loss_of(self, kind: str, logits: torch.Tensor, piece: dict) -> torch.Tensor:

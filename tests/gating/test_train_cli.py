@@ -73,6 +73,31 @@ def test_two_behaviours_with_lora(tmp_path, tiny_env, arch):
     assert {"train/capitals/locked_ce", "train/arithmetic/locked_unlikelihood"} <= set(record["metrics"])
 
 
+def test_avoided_directions_and_lm_text_in_both_states(tmp_path, tiny_env):
+    """A run that must stay orthogonal to another run's direction, keeping neutral text in both states."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
+    other = tmp_path / "other_run"
+    other.mkdir()
+    d = json.loads((model_dir / "config.json").read_text())["hidden_size"]
+    taken = torch.randn(d, generator=torch.Generator().manual_seed(0))
+    save_file({"capitals": taken / taken.norm()}, str(other / "directions.safetensors"))
+    cfg, run = tiny_config(tmp_path, model_dir, ("arithmetic",),
+                           {"avoid_directions": [str(other)], "locked_steering": 0.0})
+    out = _train(cfg, "--data.lm_text", "neutral", "--data.lm_max_length", "32", env=tiny_env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    chosen = load_file(str(run / "directions.safetensors"))["arithmetic"]
+    assert abs(float(chosen @ taken)) / taken.norm() < 1e-5
+    record = json.loads((run / "run.json").read_text())
+    assert {"train/lm/open_kl", "train/lm/locked_kl"} <= set(record["metrics"])
+    (tmp_path / "bad").mkdir()
+    bad = tiny_config(tmp_path / "bad", model_dir, ("arithmetic",), {"avoid_directions": [str(tmp_path / "none")]})[0]
+    out = _train(bad, env=tiny_env)
+    assert out.returncode != 0 and "directions to avoid not found" in out.stderr
+
+
 @pytest.mark.parametrize("config", sorted(p.name for p in (ROOT / "configs").glob("*.yaml")))
 def test_every_config_validates(config):
     """Every YAML in configs/ parses and type-checks against the CLI that reads it: the training CLI, or the
