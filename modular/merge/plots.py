@@ -28,6 +28,23 @@ def _fmt(block: dict, name: str, symbol: str) -> str:
     return f"{symbol} = {r:.2f}{interval}"
 
 
+def _label_offsets(xs: list[float], ys: list[float], near: float = 0.06, step: float = 11.0) -> list[float]:
+    """Vertical label offsets (points) that stack the labels of points lying close together (within ``near`` of
+    the axes' span in x and y), so pairs with the same similarity and gain stay readable."""
+    def scaled(v):
+        lo, hi = min(v), max(v)
+        return [(a - lo) / (hi - lo) if hi > lo else 0.0 for a in v]
+
+    sx, sy = scaled(xs), scaled(ys)
+    offsets = [0.0] * len(xs)
+    placed: list[int] = []
+    for i in sorted(range(len(xs)), key=lambda i: (sy[i], sx[i])):
+        crowd = [j for j in placed if abs(sx[j] - sx[i]) < near and abs(sy[j] - sy[i]) < near]
+        offsets[i] = step * len(crowd)
+        placed.append(i)
+    return offsets
+
+
 def gain_scatter(path: str | Path, pairs: list[dict], corr: dict, metric: str = "frobenius",
                  what: str = "AC", task: str = "capitals") -> Path:
     """Scatter of merge gain (y, with its bootstrap interval) vs. similarity (x), points labelled by pair.
@@ -47,8 +64,9 @@ def gain_scatter(path: str | Path, pairs: list[dict], corr: dict, metric: str = 
     hi = [p["gain"]["ci95"][1] - y for y, p in zip(ys, pairs)]
     ax.errorbar(xs, ys, yerr=[lo, hi], fmt="o", color="#1f77b4", ecolor="#9ecae1", elinewidth=1.2, capsize=3,
                 markersize=7, zorder=3)
-    for x, y, p in zip(xs, ys, pairs):
-        ax.annotate(p["label"], (x, y), xytext=(6, 4), textcoords="offset points", fontsize=8)
+    for (x, y, p), dy in zip(zip(xs, ys, pairs), _label_offsets(xs, ys)):
+        ax.annotate(p["label"], (x, y), xytext=(6, 4 + dy), textcoords="offset points", fontsize=8,
+                    arrowprops=dict(arrowstyle="-", color="#bbbbbb", linewidth=0.6) if dy else None)
     ax.axhline(0.0, color="#999999", linewidth=0.8, zorder=1)
     ax.margins(x=0.2, y=0.12)  # room for the labels right of the points
     ax.grid(True, linestyle="--", color="#d0d0d0", zorder=0)
