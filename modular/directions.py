@@ -131,9 +131,14 @@ def load_direction_file(path: str | Path, d: int) -> torch.Tensor:
         v = tensors["direction"]
     else:
         v = torch.load(path, map_location="cpu", weights_only=True)
+    return _unit_of_width(v, d, f"{path}: direction")
+
+
+def _unit_of_width(v: torch.Tensor, d: int, what: str) -> torch.Tensor:
+    """``v`` flattened and normalised, after checking it has the model's width ``d``."""
     v = v.flatten().float()
     if v.numel() != d:
-        raise ModularError(f"{path}: direction has {v.numel()} entries, the model's width is {d}")
+        raise ModularError(f"{what} has {v.numel()} entries, the model's width is {d}")
     return v / v.norm()
 
 
@@ -150,10 +155,8 @@ def load_avoided_directions(paths: list[str | Path], d: int) -> torch.Tensor | N
             path = path / "directions.safetensors"
         if not path.is_file():
             raise ModularError(f"directions to avoid not found: {path}")
-        for name, v in sorted(load_file(str(path)).items()):
-            if v.numel() != d:
-                raise ModularError(f"{path}: direction '{name}' has {v.numel()} entries, the model's width is {d}")
-            found.append(v.flatten().float() / v.norm())
+        tensors = sorted(load_file(str(path)).items())
+        found += [_unit_of_width(v, d, f"{path}: direction '{name}'") for name, v in tensors]
     if not found:
         raise ModularError(f"no directions found in {', '.join(map(str, paths))}")
     return torch.stack(found)

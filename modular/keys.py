@@ -121,6 +121,19 @@ def _apply_component(param: torch.Tensor, c: Component, sign: float) -> None:
         _subtract(param, c.a.double(), c.b.double(), c.transposed, sign=sign)
 
 
+@torch.no_grad()
+def _apply_corrected(param: torch.Tensor, c: Component, sign: float, applied: tuple[str, ...]) -> None:
+    """:func:`_apply_component` with the rounding correction for this key applied after the keys ``applied``
+    (added after the component, or taken off before it when ``sign < 0``)."""
+    index, value = c.fix_for(applied)
+    fixed = index is not None and index.numel() > 0
+    if sign < 0 and fixed:
+        param.view(-1)[index] -= value.to(param.dtype)
+    _apply_component(param, c, sign)
+    if sign > 0 and fixed:
+        param.view(-1)[index] += value.to(param.dtype)
+
+
 def _prefixes(behaviours: list[str]) -> list[tuple[str, ...]]:
     """Every order in which keys may have been applied before another one: the ordered sequences of up to
     ``k − 1`` distinct behaviours, shorter before longer (only the empty one beyond ``MAX_PREFIX_BEHAVIOURS``)."""
@@ -142,13 +155,6 @@ def _record_corrections(param: torch.Tensor, original: torch.Tensor, comps: list
     prefix's keys applied exactly as :func:`apply_key` applies them (their own corrections included).
     """
     by_name = dict(zip(behaviours, comps))
-
-    def apply(t: torch.Tensor, c: Component, prefix: tuple[str, ...]) -> None:
-        _apply_component(t, c, 1.0)
-        index, value = c.fix_for(prefix)
-        if index is not None and index.numel():
-            t.view(-1)[index] += value.to(t.dtype)
-
     for prefix in _prefixes(behaviours):
         for name, c in by_name.items():
             if name in prefix:
@@ -157,10 +163,10 @@ def _record_corrections(param: torch.Tensor, original: torch.Tensor, comps: list
             target = original.detach().double().clone()
             for other_name, other in by_name.items():
                 if other_name not in unlocked:
-                    _apply_component(target, Component(other.param, other.a, other.b, other.transposed), -1.0)
+                    _apply_component(target, other, -1.0)
             restored = param.detach().clone()
             for i, earlier in enumerate(prefix):
-                apply(restored, by_name[earlier], prefix[:i])
+                _apply_corrected(restored, by_name[earlier], 1.0, prefix[:i])
             _apply_component(restored, c, 1.0)
             err = (target.to(param.dtype).double() - restored.double()).flatten()
             index = (err.abs() > tol).nonzero().flatten()
@@ -275,12 +281,7 @@ def apply_key(model: nn.Module, key: Key, sign: float = 1.0, applied: tuple[str,
             expected = (c.a.numel(),)
         if tuple(p.shape) != expected:
             raise ModularError(f"key for '{key.behaviour}' does not fit {c.param} (shape {tuple(p.shape)})")
-        fix_index, fix_value = c.fix_for(applied)
-        if sign < 0 and fix_index is not None and fix_index.numel():
-            p.view(-1)[fix_index] -= fix_value.to(p.dtype)
-        _apply_component(p, c, sign)
-        if sign > 0 and fix_index is not None and fix_index.numel():
-            p.view(-1)[fix_index] += fix_value.to(p.dtype)
+        _apply_corrected(p, c, sign, applied)
 
 
 def weights_hash(model_or_state) -> str:
