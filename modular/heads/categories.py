@@ -9,21 +9,26 @@ target response (summed over its tokens, teacher-forced):
 
 How the classes are found. CHG fits hard-concrete gates on the frozen model three times (no
 penalty, pressure toward 1, pressure toward 0) and reads each head's class from where its gate
-settles. Here the class comes from the single-head ablation effect instead, with a threshold τ:
-e[l, h] = mean over examples of Δ log p(target) when head (l, h) alone is ablated. Reasons:
+settles, so a class holds for its heads *together*. Here the classes come from ablation effects
+with a threshold τ, in one of two ways (``method``):
 
-* it is the quantity the curves then report (Δ log p under ablation), so a class means exactly
-  "ablating this head on its own moves the target by more than τ nats, in this direction";
-* it is deterministic and costs L·H forward passes without backward passes, while three gate fits
-  cost hundreds of forward+backward passes each, per task and model, and their outcome depends on
-  the penalty weights, the learning rate and the sampling noise of the gates;
-* it scales to the held-out check below without refitting anything.
+* ``single``: e[l, h] = mean over examples of Δ log p(target) when head (l, h) alone is ablated;
+  Facilitation e < −τ, Interference e > +τ, Irrelevance |e| ≤ τ (:func:`classify_heads`).
+* ``joint`` (default): the single-head classes are the candidates, in the same order, and a
+  candidate joins Interference or Irrelevance only if it keeps its class *with the heads already
+  chosen ablated too* (:func:`joint_categories`): an Interference head must still raise log p
+  on top of them, an Irrelevance head must move it by at most τ and leave the set's total within
+  ±``band``. Candidates that fail are left out of every class (``rejected``). Facilitation keeps
+  its single-head order (ablating helpful heads together hurts all the more). This is the
+  greedy, deterministic counterpart of CHG's joint fit: one ablated forward per candidate, no
+  backward passes, no penalty weights or gate noise to tune.
 
-What it misses is what gate fitting captures: heads that matter only jointly (redundant backups,
-whose single ablation is compensated). The cumulative curves show that interaction: the classes are
-chosen on one split and the curves are measured on another (held-out items) by ablating the first
-0…n heads of each class together, ordered by strength (Facilitation: most negative e first;
-Interference: most positive first; Irrelevance: smallest |e| first).
+Single-head effects miss heads that matter only jointly (redundant backups, whose single ablation
+is compensated, or "helpful to remove" heads that hurt once several are removed); the joint pass
+is there for that. Either way the classes are chosen on one split and the curves are measured on
+another (held-out items) by ablating the first 0…n heads of each class together, ordered by
+strength (Facilitation: most negative e first; Interference: most positive first; Irrelevance:
+smallest |e| first).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from modular.hooks import capture_block_outputs, replace_heads, reuse_block_outp
 from modular.models.adapter import ArchitectureAdapter
 
 CATEGORIES = ("facilitation", "interference", "irrelevance")
+METHODS = ("joint", "single")
 LABELS = {"facilitation": "Facilitation", "interference": "Interference", "irrelevance": "Irrelevance"}
 COLORS = {"facilitation": "tab:green", "interference": "tab:red", "irrelevance": "tab:blue"}
 ABLATION_KINDS = ("mean", "zero")
@@ -157,6 +163,44 @@ def classify_heads(effects: torch.Tensor, threshold: float) -> dict[str, list[He
         "interference": sorted((lh for lh in heads if val[lh] > threshold), key=lambda lh: (-val[lh], lh)),
         "irrelevance": sorted((lh for lh in heads if abs(val[lh]) <= threshold), key=lambda lh: (abs(val[lh]), lh)),
     }
+
+
+def joint_categories(model, batch: dict, effects: torch.Tensor, values: dict[int, torch.Tensor], threshold: float,
+                     band: float = 0.05, max_heads: int = 50, desc: str = "joint classes") -> dict[str, list[Head]]:
+    """Classes that hold for their heads together (the ``joint`` method of the module docstring).
+
+    Candidates come from :func:`classify_heads` (``effects``, ``threshold``), in its order. With S the
+    heads of a class chosen so far and m(S) the mean Δ log p(target) over ``batch`` with S ablated
+    (m(∅) = 0): an Interference candidate h joins if m(S ∪ {h}) > m(S); an Irrelevance candidate if
+    |m(S ∪ {h}) − m(S)| ≤ ``threshold`` and |m(S ∪ {h})| ≤ ``band``. Each class stops at ``max_heads``
+    heads. Facilitation is the single-head list. Returns the three classes plus ``rejected`` (the
+    candidates that failed, in the order tried).
+    """
+    if band < 0:
+        raise ModularError("band must be ≥ 0")
+    single = classify_heads(effects, threshold)
+    clean = response_logprob(model, batch)
+
+    def m(heads: list[Head]) -> float:
+        return float((ablated_logprob(model, batch, heads, values) - clean).mean())
+
+    out: dict[str, list[Head]] = {"facilitation": single["facilitation"], "rejected": []}
+    tests = {"interference": lambda new, cur: new > cur,
+             "irrelevance": lambda new, cur: abs(new - cur) <= threshold and abs(new) <= band}
+    for cat, accept in tests.items():
+        chosen: list[Head] = []
+        cur = 0.0
+        for head in tqdm(single[cat], desc=f"{desc}: {cat}", leave=False):
+            if len(chosen) >= max_heads:
+                break
+            new = m(chosen + [head])
+            if accept(new, cur):
+                chosen.append(head)
+                cur = new
+            else:
+                out["rejected"].append(head)
+        out[cat] = chosen
+    return out
 
 
 def ablation_curve(model, batch: dict, heads: list[Head], values: dict[int, torch.Tensor], max_heads: int = 50,

@@ -63,6 +63,8 @@ def heads(
     classify_split: str = "train",
     threshold: float | None = None,
     max_heads: int = 50,
+    categories: str = "joint",
+    band: float = 0.05,
     seed: int = 0,
     out: str | None = None,
 ) -> dict:
@@ -73,8 +75,8 @@ def heads(
     patching), then compute the explained effect vs heads kept under both definitions (effect share and
     faithfulness); the first model is the base: the multiplier of every other model is the heads the base
     needs for the threshold (0.9) divided by the heads that model needs. ``--ablation``: classify heads per
-    task as Facilitation / Interference / Irrelevance from single-head ablation effects on
-    ``classify_split`` and plot Δ log p(target response) per example as 0…``max_heads`` heads of each class
+    task as Facilitation / Interference / Irrelevance from ablation effects on ``classify_split``
+    (single heads, then, by default, checked jointly) and plot Δ log p(target response) per example as 0…``max_heads`` heads of each class
     are ablated, on held-out ``split`` items.
 
     Args:
@@ -93,6 +95,10 @@ def heads(
         threshold: ``--curve``: the explained effect to reach (default 0.9); ``--ablation``: |Δ log p| in
             nats per example below which a head is Irrelevance (default 0.02).
         max_heads: ``--ablation``: ablate up to this many heads of each category.
+        categories: ``--ablation``: how heads are classed: joint (default: single-head candidates that
+            keep their class with the class's heads chosen before them ablated too) or single
+            (single-head effects only).
+        band: ``--ablation``, joint: largest |Δ log p| in nats of all chosen Irrelevance heads ablated together.
         seed: Seed of the data generators and splits.
         out: Output folder (default: outputs/heads/<curve|ablation>-<models>).
     """
@@ -110,7 +116,7 @@ def heads(
                       ablation_kind or "counterfactual", limit, split, 0.9 if threshold is None else threshold,
                       seed, out_dir)
     return _ablation(models, list(tasks or ABLATION_TASKS), ablation_kind or "mean", limit, split, classify_split,
-                     0.02 if threshold is None else threshold, max_heads, seed, out_dir)
+                     0.02 if threshold is None else threshold, max_heads, categories, band, seed, out_dir)
 
 
 def _curve(models, tasks, ranking, ig_steps, definition, ablation_kind, limit, split, threshold, seed, out_dir) -> dict:
@@ -185,17 +191,20 @@ def _curve(models, tasks, ranking, ig_steps, definition, ablation_kind, limit, s
     return report
 
 
-def _ablation(models, tasks, kind, limit, split, classify_split, threshold, max_heads, seed, out_dir) -> dict:
+def _ablation(models, tasks, kind, limit, split, classify_split, threshold, max_heads, method, band, seed,
+              out_dir) -> dict:
     import gc
 
     from modular import ModularError
     from modular.heads.categories import (
         ABLATION_KINDS,
         CATEGORIES,
+        METHODS,
         ablation_curve,
         classify_heads,
         curve_checks,
         head_values,
+        joint_categories,
         plot_ablation_grid,
         response_batch,
         single_head_effects,
@@ -209,6 +218,10 @@ def _ablation(models, tasks, kind, limit, split, classify_split, threshold, max_
         log.warning("categories are chosen and measured on the same split (%s)", split)
     if max_heads < 1:
         raise ModularError("max_heads must be ≥ 1")
+    if method not in METHODS:
+        raise ModularError(f"unknown categories method '{method}': use one of {METHODS}")
+    if band < 0:
+        raise ModularError("band must be ≥ 0")
     labels = _labels(models)
     results: dict[str, dict[str, dict]] = {t: {} for t in tasks}
     for spec, label in zip(models, labels):
@@ -218,7 +231,11 @@ def _ablation(models, tasks, kind, limit, split, classify_split, threshold, max_
             held = response_batch(tokenizer, _items(task, split, tokenizer, seed, limit, shuffle=True))
             values = head_values(model, fit, kind)
             effects = single_head_effects(model, fit, values, desc=f"{label}/{task}: single heads")
-            cats = classify_heads(effects, threshold)
+            if method == "joint":
+                cats = joint_categories(model, fit, effects, values, threshold, band, max_heads,
+                                        desc=f"{label}/{task}: joint classes")
+            else:
+                cats = classify_heads(effects, threshold)
             curves = {c: ablation_curve(model, held, cats[c], values, max_heads, desc=f"{label}/{task}: {c}")
                       for c in CATEGORIES}
             checks = curve_checks(curves)
@@ -226,21 +243,22 @@ def _ablation(models, tasks, kind, limit, split, classify_split, threshold, max_
                 "n_classify": len(fit["input_ids"]), "n_eval": len(held["input_ids"]),
                 "effects": effects.tolist(), "counts": {c: len(cats[c]) for c in CATEGORIES},
                 "categories": {c: [list(h) for h in cats[c]] for c in CATEGORIES},
+                "rejected": [list(h) for h in cats.get("rejected", [])],
                 "curves": curves, "checks": checks,
             }
             log.info("%s %s: %s; Δ log p at max n: %s; checks %s", label, task,
                      {c: len(cats[c]) for c in CATEGORIES},
                      {c: round(curves[c]["mean"][-1], 3) for c in CATEGORIES}, checks)
             _write_ablation(out_dir, results, labels, models, tasks, kind, threshold, split, classify_split, limit,
-                            max_heads, seed, partial=True)  # a run cut short keeps what it measured
+                            max_heads, method, band, seed, partial=True)  # a run cut short keeps what it measured
         del model
         gc.collect()
     return _write_ablation(out_dir, results, labels, models, tasks, kind, threshold, split, classify_split, limit,
-                           max_heads, seed, partial=False)
+                           max_heads, method, band, seed, partial=False)
 
 
 def _write_ablation(out_dir, results, labels, models, tasks, kind, threshold, split, classify_split, limit, max_heads,
-                    seed, partial: bool) -> dict:
+                    method, band, seed, partial: bool) -> dict:
     from modular.heads.categories import CATEGORIES, plot_ablation_grid
     from modular.tracking import log_to_wandb, write_json
 
@@ -250,7 +268,7 @@ def _write_ablation(out_dir, results, labels, models, tasks, kind, threshold, sp
     grid = {task: {label: {c: results[task][label]["curves"][c] for c in CATEGORIES}
                    for label in labels if label in results[task]} for task in tasks}
     fig = plot_ablation_grid(out_dir / "ablation.png", grid,
-                             title=f"{kind} ablation; categories from single-head effects on '{classify_split}' "
+                             title=f"{kind} ablation; categories from {method} ablation effects on '{classify_split}' "
                                    f"(|Δ| ≤ {threshold} nats: Irrelevance)\ncurves on held-out '{split}' items"
                                    + (" (partial run)" if partial else ""))
     summary = {task: {label: {"counts": results[task][label]["counts"], "checks": results[task][label]["checks"],
@@ -258,17 +276,24 @@ def _write_ablation(out_dir, results, labels, models, tasks, kind, threshold, sp
                       for label in labels if label in results[task]} for task in tasks}
     report = {"models": {m: specs[m] for m in labels}, "tasks": tasks, "ablation": kind, "threshold": threshold,
               "split": split, "classify_split": classify_split, "limit": limit, "max_heads": max_heads,
-              "seed": seed, "method": "single-head ablation effect with threshold", "partial": partial,
+              "seed": seed, "method": METHOD_TEXT[method].format(band=band), "categories": method, "band": band,
+              "partial": partial,
               "summary": summary, "results": {t: results[t] for t in tasks}}
     write_json(out_dir / "ablation.json", report)
     if partial:
         return report
     log_to_wandb(out_dir, "evaluate-heads-ablation", {"summary": summary},
                  config={k: report[k] for k in ("models", "tasks", "ablation", "threshold", "split", "classify_split",
-                                                "limit", "max_heads", "seed")},
+                                                "limit", "max_heads", "categories", "band", "seed")},
                  figures={"ablation": fig})
     log.info("wrote %s and %s", out_dir / "ablation.json", fig)
     return report
 
+
+METHOD_TEXT = {
+    "single": "single-head ablation effect with threshold",
+    "joint": "single-head candidates kept only if they keep their class with the class's earlier heads ablated "
+             "too (Irrelevance: all of them within ±{band} nats)",
+}
 
 COMMANDS: dict = {"heads": heads}

@@ -8,6 +8,7 @@ from modular.heads.categories import (
     classify_heads,
     curve_checks,
     head_values,
+    joint_categories,
     plot_ablation_grid,
     response_batch,
     response_logprob,
@@ -117,6 +118,45 @@ def test_single_head_effects_classify_into_curves_of_the_right_sign(tiny_model, 
         assert curves["interference"]["mean"][1] > 0
     checks = curve_checks(curves)
     assert set(checks) >= {"facilitation_falls", "interference_does_not_fall", "irrelevance_within_band"}
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_joint_categories_hold_for_their_heads_together(tiny_model, tok, arch):
+    batch = response_batch(tok, _data(6))
+    values = head_values(tiny_model, batch, "mean")
+    effects = single_head_effects(tiny_model, batch, values)
+    threshold, band = 1e-3, 5e-3
+    single = classify_heads(effects, threshold)
+    joint = joint_categories(tiny_model, batch, effects, values, threshold, band=band, max_heads=8)
+    assert joint["facilitation"] == single["facilitation"]
+    for cat in ("interference", "irrelevance"):  # a subsequence of the single-head candidates
+        it = iter(single[cat])
+        assert all(h in it for h in joint[cat])
+    # every candidate was tried: chosen or rejected, nothing lost
+    assert sorted(joint["interference"] + joint["irrelevance"] + joint["rejected"]) == \
+        sorted(single["interference"] + single["irrelevance"])
+    # on the classifying items the classes hold for their heads together: the interference curve rises
+    # at every step, the irrelevance curve stays within the band
+    curves = {c: ablation_curve(tiny_model, batch, joint[c], values) for c in ("interference", "irrelevance")}
+    rise = curves["interference"]["mean"]
+    assert all(b > a for a, b in zip(rise, rise[1:]))
+    assert all(abs(v) <= band + 1e-9 for v in curves["irrelevance"]["mean"])
+    # a head rejected from interference stops helping once the chosen ones are ablated
+    for head in [h for h in joint["rejected"] if h in single["interference"]][:1]:
+        chosen = [h for h in joint["interference"] if single["interference"].index(h) < single["interference"].index(head)]
+        before = ablation_curve(tiny_model, batch, chosen, values, max_heads=len(chosen))["mean"][-1]
+        after = ablation_curve(tiny_model, batch, chosen + [head], values, max_heads=len(chosen) + 1)["mean"][-1]
+        assert after <= before
+    with pytest.raises(ModularError):
+        joint_categories(tiny_model, batch, effects, values, threshold, band=-1.0)
+
+
+def test_joint_categories_stop_at_max_heads(tiny_model, tok, arch="llama"):
+    batch = response_batch(tok, _data(4))
+    values = head_values(tiny_model, batch, "zero")
+    effects = torch.zeros(2, 4)  # every head an irrelevance candidate
+    joint = joint_categories(tiny_model, batch, effects, values, threshold=10.0, band=10.0, max_heads=3)
+    assert len(joint["irrelevance"]) == 3 and joint["interference"] == [] and joint["rejected"] == []
 
 
 def test_curve_checks_on_constructed_curves():

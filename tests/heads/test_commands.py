@@ -87,18 +87,34 @@ def test_ablation_command_writes_json_and_grid(folders, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "disabled")
     out = folders["root"] / "ablation"
     rc = _run(["heads", "--ablation=true", f"--models=[{folders['llama']}, {folders['gemma']}]",
-               "--tasks=[agreement, commonsense, arithmetic]", "--limit=5", "--max_heads=4", f"--out={out}"])
+               "--tasks=[agreement, commonsense, arithmetic]", "--limit=5", "--max_heads=4", "--categories=single",
+               f"--out={out}"])
     assert rc == 0
     report = json.loads((out / "ablation.json").read_text())
     assert (out / "ablation.png").stat().st_size > 10_000
     assert report["ablation"] == "mean" and report["split"] != report["classify_split"]
+    assert report["categories"] == "single"
     for task in ("agreement", "commonsense", "arithmetic"):
         for label in ("llama", "gemma"):
             r = report["results"][task][label]
-            assert sum(r["counts"].values()) == 8
+            assert sum(r["counts"].values()) == 8 and r["rejected"] == []
             for cat, curve in r["curves"].items():
                 assert curve["n"][0] == 0 and curve["mean"][0] == 0
                 assert len(curve["n"]) == min(4, r["counts"][cat]) + 1
+
+
+def test_ablation_command_joint_classes_by_default(folders, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    out = folders["root"] / "ablation_joint"
+    rc = _run(["heads", "--ablation=true", f"--models=[{folders['llama']}]", "--tasks=[agreement]", "--limit=5",
+               "--max_heads=4", "--threshold=0.001", f"--out={out}"])
+    assert rc == 0
+    report = json.loads((out / "ablation.json").read_text())
+    assert report["categories"] == "joint" and report["band"] == 0.05 and "keep their class" in report["method"]
+    r = report["results"]["agreement"]["llama"]
+    heads = [tuple(h) for c in r["categories"].values() for h in c] + [tuple(h) for h in r["rejected"]]
+    assert len(heads) == len(set(heads)) <= 8  # disjoint; heads past max_heads are not tried
+    assert all(len(c) <= 4 for c in r["categories"].values())
 
 
 def test_bad_input_exits_2(folders, capsys):
@@ -108,3 +124,5 @@ def test_bad_input_exits_2(folders, capsys):
     assert "wrong" in capsys.readouterr().err
     assert _run(["heads", "--curve=true", f"--models=[{folders['llama']}]", "--ranking=magic"]) == 2
     assert _run(["heads", "--ablation=true", f"--models=[{folders['llama']}]", "--ablation_kind=counterfactual"]) == 2
+    assert _run(["heads", "--ablation=true", f"--models=[{folders['llama']}]", "--categories=both"]) == 2
+    assert "categories method" in capsys.readouterr().err
