@@ -1,14 +1,15 @@
 #!/usr/bin/env python
 """Cost of the gated objective and of the published model, measured side by side in one run.
 
-1. A gated training step (open + locked halves, ablation hooks, retain KL) versus a plain
-   fine-tuning step (CE on every example) on the SAME batch: median time ratio; with and without
+1. A gated training step (open + locked halves, ablation hooks, retain KL and, as in the default
+   config, a batch of neutral text kept by a KL in both states: ``--lm_length``) versus a plain
+   fine-tuning step (CE on every example and text) on the SAME batch: median time ratio; with and without
    steering-robust locking (``--locked_steering``, the default config's 1.0), whose refresh of the
    steering vectors (every ``--steering_refresh`` steps) is timed and spread over the steps it serves.
 2. Forward pass of the published locked model (plain weights, no hooks) versus the base model.
 
 Usage: python benchmarks/gating_cost.py [--model smollm2-135m-instruct] [--repeats 7] [--locked_steering 1.0]
-       [--steering_refresh 20] [--out outputs/benchmarks]
+       [--steering_refresh 20] [--lm_length 128] [--out outputs/benchmarks]
 Writes gating_cost.json.
 """
 
@@ -59,6 +60,8 @@ def main() -> None:
     ap.add_argument("--locked_steering", type=float, default=1.0,
                     help="largest steering scale of steering-robust locking (0: measure without it)")
     ap.add_argument("--steering_refresh", type=int, default=20, help="steps between steering-vector refreshes")
+    ap.add_argument("--lm_length", type=int, default=128,
+                    help="tokens per neutral-text paragraph in the batch (data.lm_max_length; 0: no text batch)")
     ap.add_argument("--out", default="outputs/benchmarks", help="output folder")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -87,8 +90,24 @@ def main() -> None:
                         "first_logp": torch.log_softmax(torch.randn(len(tok)), -1)})
     collate = split_collate(tok.pad_token_id)
     batch = {"capitals": collate(items), "retain": collate(r_items)}
-    plain_batch = concat_left_padded([batch["capitals"]["open"], batch["capitals"]["locked_true"],
-                                      batch["retain"]["open"], batch["retain"]["locked"]], tok.pad_token_id)
+    pieces = [batch["capitals"]["open"], batch["capitals"]["locked_true"], batch["retain"]["open"],
+              batch["retain"]["locked"]]
+    if args.lm_length > 0:  # neutral text: KL at every position to (synthetic) reference top-k
+        from modular.data import neutral_text
+
+        lm_items = []
+        for text in neutral_text()["train"]["text"][: args.batch_size]:
+            ids = tok(text, add_special_tokens=False)["input_ids"][: args.lm_length]
+            n = len(ids) - 1
+            lm_items.append({"input_ids": ids, "labels": [-100] + ids[1:],
+                             "topk_ids": torch.randint(0, len(tok), (n, 32)),
+                             "topk_logp": torch.log_softmax(torch.randn(n, 32), -1)})
+        batch["lm"] = collate(lm_items)
+    plain_batch = concat_left_padded(pieces, tok.pad_token_id)
+    # the plain step sees the text as one batch of its own (padding it with the short chat examples would
+    # only slow the plain step down)
+    plain_batches = [plain_batch] + ([concat_left_padded([batch["lm"]["open"], batch["lm"]["locked"]],
+                                                         tok.pad_token_id)] if "lm" in batch else [])
 
     steering = module.steering
     refresh_s = 0.0
@@ -108,8 +127,11 @@ def main() -> None:
         module.steering = steering
 
     def plain_step():
-        logits = module.model(input_ids=plain_batch["input_ids"], attention_mask=plain_batch["attention_mask"]).logits
-        token_ce(logits, plain_batch["labels"]).backward()
+        loss = 0.0
+        for b in plain_batches:
+            logits = module.model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+            loss = loss + token_ce(logits, b["labels"])
+        loss.backward()
         module.model.zero_grad(set_to_none=True)
 
     gated, steered, plain = [], [], []
@@ -136,7 +158,7 @@ def main() -> None:
             fp += _time(lambda: published(input_ids=ids, attention_mask=mask), 1)
     fwd_ratio = statistics.median(fp) / statistics.median(fb)
     report = {
-        "model": args.model, "repeats": args.repeats, "tokens_per_batch": int(mask.sum()),
+        "model": args.model, "repeats": args.repeats, "tokens_per_batch": int(mask.sum()), "lm_length": args.lm_length,
         "gated_step_s": gated, "plain_step_s": plain, "gated_over_plain_median": step_ratio,
         "locked_steering": args.locked_steering, "steering_refresh": args.steering_refresh,
         "steered_step_s": steered, "steering_refresh_s": refresh_s,
