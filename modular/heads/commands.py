@@ -76,8 +76,8 @@ def heads(
     faithfulness); the first model is the base: the multiplier of every other model is the heads the base
     needs for the threshold (0.9) divided by the heads that model needs. ``--ablation``: classify heads per
     task as Facilitation / Interference / Irrelevance from ablation effects on ``classify_split``
-    (single heads, then, by default, checked jointly) and plot Δ log p(target response) per example as 0…``max_heads`` heads of each class
-    are ablated, on held-out ``split`` items.
+    (single heads, then, by default, checked jointly) and plot Δ log p(target response) per example as
+    0…``max_heads`` heads of each class are ablated, on held-out ``split`` items.
 
     Args:
         curve: Head-efficiency curves (tasks default: ioi ioi_long greater_than docstring).
