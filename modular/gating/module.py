@@ -272,14 +272,15 @@ class GatedLM(L.LightningModule):
         return kl
 
     def model_step(self, batch: dict, train: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """One gated step: pieces sharing an ablation set run in one forward pass."""
+        """One gated step: pieces sharing an ablation set run in one forward pass (long raw text in a
+        forward of its own, so the short chat examples are not padded to its length)."""
         hp = self.hparams
         pad = self.trainer.datamodule.tokenizer.pad_token_id if self._trainer else 0
-        groups: dict[frozenset, list] = {}
+        groups: dict[tuple[frozenset, bool], list] = {}
         for ablated, piece, kind, name, steer in self._pieces(batch, train):
-            groups.setdefault(ablated, []).append((piece, kind, name, steer))
+            groups.setdefault((ablated, kind == "lm_kl"), []).append((piece, kind, name, steer))
         terms: dict[str, torch.Tensor] = {}
-        for ablated, items in groups.items():
+        for (ablated, _), items in groups.items():
             merged = concat_left_padded([p for p, _, _, _ in items], pad)
             with ExitStack() as stack:
                 if ablated:
