@@ -25,7 +25,7 @@ import torch
 
 from modular.data import load_behaviour, retain_data
 from modular.data.formatting import encode_example
-from modular.gating.data import split_collate
+from modular.gating.data import GatingDataModule, split_collate
 from modular.gating.losses import token_ce
 from modular.gating.module import GatedLM, concat_left_padded
 from modular.keys import lock_weights
@@ -99,9 +99,8 @@ def main() -> None:
         for text in neutral_text()["train"]["text"][: args.batch_size]:
             ids = tok(text, add_special_tokens=False)["input_ids"][: args.lm_length]
             n = len(ids) - 1
-            lm_items.append({"input_ids": ids, "labels": [-100] + ids[1:],
-                             "topk_ids": torch.randint(0, len(tok), (n, 32)),
-                             "topk_logp": torch.log_softmax(torch.randn(n, 32), -1)})
+            lm_items.append(GatingDataModule._lm_item({"input_ids": ids, "topk_ids": torch.randint(0, len(tok), (n, 32)),
+                                                       "topk_logp": torch.log_softmax(torch.randn(n, 32), -1)}))
         batch["lm"] = collate(lm_items)
     plain_batch = concat_left_padded(pieces, tok.pad_token_id)
     # the plain step sees the text as one batch of its own (padding it with the short chat examples would
