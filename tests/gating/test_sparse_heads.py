@@ -220,3 +220,39 @@ def test_sparse_config_trains_through_train_py_and_resumes(tmp_path, tiny_folder
     saved = torch.load(run / "last.ckpt", weights_only=False)["state_dict"]  # pruned at step 2, then fine-tuned
     fixed = [v for k, v in saved.items() if k.endswith("head_gate.fixed")]
     assert len(fixed) == 2 and not any(torch.isnan(v).any() for v in fixed)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_raw_text_runs_in_a_forward_of_its_own_and_terms_match_piece_by_piece(tiny_folder, arch):
+    """The gated step groups pieces by ablation set, raw LM text apart: the short chat pieces are not padded
+    to the text's length, and every term equals the one from the piece's own forward."""
+    model_dir = tiny_folder(arch)
+    dm = _data(model_dir, lm_max_length=96)
+    dm.setup("fit")
+    module = _sparse(model_dir, head_gates=False).eval()
+    batch = next(iter(dm.train_dataloader()))
+    batch = batch[0] if isinstance(batch, tuple) else batch
+    lm_width = batch["lm"]["open"]["input_ids"].shape[1]
+    chat_width = max(batch[k]["open"]["input_ids"].shape[1] for k in batch if k != "lm")
+    assert lm_width > chat_width  # otherwise the test could not tell the groupings apart
+    shapes = []
+    handle = module.model.register_forward_pre_hook(
+        lambda _, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+    try:
+        with torch.no_grad():
+            _, terms = module.model_step(batch, train=False)
+    finally:
+        handle.remove()
+    n_lm = batch["lm"]["open"]["input_ids"].shape[0]
+    n_chat = sum(p["input_ids"].shape[0] for k in batch if k != "lm" for p in batch[k].values())
+    assert sorted(shapes) == sorted([(n_lm, lm_width), (n_chat, chat_width)])
+    names = {("lm", "open"): "lm/kl", ("retain", "open"): "retain/open_kl",
+             ("retain", "locked"): "retain/locked_kl",  # nothing to ablate without behaviours: same forward
+             ("task:ioi", "open"): "ioi/task_ce", ("task:greater_than", "open"): "greater_than/task_ce"}
+    assert set(terms) == set(names.values())
+    with torch.no_grad():
+        for (key, state), name in names.items():
+            piece = batch[key][state]
+            logits = module.model(input_ids=piece["input_ids"], attention_mask=piece["attention_mask"]).logits
+            kind = "lm_kl" if key == "lm" else "kl" if key == "retain" else "ce"
+            torch.testing.assert_close(terms[name], module._loss_of(kind, logits, piece), atol=1e-4, rtol=1e-4)
