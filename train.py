@@ -25,6 +25,7 @@ class GatingCLI(LightningCLI):
         parser.link_arguments("model.model_name", "data.model_name")
         parser.link_arguments("model.behaviours", "data.behaviours")
         parser.link_arguments("model.seed", "data.seed")
+        parser.link_arguments("model.gate_scope", "data.task_counterfactuals", compute_fn=lambda s: s == "tasks")
 
 
 def main(argv=None) -> int:

@@ -37,7 +37,8 @@ def read_run(run_dir: str | Path) -> Run:
 def load_open_model(run: Run):
     """The trained ("open") model of a run: the base model with the checkpoint's trained weights
     (LoRA adapters merged). A run trained with head gates comes back as a plain model with its
-    deterministic gates folded into the attention output projections (closed heads: zero columns)."""
+    deterministic gates folded into the attention output projections (closed heads: zero columns);
+    gates scoped to the tasks (``gate_scope: tasks``) only guided training and are dropped."""
     from modular.models import load_model
 
     recorded = Path(run.record.get("checkpoint") or "last.ckpt")
@@ -49,6 +50,7 @@ def load_open_model(run: Run):
     state = {k[len("model."):]: v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
     model = load_model(run.model_name)
     gated = any(".head_gate." in k for k in state)
+    fold = gated and ckpt.get("hyper_parameters", {}).get("gate_scope", "all") != "tasks"
     if run.record.get("finetuning") == "lora":
         from peft import LoraConfig, get_peft_model
 
@@ -68,7 +70,8 @@ def load_open_model(run: Run):
             values = deterministic_gate_values(model)
             remove_head_gates(model.get_base_model())
             model = model.merge_and_unload()
-            scale_head_columns(model, values)
+            if fold:
+                scale_head_columns(model, values)
             return model.eval()
         model = model.merge_and_unload()
     else:
@@ -79,8 +82,12 @@ def load_open_model(run: Run):
         result = model.load_state_dict(state, strict=False)
         if result.unexpected_keys:
             raise ModularError(f"checkpoint does not fit the model: {result.unexpected_keys[:3]}")
-    if gated:
+    if fold:
         from modular.heads.gates import fold_head_gates
 
         fold_head_gates(model)
+    elif gated:
+        from modular.heads.gates import remove_head_gates
+
+        remove_head_gates(model)
     return model.eval()

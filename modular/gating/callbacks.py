@@ -59,7 +59,8 @@ class LockMetricsCallback(Callback):
 class SparseHeadsCallback(Callback):
     """After each validation (deterministic gates): the number of open heads, the tasks' accuracy on
     their validation split (greedy responses) and the perplexity of the held-out neutral text
-    (validation split); writes the gate values to ``head_gates.json`` in the run folder.
+    (validation split); writes the gate values to ``head_gates.json`` in the run folder. With
+    ``gate_scope: tasks`` accuracy and perplexity are those of the plain model (gates off).
 
     Args:
         limit: Score at most this many validation items per task.
@@ -81,16 +82,20 @@ class SparseHeadsCallback(Callback):
         from modular.heads.gates import deterministic_gate_values
         from modular.tracking import write_json
 
+        from modular.heads.gates import head_gate_scope
+
         dm = trainer.datamodule
         model, tok = pl_module.hf_model, dm.tokenizer
         gates = deterministic_gate_values(model)
         metrics = {"val/open_heads": float((gates > 0).sum()), "val/closed_heads": float((gates == 0).sum())}
-        for t in getattr(dm, "tasks", []):
-            r = evaluate_behaviour(model, tok, dm.task_data[t]["validation"], self.max_new_tokens, limit=self.limit,
-                                   desc=False)
-            metrics[f"val/{t}/accuracy"] = r.accuracy
-        texts = list(neutral_text(seed=dm.hparams.seed)["validation"]["text"])
-        metrics["val/neutral_perplexity"] = perplexity(model, tok, texts)
+        # gates scoped to the tasks leave the published model plain: score it with the gates off
+        with head_gate_scope(model, active=pl_module.hparams.get("gate_scope", "all") != "tasks"):
+            for t in getattr(dm, "tasks", []):
+                r = evaluate_behaviour(model, tok, dm.task_data[t]["validation"], self.max_new_tokens,
+                                       limit=self.limit, desc=False)
+                metrics[f"val/{t}/accuracy"] = r.accuracy
+            texts = list(neutral_text(seed=dm.hparams.seed)["validation"]["text"])
+            metrics["val/neutral_perplexity"] = perplexity(model, tok, texts)
         for name, value in metrics.items():
             pl_module.log(name, value, batch_size=1, rank_zero_only=True)
         if trainer.is_global_zero:

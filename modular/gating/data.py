@@ -72,7 +72,10 @@ def open_collate(pad_token_id: int):
     base = LeftPadCollator(pad_token_id)
 
     def collate(items: list[dict]) -> dict:
-        return {"open": _collate_part(base, items, "open")}
+        out = {"open": _collate_part(base, items, "open")}
+        if "counterfactual" in items[0]:  # same lengths row by row: the two batches align position by position
+            out["counterfactual"] = _collate_part(base, items, "counterfactual")
+        return out
 
     return collate
 
@@ -128,6 +131,10 @@ class GatingDataModule(L.LightningDataModule):
         reference_top_k: Top-k of the reference distribution kept for the retain KL.
         num_workers: DataLoader workers.
         seed: Seed of the data generators and splits.
+        task_counterfactuals: Task batches also carry each item's counterfactual prompt with the same target
+            (``counterfactual``; linked from the model's ``gate_scope: tasks``, whose gates let a closed head
+            through with its counterfactual input). An item whose counterfactual encodes to another length
+            carries its own prompt instead (nothing to swap at aligned positions).
     """
 
     def __init__(
@@ -144,6 +151,7 @@ class GatingDataModule(L.LightningDataModule):
         reference_top_k: int = 32,
         num_workers: int = 0,
         seed: int = 0,
+        task_counterfactuals: bool = False,
     ):
         super().__init__()
         self.save_hyperparameters()
@@ -244,14 +252,27 @@ class GatingDataModule(L.LightningDataModule):
             for b, ds in self.behaviour_data.items()
         }
         self.task_rows = {
-            t: {s: [{"open": encode_example(self.tokenizer, r["prompt"], r["target"], r["chat"], hp.max_length)}
-                    for r in ds[s]] for s in ("train", "validation")}
+            t: {s: [self._task_item(r) for r in ds[s]] for s in ("train", "validation")}
             for t, ds in self.task_data.items()
         }
         self.lm_rows = {}
         if hp.lm_text:
             self.lm_rows = {s: [self._lm_item(rec) for rec in recs] for s, recs in self.lm_reference().items()}
         self._ready = True
+
+    def _task_item(self, r: dict) -> dict:
+        hp = self.hparams
+        item = {"open": encode_example(self.tokenizer, r["prompt"], r["target"], r["chat"], hp.max_length)}
+        if hp.task_counterfactuals:
+            if not r.get("counterfactual"):
+                from modular import ModularError
+
+                raise ModularError(f"task item without a counterfactual prompt: {r['prompt'][:60]!r}; "
+                                   "gate_scope: tasks needs one for every task item")
+            cf = encode_example(self.tokenizer, r["counterfactual"], r["target"], r["chat"], hp.max_length)
+            aligned = len(cf["input_ids"]) == len(item["open"]["input_ids"])
+            item["counterfactual"] = cf if aligned else item["open"]
+        return item
 
     @staticmethod
     def _lm_item(rec: dict) -> dict:

@@ -24,7 +24,8 @@ def concat_left_padded(batches: list[dict], pad_token_id: int) -> dict:
     """Concatenate left-padded batches along the batch axis, re-padding to the longest."""
     n = max(b["input_ids"].shape[1] for b in batches)
     out: dict[str, list] = {}
-    fills = {"input_ids": pad_token_id, "attention_mask": 0, "labels": IGNORE, "topk_ids": 0, "topk_logp": 0.0}
+    fills = {"input_ids": pad_token_id, "attention_mask": 0, "labels": IGNORE, "topk_ids": 0, "topk_logp": 0.0,
+             "cf_input_ids": pad_token_id, "cf_attention_mask": 0}
     templates = {k: b[k] for b in batches for k in ("topk_ids", "topk_logp", "first_logp") if k in b}
     for b in batches:
         extra = n - b["input_ids"].shape[1]
@@ -45,6 +46,9 @@ def concat_left_padded(batches: list[dict], pad_token_id: int) -> dict:
 
 
 LOCKED_OBJECTIVES = ("refusal", "unlikelihood")
+#: where head gates act: ``all`` inputs (closing a head removes it from the model) or the ``tasks`` only (a closed
+#: head's input is swapped for its counterfactual one on task items; everything else runs the plain model)
+GATE_SCOPES = ("all", "tasks")
 
 
 def _locked_objectives(spec: str | dict[str, str], behaviours: list[str]) -> dict[str, str]:
@@ -144,6 +148,7 @@ class GatedLM(L.LightningModule):
         locked_steering: float = 0.0,
         steering_refresh: int = 20,
         gate_freeze_step: int | None = None,
+        gate_scope: str = "all",
     ):
         super().__init__()
         self.save_hyperparameters()
@@ -158,6 +163,10 @@ class GatedLM(L.LightningModule):
             raise ModularError("finetuning 'none' trains nothing without head_gates: true")
         if sparsity != "none" and not head_gates:
             raise ModularError(f"sparsity '{sparsity}' needs head_gates: true")
+        if gate_scope not in GATE_SCOPES:
+            raise ModularError(f"gate_scope must be one of {', '.join(GATE_SCOPES)}, got '{gate_scope}'")
+        if gate_scope == "tasks" and not head_gates:
+            raise ModularError("gate_scope 'tasks' needs head_gates: true")
         self.sparsity = make_sparsity(sparsity, sparsity_weight, lm_loss_target, multiplier_lr, multiplier_ema,
                                       multiplier_init)
         self.behaviours = list(behaviours)
@@ -248,7 +257,16 @@ class GatedLM(L.LightningModule):
         pieces.append((all_idx, batch["retain"]["locked"], "kl", "retain/locked_kl", None))
         for key in batch:
             if key.startswith(TASK_PREFIX):
-                pieces.append((frozenset(), batch[key]["open"], "ce", f"{key[len(TASK_PREFIX):]}/task_ce", None))
+                piece = batch[key]["open"]
+                if self.hparams.gate_scope == "tasks":
+                    if "counterfactual" not in batch[key]:
+                        from modular import ModularError
+
+                        raise ModularError("gate_scope 'tasks' needs task batches with counterfactual prompts "
+                                           "(data.task_counterfactuals: true; train.py links it)")
+                    cf = batch[key]["counterfactual"]
+                    piece = {**piece, "cf_input_ids": cf["input_ids"], "cf_attention_mask": cf["attention_mask"]}
+                pieces.append((frozenset(), piece, "ce", f"{key[len(TASK_PREFIX):]}/task_ce", None))
         if "lm" in batch:
             if "locked" in batch["lm"]:  # with gated behaviours, LM text is kept in both states, like retain
                 pieces.append((frozenset(), batch["lm"]["open"], "lm_kl", "lm/open_kl", None))
@@ -273,18 +291,24 @@ class GatedLM(L.LightningModule):
 
     def model_step(self, batch: dict, train: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """One gated step: pieces sharing an ablation set run in one forward pass (long raw text in a
-        forward of its own, so the short chat examples are not padded to its length)."""
+        forward of its own, so the short chat examples are not padded to its length). With
+        ``gate_scope: tasks`` the task pieces run apart, their closed heads fed the counterfactual run's
+        inputs, and every other piece runs with the gates off."""
         hp = self.hparams
         pad = self.trainer.datamodule.tokenizer.pad_token_id if self._trainer else 0
-        groups: dict[tuple[frozenset, bool], list] = {}
+        scoped = hp.gate_scope == "tasks"
+        groups: dict[tuple[frozenset, bool, bool], list] = {}
         for ablated, piece, kind, name, steer in self._pieces(batch, train):
-            groups.setdefault((ablated, kind == "lm_kl"), []).append((piece, kind, name, steer))
+            key = (ablated, kind == "lm_kl", scoped and name.endswith("/task_ce"))
+            groups.setdefault(key, []).append((piece, kind, name, steer))
         terms: dict[str, torch.Tensor] = {}
-        for (ablated, _), items in groups.items():
+        for (ablated, _, task_group), items in groups.items():
             merged = concat_left_padded([p for p, _, _, _ in items], pad)
             with ExitStack() as stack:
                 if ablated:
                     stack.enter_context(ablate_directions(self.adapter, self.directions[sorted(ablated)]))
+                if scoped:
+                    stack.enter_context(self._scoped_gates(merged if task_group else None))
                 vectors = self._row_vectors(items, merged["input_ids"].shape[0])
                 if vectors:  # steered pieces get their vector on their own rows only, in the shared forward
                     stack.enter_context(add_vectors(self.adapter, vectors))
@@ -315,6 +339,17 @@ class GatedLM(L.LightningModule):
                 n_heads = self.adapter.n_layers * self.adapter.n_heads
                 total = self.sparsity(total, lm_loss, l0 / n_heads)
         return total, terms
+
+    def _scoped_gates(self, merged: dict | None):
+        """Gates off (``merged`` None), or on with each head's counterfactual input as what a closed gate lets in."""
+        from modular.heads.gates import head_gate_scope
+        from modular.hooks import capture_head_inputs
+
+        if merged is None:
+            return head_gate_scope(self.hf_model, active=False)
+        with torch.no_grad(), head_gate_scope(self.hf_model, active=False), capture_head_inputs(self.adapter) as z:
+            self.model(input_ids=merged["cf_input_ids"], attention_mask=merged["cf_attention_mask"])
+        return head_gate_scope(self.hf_model, replacements=dict(z))
 
     def _row_vectors(self, items: list, n_rows: int) -> dict[int, torch.Tensor]:
         """{block: (n_rows, d) vectors}: each steered piece's vector on its rows, zeros elsewhere."""

@@ -5,11 +5,16 @@ A :class:`GatedOutputProjection` wraps a layer's attention output projection
 of its input by a gate ``z_h ∈ [0, 1]``. Gate parameters (``head_gate.log_alpha``)
 are ordinary registered parameters: the optimizer, FSDP and checkpoints see them.
 Initialised so that the deterministic gate is exactly 1 (the model starts unchanged).
+
+:func:`head_gate_scope` switches the gates off for some inputs, or makes a closed gate replace the
+head's input by a given one (``z·x + (1 − z)·r``, e.g. the counterfactual run's) instead of zero:
+gates scoped to the tasks learn which heads the tasks need without closing them for anything else.
 """
 
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -64,12 +69,21 @@ class GatedOutputProjection(nn.Module):
         self.base_layer = base_layer
         self.n_heads = n_heads
         self.head_gate = HardConcreteGate(n_heads, **gate_kwargs)
+        self.active = True  # set by head_gate_scope only
+        self.replacement: torch.Tensor | None = None  # (batch, seq, n_heads, head_dim): what a closed gate lets in
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        z = self.head_gate().to(x.dtype)
+        if not self.active:
+            return self.base_layer(x, *args, **kwargs)
+        z = self.head_gate().to(x.dtype)[:, None]
         shape = x.shape
-        x = (x.reshape(*shape[:-1], self.n_heads, -1) * z[:, None]).reshape(shape)
-        return self.base_layer(x, *args, **kwargs)
+        heads = x.reshape(*shape[:-1], self.n_heads, -1)
+        if self.replacement is None:
+            heads = heads * z
+        else:
+            r = self.replacement.to(dtype=x.dtype, device=x.device)
+            heads = heads * z + r * (1 - z)
+        return self.base_layer(heads.reshape(shape), *args, **kwargs)
 
 
 def install_head_gates(model: nn.Module, **gate_kwargs) -> list[GatedOutputProjection]:
@@ -86,6 +100,25 @@ def install_head_gates(model: nn.Module, **gate_kwargs) -> list[GatedOutputProje
         adapter.set_attn_out(i, wrapper)
         wrappers.append(wrapper)
     return wrappers
+
+
+@contextmanager
+def head_gate_scope(model: nn.Module, active: bool = True, replacements: dict[int, torch.Tensor] | None = None):
+    """Within the block, every installed gate is off (``active=False``: the plain model) or, with
+    ``replacements`` (layer → ``(batch, seq, n_heads, head_dim)``), blends each head's input with the
+    replacement by its gate instead of scaling it. Restored on exit, also after an error."""
+    adapter = ArchitectureAdapter(model)
+    wrappers = {i: adapter.attn_out(i) for i in range(adapter.n_layers)}
+    wrappers = {i: w for i, w in wrappers.items() if isinstance(w, GatedOutputProjection)}
+    saved = {i: (w.active, w.replacement) for i, w in wrappers.items()}
+    try:
+        for i, w in wrappers.items():
+            w.active = active
+            w.replacement = replacements.get(i) if replacements is not None else None
+        yield
+    finally:
+        for i, w in wrappers.items():
+            w.active, w.replacement = saved[i]
 
 
 def remove_head_gates(model: nn.Module) -> None:

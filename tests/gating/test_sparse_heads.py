@@ -11,6 +11,7 @@ import pytest
 import torch
 import yaml
 
+from modular import ModularError
 from modular.gating.data import GatingDataModule
 from modular.gating.module import GatedLM
 from modular.heads.gates import GatedOutputProjection, deterministic_gate_values, head_gate_modules
@@ -256,3 +257,65 @@ def test_raw_text_runs_in_a_forward_of_its_own_and_terms_match_piece_by_piece(ti
             logits = module.model(input_ids=piece["input_ids"], attention_mask=piece["attention_mask"]).logits
             kind = "lm_kl" if key == "lm" else "kl" if key == "retain" else "ce"
             torch.testing.assert_close(terms[name], module._loss_of(kind, logits, piece), atol=1e-4, rtol=1e-4)
+
+
+def test_gates_scoped_to_tasks_swap_closed_heads_on_task_items_only(tiny_folder):
+    """gate_scope: tasks: retain and LM text run the plain model whatever the gates; a task item runs with each
+    closed head's input swapped for its input on the counterfactual prompt."""
+    from modular.heads.gates import head_gate_scope
+    from modular.hooks import capture_head_inputs, replace_heads
+
+    model_dir = tiny_folder("llama")
+    dm = _data(model_dir, task_counterfactuals=True)
+    dm.setup("fit")
+    batch = next(iter(dm.train_dataloader()))
+    batch = batch[0] if isinstance(batch, tuple) else batch
+    task = batch["task:greater_than"]  # other numbers, same token count: every item aligned
+    assert task["counterfactual"]["input_ids"].shape == task["open"]["input_ids"].shape
+    assert torch.equal(task["counterfactual"]["attention_mask"], task["open"]["attention_mask"])
+    assert not torch.equal(task["counterfactual"]["input_ids"], task["open"]["input_ids"])
+    module = _sparse(model_dir, gate_scope="tasks").eval()
+    with torch.no_grad():
+        _, open_terms = module.model_step(batch, train=False)
+        gates = head_gate_modules(module.hf_model)
+        for g in gates:
+            g.fixed.fill_(0.0)  # every head closed on the tasks
+        _, closed_terms = module.model_step(batch, train=False)
+    for name in ("retain/open_kl", "lm/kl"):
+        torch.testing.assert_close(closed_terms[name], open_terms[name], atol=0, rtol=0)
+    assert closed_terms["greater_than/task_ce"] != open_terms["greater_than/task_ce"]
+    adapter = ArchitectureAdapter(module.hf_model)
+    heads = [(i, h) for i in range(adapter.n_layers) for h in range(adapter.n_heads)]
+    with torch.no_grad(), head_gate_scope(module.hf_model, active=False):
+        with capture_head_inputs(adapter) as z:
+            module.model(input_ids=task["counterfactual"]["input_ids"],
+                         attention_mask=task["counterfactual"]["attention_mask"])
+        with replace_heads(adapter, heads, dict(z)):
+            logits = module.model(input_ids=task["open"]["input_ids"], attention_mask=task["open"]["attention_mask"]).logits
+    torch.testing.assert_close(closed_terms["greater_than/task_ce"], module._loss_of("ce", logits, task["open"]),
+                               atol=1e-4, rtol=1e-4)
+    with pytest.raises(ModularError, match="counterfactual"):
+        module.model_step({k: {"open": v["open"]} if k.startswith("task:") else v for k, v in batch.items()}, False)
+
+
+def test_run_folder_drops_gates_scoped_to_tasks(tmp_path, tiny_folder):
+    from modular.heads.gates import head_gate_scope
+    from modular.runs import load_open_model, read_run
+
+    model_dir = tiny_folder("qwen2")
+    module = _sparse(model_dir, gate_scope="tasks", sparsity="penalty", sparsity_weight=5.0, gate_lr=0.5)
+    run = tmp_path / "run"
+    trainer = _fit(module, _data(model_dir, task_counterfactuals=True), run, steps=2)
+    with torch.no_grad():
+        head_gate_modules(module.hf_model)[0].log_alpha[0] = -10.0  # closed on the tasks
+    trainer.save_checkpoint(run / "last.ckpt")
+    (run / "run.json").write_text(json.dumps({"model_name": str(model_dir), "behaviours": [],
+                                              "finetuning": "full", "checkpoint": str(run / "last.ckpt")}))
+    module.eval()
+    tokens = torch.randint(0, 300, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), head_gate_scope(module.hf_model, active=False):
+        expected = module.model(input_ids=tokens).logits
+    plain = load_open_model(read_run(run))
+    assert not any(isinstance(m, GatedOutputProjection) for m in plain.modules())
+    with torch.no_grad():
+        torch.testing.assert_close(plain(input_ids=tokens).logits, expected, atol=2e-5, rtol=1e-4)

@@ -86,3 +86,33 @@ def test_folding_deterministic_gates_gives_the_gated_logits(tiny_model, tokens):
     torch.testing.assert_close(folded, values)
     assert not any(isinstance(m, GatedOutputProjection) for m in tiny_model.modules())
     torch.testing.assert_close(tiny_model(tokens).logits, gated, atol=1e-5, rtol=1e-4)
+
+
+def test_scoped_gates_are_off_or_let_the_replacement_in_and_always_restore(tiny_model, tokens):
+    from modular.heads.gates import head_gate_scope
+    from modular.hooks import capture_head_inputs, replace_heads
+
+    a = ArchitectureAdapter(tiny_model)
+    heads = [(0, 1), (a.n_layers - 1, 2)]
+    other = torch.randint(0, 300, tokens.shape, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        plain = tiny_model(tokens).logits
+        with capture_head_inputs(a) as z:
+            tiny_model(other)
+        cf = dict(z)
+        with replace_heads(a, heads, cf):
+            patched = tiny_model(tokens).logits
+        with zero_heads(a, heads):
+            zeroed = tiny_model(tokens).logits
+    install_head_gates(tiny_model)
+    for layer, h in heads:
+        a.attn_out(layer).head_gate.fixed[h] = 0.0
+    with torch.no_grad():
+        with head_gate_scope(tiny_model, active=False):
+            torch.testing.assert_close(tiny_model(tokens).logits, plain, atol=0, rtol=0)
+        with head_gate_scope(tiny_model, replacements=cf):
+            torch.testing.assert_close(tiny_model(tokens).logits, patched, atol=1e-5, rtol=1e-4)
+        with pytest.raises(RuntimeError), head_gate_scope(tiny_model, active=False):
+            raise RuntimeError("inside the scope")
+        torch.testing.assert_close(tiny_model(tokens).logits, zeroed, atol=1e-5, rtol=1e-4)
+    assert all(w.active and w.replacement is None for w in (a.attn_out(i) for i in range(a.n_layers)))
