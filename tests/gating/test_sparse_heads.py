@@ -182,8 +182,8 @@ def test_run_folder_loads_with_gates_folded(tmp_path, tiny_folder, arch, finetun
     assert load_tokenizer(run).padding_side == "left"
 
 
-def tiny_sparse_config(tmp_path, model_dir):
-    cfg = yaml.safe_load((ROOT / "configs" / "sparse_heads_smollm2.yaml").read_text())
+def tiny_sparse_config(tmp_path, model_dir, name="sparse_heads_smollm2.yaml"):
+    cfg = yaml.safe_load((ROOT / "configs" / name).read_text())
     run = tmp_path / "run"
     cfg["model"].update({"model_name": str(model_dir), "lr": 1e-3, "lm_loss_target": 0.05, "gate_freeze_step": 2})
     cfg["data"].update({"reference_max_new_tokens": 4, "batch_size": 2, "max_length": 64, "lm_max_length": 32,
@@ -319,3 +319,20 @@ def test_run_folder_drops_gates_scoped_to_tasks(tmp_path, tiny_folder):
     assert not any(isinstance(m, GatedOutputProjection) for m in plain.modules())
     with torch.no_grad():
         torch.testing.assert_close(plain(input_ids=tokens).logits, expected, atol=2e-5, rtol=1e-4)
+
+
+def test_scoped_config_trains_through_train_py_with_counterfactual_task_batches(tmp_path, tiny_folder):
+    """train.py links model.gate_scope: tasks to the data's counterfactual task batches."""
+    import os
+
+    from modular.runs import load_open_model, read_run
+
+    cfg, run = tiny_sparse_config(tmp_path, tiny_folder("llama"), "sparse_heads_scoped_smollm2.yaml")
+    cmd = [sys.executable, str(ROOT / "train.py"), "fit", "--config", str(cfg)]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, WANDB_MODE="offline"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    record = json.loads((run / "run.json").read_text())
+    assert record["global_step"] == 3 and {"train/ioi/task_ce", "val/neutral_perplexity"} <= set(record["metrics"])
+    hp = yaml.safe_load((run / "config.yaml").read_text())
+    assert hp["model"]["gate_scope"] == "tasks"  # the step raises without counterfactual task batches
+    assert not any(isinstance(m, GatedOutputProjection) for m in load_open_model(read_run(run)).modules())
