@@ -224,9 +224,16 @@ def _ablation(models, tasks, kind, limit, split, classify_split, threshold, max_
         raise ModularError("band must be ≥ 0")
     labels = _labels(models)
     results: dict[str, dict[str, dict]] = {t: {} for t in tasks}
+    settings = {"ablation": kind, "threshold": threshold, "split": split, "classify_split": classify_split,
+                "limit": limit, "max_heads": max_heads, "categories": method, "band": band, "seed": seed}
+    _resume(out_dir / "ablation.json", settings, dict(zip(labels, models)), results)
     for spec, label in zip(models, labels):
+        if all(label in results[t] for t in tasks):
+            continue
         model, tokenizer, _ = load_head_model(spec)
         for task in tasks:
+            if label in results[task]:
+                continue
             fit = response_batch(tokenizer, _items(task, classify_split, tokenizer, seed, limit, shuffle=True))
             held = response_batch(tokenizer, _items(task, split, tokenizer, seed, limit, shuffle=True))
             values = head_values(model, fit, kind)
@@ -255,6 +262,29 @@ def _ablation(models, tasks, kind, limit, split, classify_split, threshold, max_
         gc.collect()
     return _write_ablation(out_dir, results, labels, models, tasks, kind, threshold, split, classify_split, limit,
                            max_heads, method, band, seed, partial=False)
+
+
+def _resume(path: Path, settings: dict, specs: dict[str, str], results: dict[str, dict]) -> None:
+    """Take over the (task, model) results of a run cut short (``partial`` report in the same folder, same
+    settings, same model for the label), so that a restarted run measures only what is missing."""
+    import json
+
+    if not path.is_file():
+        return
+    try:
+        old = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return
+    if not old.get("partial") or any(old.get(k) != v for k, v in settings.items()):
+        return
+    kept = []
+    for task, by_label in old.get("results", {}).items():
+        for label, result in by_label.items():
+            if task in results and specs.get(label) == old.get("models", {}).get(label):
+                results[task][label] = result
+                kept.append(f"{label}/{task}")
+    if kept:
+        log.info("resuming the partial run in %s: %s already measured", path.parent, ", ".join(kept))
 
 
 def _write_ablation(out_dir, results, labels, models, tasks, kind, threshold, split, classify_split, limit, max_heads,

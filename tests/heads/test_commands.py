@@ -117,6 +117,32 @@ def test_ablation_command_joint_classes_by_default(folders, monkeypatch):
     assert all(len(c) <= 4 for c in r["categories"].values())
 
 
+def test_ablation_run_cut_short_resumes_with_what_it_measured(folders, monkeypatch):
+    import modular.heads.categories as categories
+
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    out = folders["root"] / "ablation_resume"
+    args = ["heads", "--ablation=true", f"--models=[{folders['llama']}]", "--tasks=[agreement, commonsense]",
+            "--limit=5", "--max_heads=4", "--categories=single", f"--out={out}"]
+    assert _run(args) == 0
+    full = json.loads((out / "ablation.json").read_text())
+    cut = {**full, "partial": True, "tasks": ["agreement"],
+           "results": {"agreement": full["results"]["agreement"]}}  # as a run killed after its first task leaves it
+    (out / "ablation.json").write_text(json.dumps(cut))
+    calls = []
+    real = categories.single_head_effects
+    monkeypatch.setattr(categories, "single_head_effects", lambda *a, **k: calls.append(k["desc"]) or real(*a, **k))
+    assert _run(args) == 0
+    assert calls == ["llama/commonsense: single heads"]  # agreement was taken over, not measured again
+    report = json.loads((out / "ablation.json").read_text())
+    assert not report["partial"] and report["tasks"] == ["agreement", "commonsense"]
+    assert report["results"] == full["results"]
+    (out / "ablation.json").write_text(json.dumps(cut))
+    assert _run(args[:-3] + ["--max_heads=3", "--categories=single", f"--out={out}"]) == 0  # other settings
+    assert len(calls) == 3  # nothing taken over: both tasks measured again
+    assert len(calls) == 3
+
+
 def test_bad_input_exits_2(folders, capsys):
     assert _run(["heads", f"--models=[{folders['llama']}]"]) == 2
     assert "exactly one of --curve and --ablation" in capsys.readouterr().err
