@@ -140,7 +140,6 @@ def test_ablation_run_cut_short_resumes_with_what_it_measured(folders, monkeypat
     (out / "ablation.json").write_text(json.dumps(cut))
     assert _run(args[:-3] + ["--max_heads=3", "--categories=single", f"--out={out}"]) == 0  # other settings
     assert len(calls) == 3  # nothing taken over: both tasks measured again
-    assert len(calls) == 3
 
 
 def test_bad_input_exits_2(folders, capsys):
