@@ -113,6 +113,10 @@ class GatedLM(L.LightningModule):
         gate_freeze_step: Prune, then fine-tune: from this step on every head gate is fixed at its
             deterministic value (closed heads stay closed, no gate noise) and the remaining steps train
             the weights of the pruned model only; ``null``: the gates learn to the end.
+        gate_scope: Where the head gates act. ``all``: every input (a closed head is removed from the model,
+            and folded out of the published weights). ``tasks``: task items only, where a closed gate swaps the
+            head's input for its input on the item's counterfactual prompt; retain and LM text run the plain
+            model, and the published model keeps every head: its tasks learn not to depend on the closed ones.
     """
 
     def __init__(
