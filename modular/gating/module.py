@@ -117,6 +117,9 @@ class GatedLM(L.LightningModule):
             and folded out of the published weights). ``tasks``: task items only, where a closed gate swaps the
             head's input for its input on the item's counterfactual prompt; retain and LM text run the plain
             model, and the published model keeps every head: its tasks learn not to depend on the closed ones.
+        gate_live_prob: ``gate_scope: tasks``, training: the chance that a closed head keeps its own input on one
+            task item (drawn per item and head), so the tasks learn to ignore the head's content whether it is
+            the item's own or the counterfactual one, instead of relying on it being counterfactual.
     """
 
     def __init__(
@@ -153,6 +156,7 @@ class GatedLM(L.LightningModule):
         steering_refresh: int = 20,
         gate_freeze_step: int | None = None,
         gate_scope: str = "all",
+        gate_live_prob: float = 0.0,
     ):
         super().__init__()
         self.save_hyperparameters()
@@ -171,6 +175,8 @@ class GatedLM(L.LightningModule):
             raise ModularError(f"gate_scope must be one of {', '.join(GATE_SCOPES)}, got '{gate_scope}'")
         if gate_scope == "tasks" and not head_gates:
             raise ModularError("gate_scope 'tasks' needs head_gates: true")
+        if not 0.0 <= gate_live_prob < 1.0:
+            raise ModularError(f"gate_live_prob must be in [0, 1), got {gate_live_prob}")
         self.sparsity = make_sparsity(sparsity, sparsity_weight, lm_loss_target, multiplier_lr, multiplier_ema,
                                       multiplier_init)
         self.behaviours = list(behaviours)
@@ -353,7 +359,7 @@ class GatedLM(L.LightningModule):
             return head_gate_scope(self.hf_model, active=False)
         with torch.no_grad(), head_gate_scope(self.hf_model, active=False), capture_head_inputs(self.adapter) as z:
             self.model(input_ids=merged["cf_input_ids"], attention_mask=merged["cf_attention_mask"])
-        return head_gate_scope(self.hf_model, replacements=dict(z))
+        return head_gate_scope(self.hf_model, replacements=dict(z), live_prob=self.hparams.gate_live_prob)
 
     def _row_vectors(self, items: list, n_rows: int) -> dict[int, torch.Tensor]:
         """{block: (n_rows, d) vectors}: each steered piece's vector on its rows, zeros elsewhere."""

@@ -116,3 +116,34 @@ def test_scoped_gates_are_off_or_let_the_replacement_in_and_always_restore(tiny_
             raise RuntimeError("inside the scope")
         torch.testing.assert_close(tiny_model(tokens).logits, zeroed, atol=1e-5, rtol=1e-4)
     assert all(w.active and w.replacement is None for w in (a.attn_out(i) for i in range(a.n_layers)))
+
+
+def test_live_prob_opens_closed_gates_by_row_in_training_only(tiny_model, tokens):
+    from modular.heads.gates import head_gate_scope
+    from modular.hooks import capture_head_inputs, replace_heads
+
+    a = ArchitectureAdapter(tiny_model)
+    heads = [(i, h) for i in range(a.n_layers) for h in range(a.n_heads)]
+    other = torch.randint(0, 300, tokens.shape, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        plain = tiny_model(tokens).logits
+        with capture_head_inputs(a) as z:
+            tiny_model(other)
+        cf = dict(z)
+        with replace_heads(a, heads, cf):
+            patched = tiny_model(tokens).logits
+    install_head_gates(tiny_model)
+    for i in range(a.n_layers):
+        a.attn_out(i).head_gate.fixed.fill_(0.0)
+    with torch.no_grad():
+        with head_gate_scope(tiny_model, replacements=cf, live_prob=1.0):
+            torch.testing.assert_close(tiny_model(tokens).logits, patched, atol=1e-5, rtol=1e-4)  # eval: no draws
+            for i in range(a.n_layers):  # the gates only: GPT-2's dropout stays off
+                a.attn_out(i).train()
+            torch.testing.assert_close(tiny_model(tokens).logits, plain, atol=1e-5, rtol=1e-4)  # every gate opened
+            half = []
+            for _ in range(20):
+                with head_gate_scope(tiny_model, replacements=cf, live_prob=0.5):
+                    half.append(tiny_model(tokens).logits)
+    assert not all(torch.allclose(h, half[0]) for h in half[1:])  # drawn anew on every forward
+    assert all(w.live_prob == 0.0 for w in (a.attn_out(i) for i in range(a.n_layers)))
