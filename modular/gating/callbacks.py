@@ -79,10 +79,8 @@ class SparseHeadsCallback(Callback):
 
         from modular.data import neutral_text
         from modular.evaluation.retain import perplexity
-        from modular.heads.gates import deterministic_gate_values
+        from modular.heads.gates import deterministic_gate_values, head_gate_scope
         from modular.tracking import write_json
-
-        from modular.heads.gates import head_gate_scope
 
         dm = trainer.datamodule
         model, tok = pl_module.hf_model, dm.tokenizer
