@@ -182,7 +182,7 @@ def test_run_folder_loads_with_gates_folded(tmp_path, tiny_folder, arch, finetun
     assert load_tokenizer(run).padding_side == "left"
 
 
-def tiny_sparse_config(tmp_path, model_dir, name="sparse_heads_smollm2.yaml"):
+def tiny_sparse_config(tmp_path, model_dir, name="sparse_heads_pruned_smollm2.yaml"):
     cfg = yaml.safe_load((ROOT / "configs" / name).read_text())
     run = tmp_path / "run"
     cfg["model"].update({"model_name": str(model_dir), "lr": 1e-3, "lm_loss_target": 0.05, "gate_freeze_step": 2})
@@ -327,7 +327,7 @@ def test_scoped_config_trains_through_train_py_with_counterfactual_task_batches(
 
     from modular.runs import load_open_model, read_run
 
-    cfg, run = tiny_sparse_config(tmp_path, tiny_folder("llama"), "sparse_heads_scoped_smollm2.yaml")
+    cfg, run = tiny_sparse_config(tmp_path, tiny_folder("llama"), "sparse_heads_smollm2.yaml")
     cmd = [sys.executable, str(ROOT / "train.py"), "fit", "--config", str(cfg)]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, WANDB_MODE="offline"))
     assert out.returncode == 0, out.stderr[-3000:]
