@@ -201,6 +201,6 @@ def plot_efficiency_curves(path: str | Path, panels: dict[str, dict[str, dict]],
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")  # a one-panel figure is narrower than its title
     plt.close(fig)
     return path, annotations
