@@ -353,12 +353,15 @@ class GatedLM(L.LightningModule):
     def _scoped_gates(self, merged: dict | None):
         """Gates off (``merged`` None), or on with each head's counterfactual input as what a closed gate lets in."""
         from modular.heads.gates import head_gate_scope
+        from modular.heads.ranking import last_position_logits
         from modular.hooks import capture_head_inputs
 
         if merged is None:
             return head_gate_scope(self.hf_model, active=False)
         with torch.no_grad(), head_gate_scope(self.hf_model, active=False), capture_head_inputs(self.adapter) as z:
-            self.model(input_ids=merged["cf_input_ids"], attention_mask=merged["cf_attention_mask"])
+            # only the head inputs are needed: unembed one position, not the whole sequence
+            last_position_logits(self.model, {"input_ids": merged["cf_input_ids"],
+                                              "attention_mask": merged["cf_attention_mask"]})
         return head_gate_scope(self.hf_model, replacements=dict(z), live_prob=self.hparams.gate_live_prob)
 
     def _row_vectors(self, items: list, n_rows: int) -> dict[int, torch.Tensor]:

@@ -88,20 +88,29 @@ def test_folding_deterministic_gates_gives_the_gated_logits(tiny_model, tokens):
     torch.testing.assert_close(tiny_model(tokens).logits, gated, atol=1e-5, rtol=1e-4)
 
 
+def _plain_and_patched(model, tokens, heads):
+    """Logits of the plain model, every head's input on other tokens, and the logits with ``heads`` patched by them."""
+    from modular.hooks import capture_head_inputs, replace_heads
+
+    a = ArchitectureAdapter(model)
+    other = torch.randint(0, 300, tokens.shape, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        plain = model(tokens).logits
+        with capture_head_inputs(a) as z:
+            model(other)
+        cf = dict(z)
+        with replace_heads(a, heads, cf):
+            patched = model(tokens).logits
+    return plain, cf, patched
+
+
 def test_scoped_gates_are_off_or_let_the_replacement_in_and_always_restore(tiny_model, tokens):
     from modular.heads.gates import head_gate_scope
-    from modular.hooks import capture_head_inputs, replace_heads
 
     a = ArchitectureAdapter(tiny_model)
     heads = [(0, 1), (a.n_layers - 1, 2)]
-    other = torch.randint(0, 300, tokens.shape, generator=torch.Generator().manual_seed(5))
+    plain, cf, patched = _plain_and_patched(tiny_model, tokens, heads)
     with torch.no_grad():
-        plain = tiny_model(tokens).logits
-        with capture_head_inputs(a) as z:
-            tiny_model(other)
-        cf = dict(z)
-        with replace_heads(a, heads, cf):
-            patched = tiny_model(tokens).logits
         with zero_heads(a, heads):
             zeroed = tiny_model(tokens).logits
     install_head_gates(tiny_model)
@@ -120,18 +129,10 @@ def test_scoped_gates_are_off_or_let_the_replacement_in_and_always_restore(tiny_
 
 def test_live_prob_opens_closed_gates_by_row_in_training_only(tiny_model, tokens):
     from modular.heads.gates import head_gate_scope
-    from modular.hooks import capture_head_inputs, replace_heads
 
     a = ArchitectureAdapter(tiny_model)
     heads = [(i, h) for i in range(a.n_layers) for h in range(a.n_heads)]
-    other = torch.randint(0, 300, tokens.shape, generator=torch.Generator().manual_seed(5))
-    with torch.no_grad():
-        plain = tiny_model(tokens).logits
-        with capture_head_inputs(a) as z:
-            tiny_model(other)
-        cf = dict(z)
-        with replace_heads(a, heads, cf):
-            patched = tiny_model(tokens).logits
+    plain, cf, patched = _plain_and_patched(tiny_model, tokens, heads)
     install_head_gates(tiny_model)
     for i in range(a.n_layers):
         a.attn_out(i).head_gate.fixed.fill_(0.0)
