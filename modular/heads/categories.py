@@ -17,8 +17,9 @@ with a threshold τ, in one of two ways (``method``):
 * ``joint`` (default): the single-head classes are the candidates, in the same order, and a
   candidate joins Interference or Irrelevance only if it keeps its class *with the heads already
   chosen ablated too* (:func:`joint_categories`): an Interference head must still raise log p
-  on top of them, an Irrelevance head must move it by at most τ and leave the set's total within
-  ±``band``. Candidates that fail are left out of every class (``rejected``). Facilitation keeps
+  on top of them, an Irrelevance head must move each example's log p by at most τ on average
+  (mean |Δ| over examples, not |mean Δ|: changes of opposite sign on different examples do not
+  cancel, so the class holds on held-out items too) and leave the set's mean |Δ| within ``band``. Candidates that fail are left out of every class (``rejected``). Facilitation keeps
   its single-head order (ablating helpful heads together hurts all the more). This is the
   greedy, deterministic counterpart of CHG's joint fit: one ablated forward per candidate, no
   backward passes, no penalty weights or gate noise to tune.
@@ -170,30 +171,31 @@ def joint_categories(model, batch: dict, effects: torch.Tensor, values: dict[int
     """Classes that hold for their heads together (the ``joint`` method of the module docstring).
 
     Candidates come from :func:`classify_heads` (``effects``, ``threshold``), in its order. With S the
-    heads of a class chosen so far and m(S) the mean Δ log p(target) over ``batch`` with S ablated
-    (m(∅) = 0): an Interference candidate h joins if m(S ∪ {h}) > m(S); an Irrelevance candidate if
-    |m(S ∪ {h}) − m(S)| ≤ ``threshold`` and |m(S ∪ {h})| ≤ ``band``. Each class stops at ``max_heads``
-    heads. Facilitation is the single-head list. Returns the three classes plus ``rejected`` (the
-    candidates that failed, in the order tried).
+    heads of a class chosen so far and d(S) the per-example Δ log p(target) over ``batch`` with S ablated
+    (d(∅) = 0): an Interference candidate h joins if mean d(S ∪ {h}) > mean d(S); an Irrelevance
+    candidate if mean |d(S ∪ {h}) − d(S)| ≤ ``threshold`` and mean |d(S ∪ {h})| ≤ ``band``. Each class
+    stops at ``max_heads`` heads. Facilitation is the single-head list. Returns the three classes plus
+    ``rejected`` (the candidates that failed, in the order tried).
     """
     if band < 0:
         raise ModularError("band must be ≥ 0")
     single = classify_heads(effects, threshold)
     clean = response_logprob(model, batch)
 
-    def m(heads: list[Head]) -> float:
-        return float((ablated_logprob(model, batch, heads, values) - clean).mean())
+    def d(heads: list[Head]) -> torch.Tensor:
+        return ablated_logprob(model, batch, heads, values) - clean
 
     out: dict[str, list[Head]] = {"facilitation": single["facilitation"], "rejected": []}
-    tests = {"interference": lambda new, cur: new > cur,
-             "irrelevance": lambda new, cur: abs(new - cur) <= threshold and abs(new) <= band}
+    tests = {"interference": lambda new, cur: float(new.mean()) > float(cur.mean()),
+             "irrelevance": lambda new, cur: (float((new - cur).abs().mean()) <= threshold
+                                              and float(new.abs().mean()) <= band)}
     for cat, accept in tests.items():
         chosen: list[Head] = []
-        cur = 0.0
+        cur = torch.zeros_like(clean)
         for head in tqdm(single[cat], desc=f"{desc}: {cat}", leave=False):
             if len(chosen) >= max_heads:
                 break
-            new = m(chosen + [head])
+            new = d(chosen + [head])
             if accept(new, cur):
                 chosen.append(head)
                 cur = new

@@ -98,7 +98,8 @@ def heads(
         categories: ``--ablation``: how heads are classed: joint (default: single-head candidates that
             keep their class with the class's heads chosen before them ablated too) or single
             (single-head effects only).
-        band: ``--ablation``, joint: largest |Δ log p| in nats of all chosen Irrelevance heads ablated together.
+        band: ``--ablation``, joint: largest mean |Δ log p| per example, in nats, of all chosen Irrelevance heads
+            ablated together.
         seed: Seed of the data generators and splits.
         out: Output folder (default: outputs/heads/<curve|ablation>-<models>).
     """
@@ -225,7 +226,8 @@ def _ablation(models, tasks, kind, limit, split, classify_split, threshold, max_
     labels = _labels(models)
     results: dict[str, dict[str, dict]] = {t: {} for t in tasks}
     settings = {"ablation": kind, "threshold": threshold, "split": split, "classify_split": classify_split,
-                "limit": limit, "max_heads": max_heads, "categories": method, "band": band, "seed": seed}
+                "limit": limit, "max_heads": max_heads, "categories": method, "band": band, "seed": seed,
+                "method": METHOD_TEXT[method].format(band=band)}  # a changed criterion is measured afresh
     _resume(out_dir / "ablation.json", settings, dict(zip(labels, models)), results)
     for spec, label in zip(models, labels):
         if all(label in results[t] for t in tasks):
@@ -323,7 +325,8 @@ def _write_ablation(out_dir, results, labels, models, tasks, kind, threshold, sp
 METHOD_TEXT = {
     "single": "single-head ablation effect with threshold",
     "joint": "single-head candidates kept only if they keep their class with the class's earlier heads ablated "
-             "too (Irrelevance: all of them within ±{band} nats)",
+             "too (Irrelevance: each head moves every example by ≤ threshold on average, all of them together "
+             "by a mean |Δ| ≤ {band} nats)",
 }
 
 COMMANDS: dict = {"heads": heads}

@@ -141,6 +141,11 @@ def test_joint_categories_hold_for_their_heads_together(tiny_model, tok, arch):
     rise = curves["interference"]["mean"]
     assert all(b > a for a, b in zip(rise, rise[1:]))
     assert all(abs(v) <= band + 1e-9 for v in curves["irrelevance"]["mean"])
+    # ... and so does every example on average: changes of opposite sign on different examples do not cancel
+    rows = torch.tensor(curves["irrelevance"]["per_example"])
+    assert all(float(r.abs().mean()) <= band + 1e-4 for r in rows)  # per_example is rounded to 1e-5
+    steps = (rows[1:] - rows[:-1]).abs().mean(1)
+    assert all(float(v) <= threshold + 1e-4 for v in steps)
     # a head rejected from interference stops helping once the chosen ones are ablated
     for head in [h for h in joint["rejected"] if h in single["interference"]][:1]:
         chosen = [h for h in joint["interference"] if single["interference"].index(h) < single["interference"].index(head)]
@@ -188,3 +193,18 @@ def test_single_head_effects_replay_matches_plain_ablation(tiny_model, tok, arch
     for layer, head in [(0, 0), (1, 3)]:
         plain = (ablated_logprob(tiny_model, batch, [(layer, head)], values) - clean).mean()
         assert effects[layer, head].item() == pytest.approx(float(plain), abs=1e-5)
+
+
+def test_irrelevance_rejects_heads_whose_changes_cancel_across_examples(monkeypatch):
+    """A head that moves one example up and another down by the same amount has no mean effect, but it is not
+    irrelevant: the joint Irrelevance test is on mean |Δ| per example, so it is rejected."""
+    from modular.heads import categories
+
+    per_head = {(0, 0): torch.tensor([0.5, -0.5], dtype=torch.float64),  # cancels in the mean
+                (0, 1): torch.tensor([0.001, -0.002], dtype=torch.float64)}
+    monkeypatch.setattr(categories, "response_logprob", lambda model, batch: torch.zeros(2, dtype=torch.float64))
+    monkeypatch.setattr(categories, "ablated_logprob",
+                        lambda model, batch, heads, values: sum((per_head[h] for h in heads), torch.zeros(2)))
+    effects = torch.tensor([[0.0, -0.0005]])  # mean single-head effects: both irrelevance candidates, (0, 0) first
+    joint = joint_categories(None, {}, effects, {}, threshold=0.02, band=0.05)
+    assert joint["irrelevance"] == [(0, 1)] and joint["rejected"] == [(0, 0)]
