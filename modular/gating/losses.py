@@ -50,3 +50,12 @@ def first_token_kl(logits: torch.Tensor, labels: torch.Tensor, first_logp: torch
     logp = torch.log_softmax(logits[torch.arange(len(idx)), idx].float(), -1)
     ref = first_logp.float()
     return (ref.exp() * (ref - logp)).sum(-1).mean()
+
+
+def response_kl(logits: torch.Tensor, other: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Full-vocabulary KL(softmax(other) || softmax(logits)) averaged over the labelled (response) positions;
+    gradients reach both sides."""
+    mask = labels[:, 1:] != IGNORE
+    logp = torch.log_softmax(logits[:, :-1][mask].float(), -1)
+    logq = torch.log_softmax(other[:, :-1][mask].float(), -1)
+    return (logq.exp() * (logq - logp)).sum(-1).mean() if mask.any() else logits.sum() * 0.0

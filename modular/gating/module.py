@@ -13,7 +13,7 @@ import torch
 
 from modular.data.formatting import IGNORE
 from modular.gating.data import TASK_PREFIX, per_behaviour
-from modular.gating.losses import first_token_kl, token_ce, topk_kl, unlikelihood
+from modular.gating.losses import first_token_kl, response_kl, token_ce, topk_kl, unlikelihood
 from modular.hooks import ablate_directions, add_vectors
 from modular.models.adapter import ArchitectureAdapter
 
@@ -120,6 +120,11 @@ class GatedLM(L.LightningModule):
         gate_live_prob: ``gate_scope: tasks``, training: the chance that a closed head keeps its own input on one
             task item (drawn per item and head), so the tasks learn to ignore the head's content whether it is
             the item's own or the counterfactual one, instead of relying on it being counterfactual.
+        gate_consistency_weight: ``gate_scope: tasks``: weight of a KL between the task items' response
+            distributions in the plain run (every head its own input) and in the scoped run (closed heads
+            counterfactual), so the closed heads' effect on the tasks goes to zero in the published model, not only
+            in the trained one. Applied once the gates are fixed (``gate_freeze_step``): before, its gradient would
+            only open the gates. 0 disables.
     """
 
     def __init__(
@@ -157,6 +162,7 @@ class GatedLM(L.LightningModule):
         gate_freeze_step: int | None = None,
         gate_scope: str = "all",
         gate_live_prob: float = 0.0,
+        gate_consistency_weight: float = 0.0,
     ):
         super().__init__()
         self.save_hyperparameters()
@@ -177,6 +183,9 @@ class GatedLM(L.LightningModule):
             raise ModularError("gate_scope 'tasks' needs head_gates: true")
         if not 0.0 <= gate_live_prob < 1.0:
             raise ModularError(f"gate_live_prob must be in [0, 1), got {gate_live_prob}")
+        if gate_consistency_weight < 0 or (gate_consistency_weight and gate_scope != "tasks"):
+            raise ModularError("gate_consistency_weight must be >= 0 and needs gate_scope 'tasks', "
+                               f"got {gate_consistency_weight} with gate_scope '{gate_scope}'")
         self.sparsity = make_sparsity(sparsity, sparsity_weight, lm_loss_target, multiplier_lr, multiplier_ema,
                                       multiplier_init)
         self.behaviours = list(behaviours)
@@ -329,11 +338,18 @@ class GatedLM(L.LightningModule):
                 sub = {key: v[row:row + n] for key, v in merged.items()}
                 terms[name] = self._loss_of(kind, logits[row:row + n], sub)
                 row += n
+            if task_group and self._consistency_on():
+                from modular.heads.gates import head_gate_scope
+
+                with head_gate_scope(self.hf_model, active=False):
+                    plain = self.model(input_ids=merged["input_ids"], attention_mask=merged["attention_mask"]).logits
+                terms["tasks/consistency_kl"] = response_kl(logits, plain, merged["labels"])
         total = torch.zeros((), device=self.device)
         lm_loss = torch.zeros((), device=self.device)
         for name, value in terms.items():
             keeps_lm = name.startswith(("retain/", "lm/"))
-            weight = hp.retain_weight if keeps_lm else hp.task_weight if name.endswith("/task_ce") else 1.0
+            weight = (hp.retain_weight if keeps_lm else hp.task_weight if name.endswith("/task_ce")
+                      else hp.gate_consistency_weight if name == "tasks/consistency_kl" else 1.0)
             if "/locked" in name:
                 weight *= hp.locked_weight
             total = total + weight * value
@@ -349,6 +365,12 @@ class GatedLM(L.LightningModule):
                 n_heads = self.adapter.n_layers * self.adapter.n_heads
                 total = self.sparsity(total, lm_loss, l0 / n_heads)
         return total, terms
+
+    def _consistency_on(self) -> bool:
+        """The plain-vs-scoped consistency term runs: weighted, and the gates fixed (or never fixed)."""
+        hp = self.hparams
+        return bool(hp.gate_consistency_weight) and (hp.gate_freeze_step is None
+                                                      or self.global_step >= hp.gate_freeze_step)
 
     def _scoped_gates(self, merged: dict | None):
         """Gates off (``merged`` None), or on with each head's counterfactual input as what a closed gate lets in."""

@@ -336,3 +336,38 @@ def test_scoped_config_trains_through_train_py_with_counterfactual_task_batches(
     hp = yaml.safe_load((run / "config.yaml").read_text())
     assert hp["model"]["gate_scope"] == "tasks"  # the step raises without counterfactual task batches
     assert not any(isinstance(m, GatedOutputProjection) for m in load_open_model(read_run(run)).modules())
+
+
+def test_consistency_term_is_the_kl_between_plain_and_scoped_task_runs_once_gates_are_fixed(tiny_folder):
+    """gate_consistency_weight: a KL between the task items' response distributions with every head its own input
+    and with closed heads counterfactual; zero with every gate open, absent before the gates are fixed."""
+    from modular.gating.losses import response_kl
+    from modular.heads.gates import head_gate_scope
+
+    model_dir = tiny_folder("llama")
+    dm = _data(model_dir, task_counterfactuals=True)
+    dm.setup("fit")
+    batch = next(iter(dm.train_dataloader()))
+    batch = batch[0] if isinstance(batch, tuple) else batch
+    module = _sparse(model_dir, gate_scope="tasks", gate_consistency_weight=2.0, gate_freeze_step=5).eval()
+    with torch.no_grad():
+        assert "tasks/consistency_kl" not in module.model_step(batch, train=False)[1]  # step 0 < gate_freeze_step
+        module.hparams.gate_freeze_step = 0
+        total_open, open_terms = module.model_step(batch, train=False)
+        for g in head_gate_modules(module.hf_model):
+            g.fixed.fill_(0.0)  # every head closed on the tasks
+        total, terms = module.model_step(batch, train=False)
+    assert open_terms["tasks/consistency_kl"].abs() < 1e-9  # every gate open: the scoped run is the plain run
+    assert terms["tasks/consistency_kl"] > 1e-6  # a tiny random model's distributions are close to uniform
+    rest = sum(v for k, v in terms.items() if k.endswith(("_kl", "_ce")) and k != "tasks/consistency_kl")
+    torch.testing.assert_close(total, rest + 2.0 * terms["tasks/consistency_kl"], atol=1e-5, rtol=1e-5)
+    task = batch["task:greater_than"]
+    with torch.no_grad(), head_gate_scope(module.hf_model, active=False):
+        plain = module.model(input_ids=task["open"]["input_ids"], attention_mask=task["open"]["attention_mask"]).logits
+    # the term over greater_than's rows alone is positive too: its closed heads move its response distribution
+    with torch.no_grad(), module._scoped_gates({"cf_input_ids": task["counterfactual"]["input_ids"],
+                                                "cf_attention_mask": task["counterfactual"]["attention_mask"]}):
+        scoped = module.model(input_ids=task["open"]["input_ids"], attention_mask=task["open"]["attention_mask"]).logits
+    assert response_kl(scoped, plain, task["open"]["labels"]) > 1e-6
+    with pytest.raises(ModularError, match="gate_scope 'tasks'"):
+        _sparse(model_dir, gate_consistency_weight=1.0)
