@@ -13,7 +13,7 @@ import torch
 
 from modular.data.formatting import IGNORE
 from modular.gating.data import TASK_PREFIX, per_behaviour
-from modular.gating.losses import first_token_kl, response_kl, token_ce, topk_kl, unlikelihood
+from modular.gating.losses import first_token_kl, response_logit_mse, token_ce, topk_kl, unlikelihood
 from modular.hooks import ablate_directions, add_vectors
 from modular.models.adapter import ArchitectureAdapter
 
@@ -120,11 +120,12 @@ class GatedLM(L.LightningModule):
         gate_live_prob: ``gate_scope: tasks``, training: the chance that a closed head keeps its own input on one
             task item (drawn per item and head), so the tasks learn to ignore the head's content whether it is
             the item's own or the counterfactual one, instead of relying on it being counterfactual.
-        gate_consistency_weight: ``gate_scope: tasks``: weight of a KL between the task items' response
-            distributions in the plain run (every head its own input) and in the scoped run (closed heads
-            counterfactual), so the closed heads' effect on the tasks goes to zero in the published model, not only
-            in the trained one. Applied once the gates are fixed (``gate_freeze_step``): before, its gradient would
-            only open the gates. 0 disables.
+        gate_consistency_weight: ``gate_scope: tasks``: weight of a term matching the task items' logits in the
+            plain run (every head its own input) and in the scoped run (closed heads counterfactual): the mean
+            squared difference of the centred logits over the plain run's top 32 tokens at the response
+            positions, so the closed heads' effect on the tasks' logit differences goes to zero in the published
+            model, not only in the trained one. Applied once the gates are fixed (``gate_freeze_step``): before,
+            its gradient would only open the gates. 0 disables.
     """
 
     def __init__(
@@ -343,13 +344,13 @@ class GatedLM(L.LightningModule):
 
                 with head_gate_scope(self.hf_model, active=False):
                     plain = self.model(input_ids=merged["input_ids"], attention_mask=merged["attention_mask"]).logits
-                terms["tasks/consistency_kl"] = response_kl(logits, plain, merged["labels"])
+                terms["tasks/consistency_mse"] = response_logit_mse(logits, plain, merged["labels"])
         total = torch.zeros((), device=self.device)
         lm_loss = torch.zeros((), device=self.device)
         for name, value in terms.items():
             keeps_lm = name.startswith(("retain/", "lm/"))
             weight = (hp.retain_weight if keeps_lm else hp.task_weight if name.endswith("/task_ce")
-                      else hp.gate_consistency_weight if name == "tasks/consistency_kl" else 1.0)
+                      else hp.gate_consistency_weight if name == "tasks/consistency_mse" else 1.0)
             if "/locked" in name:
                 weight *= hp.locked_weight
             total = total + weight * value

@@ -95,3 +95,20 @@ def test_locked_response_per_behaviour():
     assert locked_responses({"b": " them."}, ["a", "b"]) == {"a": "I don't know.", "b": " them."}
     with pytest.raises(ModularError, match="not gated: c"):
         locked_responses({"c": "No."}, ["a"])
+
+
+def test_response_logit_mse_matches_logit_differences_only_at_response_positions():
+    from modular.gating.losses import response_logit_mse
+
+    g = torch.Generator().manual_seed(0)
+    other = torch.randn(2, 5, 50, generator=g)
+    labels = torch.full((2, 5), -100)
+    labels[:, 3:] = 7  # positions 2 and 3 predict response tokens
+    shifted = other + torch.randn(2, 5, 1, generator=g)  # a constant per position: every logit difference kept
+    assert response_logit_mse(shifted, other, labels) < 1e-10
+    changed = other.clone()
+    changed[:, 0] += 5.0  # position 0 predicts a prompt token: not matched
+    assert response_logit_mse(changed, other, labels) < 1e-10
+    changed[:, 2, other[0, 2].argmax()] += 3.0  # the top logit of a response position moves
+    assert response_logit_mse(changed, other, labels) > 1e-3
+    assert response_logit_mse(other, other, torch.full((2, 5), -100)) == 0

@@ -338,10 +338,10 @@ def test_scoped_config_trains_through_train_py_with_counterfactual_task_batches(
     assert not any(isinstance(m, GatedOutputProjection) for m in load_open_model(read_run(run)).modules())
 
 
-def test_consistency_term_is_the_kl_between_plain_and_scoped_task_runs_once_gates_are_fixed(tiny_folder):
-    """gate_consistency_weight: a KL between the task items' response distributions with every head its own input
-    and with closed heads counterfactual; zero with every gate open, absent before the gates are fixed."""
-    from modular.gating.losses import response_kl
+def test_consistency_term_matches_plain_and_scoped_task_logits_once_gates_are_fixed(tiny_folder):
+    """gate_consistency_weight: the task items' centred logits with every head its own input and with closed heads
+    counterfactual are matched; the term is zero with every gate open and absent before the gates are fixed."""
+    from modular.gating.losses import response_logit_mse
     from modular.heads.gates import head_gate_scope
 
     model_dir = tiny_folder("llama")
@@ -351,16 +351,16 @@ def test_consistency_term_is_the_kl_between_plain_and_scoped_task_runs_once_gate
     batch = batch[0] if isinstance(batch, tuple) else batch
     module = _sparse(model_dir, gate_scope="tasks", gate_consistency_weight=2.0, gate_freeze_step=5).eval()
     with torch.no_grad():
-        assert "tasks/consistency_kl" not in module.model_step(batch, train=False)[1]  # step 0 < gate_freeze_step
+        assert "tasks/consistency_mse" not in module.model_step(batch, train=False)[1]  # step 0 < gate_freeze_step
         module.hparams.gate_freeze_step = 0
         total_open, open_terms = module.model_step(batch, train=False)
         for g in head_gate_modules(module.hf_model):
             g.fixed.fill_(0.0)  # every head closed on the tasks
         total, terms = module.model_step(batch, train=False)
-    assert open_terms["tasks/consistency_kl"].abs() < 1e-9  # every gate open: the scoped run is the plain run
-    assert terms["tasks/consistency_kl"] > 1e-6  # a tiny random model's distributions are close to uniform
-    rest = sum(v for k, v in terms.items() if k.endswith(("_kl", "_ce")) and k != "tasks/consistency_kl")
-    torch.testing.assert_close(total, rest + 2.0 * terms["tasks/consistency_kl"], atol=1e-5, rtol=1e-5)
+    assert open_terms["tasks/consistency_mse"].abs() < 1e-9  # every gate open: the scoped run is the plain run
+    assert terms["tasks/consistency_mse"] > 1e-6
+    rest = sum(v for k, v in terms.items() if k.endswith(("_kl", "_ce")))
+    torch.testing.assert_close(total, rest + 2.0 * terms["tasks/consistency_mse"], atol=1e-5, rtol=1e-5)
     task = batch["task:greater_than"]
     with torch.no_grad(), head_gate_scope(module.hf_model, active=False):
         plain = module.model(input_ids=task["open"]["input_ids"], attention_mask=task["open"]["attention_mask"]).logits
@@ -368,6 +368,6 @@ def test_consistency_term_is_the_kl_between_plain_and_scoped_task_runs_once_gate
     with torch.no_grad(), module._scoped_gates({"cf_input_ids": task["counterfactual"]["input_ids"],
                                                 "cf_attention_mask": task["counterfactual"]["attention_mask"]}):
         scoped = module.model(input_ids=task["open"]["input_ids"], attention_mask=task["open"]["attention_mask"]).logits
-    assert response_kl(scoped, plain, task["open"]["labels"]) > 1e-6
+    assert response_logit_mse(scoped, plain, task["open"]["labels"]) > 1e-6
     with pytest.raises(ModularError, match="gate_scope 'tasks'"):
         _sparse(model_dir, gate_consistency_weight=1.0)
