@@ -52,7 +52,6 @@ def first_token_kl(logits: torch.Tensor, labels: torch.Tensor, first_logp: torch
     return (ref.exp() * (ref - logp)).sum(-1).mean()
 
 
-
 def response_logit_mse(logits: torch.Tensor, other: torch.Tensor, labels: torch.Tensor, k: int = 32) -> torch.Tensor:
     """Mean squared difference of the logits of ``logits`` and ``other`` over ``other``'s top-``k`` tokens at the
     labelled (response) positions, each side centred over those tokens, so every logit difference between two of

@@ -19,8 +19,9 @@ with a threshold τ, in one of two ways (``method``):
   chosen ablated too* (:func:`joint_categories`): an Interference head must still raise log p
   on top of them, an Irrelevance head must move each example's log p by at most τ on average
   (mean |Δ| over examples, not |mean Δ|: changes of opposite sign on different examples do not
-  cancel, so the class holds on held-out items too) and leave the set's mean |Δ| within ``band``. Candidates that fail are left out of every class (``rejected``). Facilitation keeps
-  its single-head order (ablating helpful heads together hurts all the more). This is the
+  cancel, so the class holds on held-out items too) and leave the set's mean |Δ| within ``band``.
+  Candidates that fail are left out of every class (``rejected``). Facilitation keeps its
+  single-head order (ablating helpful heads together hurts all the more). This is the
   greedy, deterministic counterpart of CHG's joint fit: one ablated forward per candidate, no
   backward passes, no penalty weights or gate noise to tune.
 
