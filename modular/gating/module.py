@@ -340,9 +340,7 @@ class GatedLM(L.LightningModule):
                 terms[name] = self._loss_of(kind, logits[row:row + n], sub)
                 row += n
             if task_group and self._consistency_on():
-                from modular.heads.gates import head_gate_scope
-
-                with head_gate_scope(self.hf_model, active=False):
+                with self._scoped_gates(None):  # the plain run: every head its own input
                     plain = self.model(input_ids=merged["input_ids"], attention_mask=merged["attention_mask"]).logits
                 terms["tasks/consistency_mse"] = response_logit_mse(logits, plain, merged["labels"])
         total = torch.zeros((), device=self.device)

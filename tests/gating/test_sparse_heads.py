@@ -353,7 +353,7 @@ def test_consistency_term_matches_plain_and_scoped_task_logits_once_gates_are_fi
     with torch.no_grad():
         assert "tasks/consistency_mse" not in module.model_step(batch, train=False)[1]  # step 0 < gate_freeze_step
         module.hparams.gate_freeze_step = 0
-        total_open, open_terms = module.model_step(batch, train=False)
+        _, open_terms = module.model_step(batch, train=False)
         for g in head_gate_modules(module.hf_model):
             g.fixed.fill_(0.0)  # every head closed on the tasks
         total, terms = module.model_step(batch, train=False)
