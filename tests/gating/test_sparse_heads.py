@@ -345,7 +345,7 @@ def test_consistency_term_matches_plain_and_scoped_task_logits_once_gates_are_fi
     from modular.heads.gates import head_gate_scope
 
     model_dir = tiny_folder("llama")
-    dm = _data(model_dir, task_counterfactuals=True)
+    dm = _data(model_dir, tasks=["greater_than"], task_counterfactuals=True)  # one task: its rows are the group
     dm.setup("fit")
     batch = next(iter(dm.train_dataloader()))
     batch = batch[0] if isinstance(batch, tuple) else batch
@@ -364,10 +364,12 @@ def test_consistency_term_matches_plain_and_scoped_task_logits_once_gates_are_fi
     task = batch["task:greater_than"]
     with torch.no_grad(), head_gate_scope(module.hf_model, active=False):
         plain = module.model(input_ids=task["open"]["input_ids"], attention_mask=task["open"]["attention_mask"]).logits
-    # the term over greater_than's rows alone is positive too: its closed heads move its response distribution
+    # the term compares the scoped run with the plain run (every head its own input, not a closed head removed)
     with torch.no_grad(), module._scoped_gates({"cf_input_ids": task["counterfactual"]["input_ids"],
                                                 "cf_attention_mask": task["counterfactual"]["attention_mask"]}):
         scoped = module.model(input_ids=task["open"]["input_ids"], attention_mask=task["open"]["attention_mask"]).logits
     assert response_logit_mse(scoped, plain, task["open"]["labels"]) > 1e-6
+    torch.testing.assert_close(terms["tasks/consistency_mse"], response_logit_mse(scoped, plain, task["open"]["labels"]),
+                               atol=1e-6, rtol=1e-4)
     with pytest.raises(ModularError, match="gate_scope 'tasks'"):
         _sparse(model_dir, gate_consistency_weight=1.0)
