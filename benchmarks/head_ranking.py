@@ -1,9 +1,11 @@
 #!/usr/bin/env python
-"""Fast head ranking (attribution patching, plain and integrated gradients) against exhaustive
-single-head activation patching, side by side in one run on the same batch.
+"""Fast head ranking (attribution patching, plain and integrated gradients, and attribution refined by
+exact patching of the top late heads) against exhaustive single-head activation patching, side by side in
+one run on the same batch.
 
-For each ``ig_steps`` the attribution scores are compared with the exhaustive effects over all
-heads: Pearson and Spearman correlation of the signed effects, Pearson of |e|, overlap of the top-20
+For each ``ig_steps`` (attribution) and each ``refine`` (refined ranking: the gradients on the clean and
+the counterfactual run, then exact patching of the top-``refine`` heads of the second half of the layers)
+the scores are compared with the exhaustive effects over all heads: Pearson and Spearman correlation of the signed effects, Pearson of |e|, overlap of the top-20
 heads by |e|, and the speed ratio (exhaustive seconds / attribution seconds, median of ``--repeats``),
 against this package's exhaustive patching (which replays the blocks before the patched layer) and
 against plain exhaustive patching (one full forward per head; its cost is extrapolated from
@@ -11,7 +13,7 @@ against plain exhaustive patching (one full forward per head; its cost is extrap
 Targets: Pearson ≥ 0.9, top-20 overlap ≥ 15, ≥ 20× faster.
 
 Usage: python benchmarks/head_ranking.py [--model smollm2-135m-instruct] [--task ioi] [--limit 48]
-       [--ablation counterfactual] [--ig_steps 1 4 8 16] [--out outputs/benchmarks]
+       [--ablation counterfactual] [--ig_steps 1 2 4] [--refine 30] [--out outputs/benchmarks]
 Writes head_ranking.json.
 """
 
@@ -32,6 +34,7 @@ from modular.heads.ranking import (
     attribution_effects,
     exhaustive_effects,
     last_position_logits,
+    refined_effects,
     task_batch,
 )
 from modular.hooks import replace_heads
@@ -81,7 +84,10 @@ def main() -> None:
     ap.add_argument("--split", default="test", help="data split")
     ap.add_argument("--limit", type=int, default=48, help="prompts")
     ap.add_argument("--ablation", default="counterfactual", choices=["counterfactual", "mean", "zero"])
-    ap.add_argument("--ig_steps", type=int, nargs="+", default=[1, 4, 8, 16], help="attribution variants")
+    ap.add_argument("--ig_steps", type=int, nargs="+", default=[1, 2, 4],
+                    help="attribution variants: integrated-gradient points, ends included (1: plain attribution)")
+    ap.add_argument("--refine", type=int, nargs="*", default=[30],
+                    help="refined variants: heads patched exactly after the two-run attribution (none: skip)")
     ap.add_argument("--repeats", type=int, default=3, help="timed repetitions of each attribution variant")
     ap.add_argument("--top", type=int, default=20, help="size of the top-k overlap")
     ap.add_argument("--naive_sample", type=int, default=18, help="patched forwards timed for the no-replay cost")
@@ -116,19 +122,24 @@ def main() -> None:
         t_naive = naive_exhaustive_seconds(model, batch, args.ablation, args.naive_sample)
     print(f"exhaustive patching without replay (one full forward per head, from {args.naive_sample}): {t_naive:.1f} s")
 
+    methods = {str(steps): (steps, lambda steps=steps: attribution_effects(model, batch, args.ablation, ig_steps=steps))
+               for steps in args.ig_steps}
+    methods |= {f"refined-{k}": (2, lambda k=k: refined_effects(model, batch, args.ablation, ig_steps=2, refine=k))
+                for k in args.refine}
     variants = {}
-    for steps in args.ig_steps:
+    for name, (steps, method) in methods.items():
         times, approx = [], None
         for _ in range(max(1, args.repeats)):
             t0 = time.perf_counter()
-            approx = attribution_effects(model, batch, args.ablation, ig_steps=steps).detach()
+            approx = method().detach()
             times.append(time.perf_counter() - t0)
         seconds = statistics.median(times)
-        variants[str(steps)] = {"ig_steps": steps, "seconds": seconds, "speedup": t_exact / seconds,
-                                "speedup_vs_naive": t_naive / seconds,
-                                **agreement(exact, approx, args.top), "effects": approx.tolist()}
-        v = variants[str(steps)]
-        print(f"ig_steps={steps:>3}: {seconds:6.2f} s ({v['speedup']:.0f}x faster; {v['speedup_vs_naive']:.0f}x than "
+        variants[name] = {"ig_steps": steps, "refine": int(name.split("-")[1]) if name.startswith("refined") else None,
+                          "seconds": seconds, "speedup": t_exact / seconds, "speedup_vs_naive": t_naive / seconds,
+                          **agreement(exact, approx, args.top), "effects": approx.tolist()}
+        v = variants[name]
+        label = f"ig_steps={steps}" if v["refine"] is None else f"refined (ig_steps=2, {v['refine']} exact)"
+        print(f"{label:>28}: {seconds:6.2f} s ({v['speedup']:.0f}x faster; {v['speedup_vs_naive']:.0f}x than "
               f"without replay), Pearson {v['pearson']:.3f}, "
               f"Spearman {v['spearman']:.3f}, |e| Pearson {v['pearson_abs']:.3f}, "
               f"top-{args.top} overlap {v[f'top{args.top}_overlap']}")

@@ -55,7 +55,8 @@ def heads(
     models: list[str] = ("smollm2-135m-instruct",),
     tasks: list[str] | None = None,
     ranking: str = "exhaustive",
-    ig_steps: int = 1,
+    ig_steps: int | None = None,
+    refine: int = 30,
     definition: str = "effect_share",
     ablation_kind: str | None = None,
     limit: int | None = 48,
@@ -85,8 +86,13 @@ def heads(
         models: Model references (alias, .gguf, HF folder, hub id) or training run folders (a sparse
             head-gated run is evaluated with its gates); the first one is the base model.
         tasks: Built-in behaviours (or .jsonl files); curve tasks need a ``wrong`` answer per item.
-        ranking: Head ranking for ``--curve``: exhaustive (L·H patched forwards) or attribution (gradients).
-        ig_steps: Integrated-gradient steps of attribution ranking (1: plain attribution patching).
+        ranking: Head ranking for ``--curve``: exhaustive (L·H patched forwards), attribution (gradients) or
+            refined (gradients on the clean and the counterfactual run, then exact patching of the top
+            ``refine`` heads of the second half of the layers: close to exhaustive at a few forwards' cost).
+        ig_steps: Integrated-gradient points of attribution and refined ranking, ends included (default 1 for
+            attribution: plain attribution patching; 2 for refined: the clean and the ablated run).
+        refine: Refined ranking: how many of the top-scored heads to patch exactly (those in the second half
+            of the layers).
         definition: The plotted definition of ``--curve``: effect_share or faithfulness (both go to JSON).
         ablation_kind: counterfactual (default of ``--curve``), mean (default of ``--ablation``) or zero.
         limit: Items per task (and per split for ``--ablation``); default 48.
@@ -113,19 +119,20 @@ def heads(
     mode = "curve" if curve else "ablation"
     out_dir = Path(out or Path("outputs") / "heads" / f"{mode}-{_slug('+'.join(_labels(models)))}")
     if curve:
-        return _curve(models, list(tasks or CURVE_TASKS), ranking, ig_steps, definition,
+        return _curve(models, list(tasks or CURVE_TASKS), ranking, ig_steps, refine, definition,
                       ablation_kind or "counterfactual", limit, split, 0.9 if threshold is None else threshold,
                       seed, out_dir)
     return _ablation(models, list(tasks or ABLATION_TASKS), ablation_kind or "mean", limit, split, classify_split,
                      0.02 if threshold is None else threshold, max_heads, categories, band, seed, out_dir)
 
 
-def _curve(models, tasks, ranking, ig_steps, definition, ablation_kind, limit, split, threshold, seed, out_dir) -> dict:
+def _curve(models, tasks, ranking, ig_steps, refine, definition, ablation_kind, limit, split, threshold, seed,
+           out_dir) -> dict:
     import gc
 
     from modular import ModularError
     from modular.heads.curves import multiplier, plot_efficiency_curves
-    from modular.heads.efficiency import DEFINITIONS, RANKINGS, task_curves
+    from modular.heads.efficiency import DEFAULT_IG_STEPS, DEFINITIONS, RANKINGS, task_curves
     from modular.heads.loading import load_head_model
     from modular.heads.ranking import ABLATIONS
     from modular.tracking import log_to_wandb, write_json
@@ -136,8 +143,12 @@ def _curve(models, tasks, ranking, ig_steps, definition, ablation_kind, limit, s
         raise ModularError(f"unknown ranking '{ranking}': use one of {RANKINGS}")
     if ablation_kind not in ABLATIONS:
         raise ModularError(f"unknown ablation kind '{ablation_kind}': use one of {ABLATIONS}")
-    if ig_steps < 1:
+    if ig_steps is not None and ig_steps < 1:
         raise ModularError("ig_steps must be ≥ 1")
+    if refine < 0:
+        raise ModularError("refine must be ≥ 0")
+    ig_steps = (ig_steps or DEFAULT_IG_STEPS[ranking]) if ranking in DEFAULT_IG_STEPS else None
+    refine = refine if ranking == "refined" else None
     from modular.data import neutral_text
     from modular.evaluation.retain import perplexity
 
@@ -153,7 +164,8 @@ def _curve(models, tasks, ranking, ig_steps, definition, ablation_kind, limit, s
         for task in tasks:
             ds = _items(task, split, tokenizer, seed, limit)
             try:
-                r = task_curves(model, tokenizer, ds, ranking, ablation_kind, ig_steps, threshold, name=f"{label}/{task}")
+                r = task_curves(model, tokenizer, ds, ranking, ablation_kind, ig_steps, threshold, name=f"{label}/{task}",
+                                refine=refine or 0)
             except ValueError as err:  # e.g. every head effect is zero: the curve is undefined
                 raise ModularError(f"{label}/{task}: {err}") from err
             results[task][label] = r
@@ -169,14 +181,15 @@ def _curve(models, tasks, ranking, ig_steps, definition, ablation_kind, limit, s
     panels = {task: {label: results[task][label][definition] for label in labels} for task in tasks}
     fig, drawn = plot_efficiency_curves(out_dir / "heads.png", panels, DEFINITION_TITLES[definition],
                                         subtitle=f"ablation: {ablation_kind}; ranking: {ranking}"
-                                        + (f" (ig_steps={ig_steps})" if ranking == "attribution" else "")
+                                        + (f" (ig_steps={ig_steps})" if ig_steps else "")
+                                        + (f", {refine} heads patched exactly" if refine else "")
                                         + f"; {limit or 'all'} items per task",
                                         threshold=threshold)
     summary = {task: {label: {d: {"needed": results[task][label][d]["needed"], "auc": results[task][label][d]["auc"]}
                               for d in DEFINITIONS} for label in labels} for task in tasks}
     report = {
         "models": dict(zip(labels, models)), "base": base, "tasks": tasks, "split": split, "limit": limit,
-        "seed": seed, "ranking": ranking, "ig_steps": ig_steps if ranking == "attribution" else None,
+        "seed": seed, "ranking": ranking, "ig_steps": ig_steps, "refine": refine,
         "ablation": ablation_kind, "threshold": threshold, "plotted_definition": definition,
         "summary": summary, "multipliers": multipliers,
         "perplexity": {label: {"neutral_test": ppl[label], "ratio_to_base": ppl[label] / ppl[base]} for label in labels},
@@ -185,7 +198,7 @@ def _curve(models, tasks, ranking, ig_steps, definition, ablation_kind, limit, s
     write_json(out_dir / "heads.json", report)
     log_to_wandb(out_dir, "evaluate-heads-curve", {"summary": summary, "multipliers": multipliers,
                                                    "perplexity": report["perplexity"]},
-                 config={k: report[k] for k in ("models", "tasks", "split", "limit", "seed", "ranking", "ig_steps",
+                 config={k: report[k] for k in ("models", "tasks", "split", "limit", "seed", "ranking", "ig_steps", "refine",
                                                 "ablation", "threshold", "plotted_definition")},
                  figures={"heads": fig})
     log.info("wrote %s and %s", out_dir / "heads.json", fig)

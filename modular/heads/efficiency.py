@@ -2,7 +2,8 @@
 
 :func:`task_curves` builds the clean / counterfactual batch of a logit-difference task (IOI,
 IOI-long, Greater-Than, Docstring, or any behaviour with ``wrong`` answers), ranks the heads by
-exhaustive single-head patching or by attribution patching (:mod:`modular.heads.ranking`), and
+exhaustive single-head patching, by attribution patching or by attribution refined with exact patching
+of the top late heads (:mod:`modular.heads.ranking`), and
 computes the effect share over every k and the faithfulness (keep the top-k heads, ablate the rest)
 on a grid of k (:mod:`modular.heads.curves`). The ablation kind is recorded with every curve.
 """
@@ -31,12 +32,15 @@ from modular.heads.ranking import (
     exhaustive_effects,
     last_position_logits,
     logit_diff,
+    refined_effects,
     task_batch,
 )
 from modular.hooks import replace_heads
 from modular.models.adapter import ArchitectureAdapter
 
-RANKINGS = ("exhaustive", "attribution")
+RANKINGS = ("exhaustive", "attribution", "refined")
+DEFAULT_IG_STEPS = {"attribution": 1, "refined": 2}  # refined: the gradients on the clean and the counterfactual run
+DEFAULT_REFINE = 30
 DEFINITIONS = ("effect_share", "faithfulness")
 
 
@@ -65,12 +69,17 @@ def check_task(dataset, ablation: str, name: str = "task") -> None:
 
 
 def rank_heads(model, batch: dict, ranking: str = "exhaustive", ablation: str = "counterfactual",
-               ig_steps: int = 1) -> torch.Tensor:
-    """Per-head effects e[l, h] (metric change when head h of layer l alone is ablated), (n_layers, n_heads)."""
+               ig_steps: int | None = None, refine: int = DEFAULT_REFINE) -> torch.Tensor:
+    """Per-head effects e[l, h] (metric change when head h of layer l alone is ablated), (n_layers, n_heads).
+
+    ``ig_steps`` (attribution and refined; default :data:`DEFAULT_IG_STEPS`) and ``refine`` (refined: heads
+    patched exactly) are ignored by exhaustive ranking."""
     if ranking == "exhaustive":
         return exhaustive_effects(model, batch, ablation)
     if ranking == "attribution":
-        return attribution_effects(model, batch, ablation, ig_steps=ig_steps).detach()
+        return attribution_effects(model, batch, ablation, ig_steps=ig_steps or DEFAULT_IG_STEPS[ranking]).detach()
+    if ranking == "refined":
+        return refined_effects(model, batch, ablation, ig_steps=ig_steps or DEFAULT_IG_STEPS[ranking], refine=refine)
     raise ModularError(f"unknown ranking '{ranking}': use one of {RANKINGS}")
 
 
@@ -94,13 +103,15 @@ def _summarise(values: list[float], ks: list[int], n: int, threshold: float) -> 
 
 
 def task_curves(model, tokenizer, dataset, ranking: str = "exhaustive", ablation: str = "counterfactual",
-                ig_steps: int = 1, threshold: float = THRESHOLD, name: str = "task") -> dict:
+                ig_steps: int | None = None, threshold: float = THRESHOLD, name: str = "task",
+                refine: int = DEFAULT_REFINE) -> dict:
     """Rank the heads of ``model`` on ``dataset`` and compute both explained-effect curves.
 
     Returns a JSON-ready dict: ``effects`` (n_layers × n_heads), ``order`` (heads, most important
     first), ``effect_share`` (every k = 0..N) and ``faithfulness`` (k on :func:`k_grid`), each with
     ``ks``, ``values``, ``needed`` (smallest k reaching ``threshold``) and ``auc`` (x = k / N), plus the
-    clean metric, the ranking method, ``ig_steps``, the ablation kind and the seconds each part took.
+    clean metric, the ranking method, ``ig_steps`` and ``refine`` (where the ranking uses them), the ablation
+    kind and the seconds each part took.
     """
     if ablation not in ABLATIONS:
         raise ModularError(f"unknown ablation '{ablation}': use one of {ABLATIONS}")
@@ -111,7 +122,7 @@ def task_curves(model, tokenizer, dataset, ranking: str = "exhaustive", ablation
     n = adapter.n_layers * adapter.n_heads
 
     t0 = time.perf_counter()
-    effects = rank_heads(model, batch, ranking, ablation, ig_steps).float().cpu()
+    effects = rank_heads(model, batch, ranking, ablation, ig_steps, refine).float().cpu()
     t_rank = time.perf_counter() - t0
     order = ranking_from_effects(effects)
 
@@ -133,7 +144,8 @@ def task_curves(model, tokenizer, dataset, ranking: str = "exhaustive", ablation
         "n_items": len(dataset),
         "n_heads": n,
         "ranking": ranking,
-        "ig_steps": ig_steps if ranking == "attribution" else None,
+        "ig_steps": (ig_steps or DEFAULT_IG_STEPS[ranking]) if ranking in DEFAULT_IG_STEPS else None,
+        "refine": refine if ranking == "refined" else None,
         "ablation": ablation,
         "threshold": threshold,
         "clean_metric": faith["m_all"],

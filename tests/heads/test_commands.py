@@ -83,6 +83,17 @@ def test_curve_command_attribution_mean(folders, monkeypatch):
     assert report["multipliers"]["greater_than"] == {}
 
 
+def test_curve_command_refined_defaults_to_the_two_run_gradients(folders, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    out = folders["root"] / "curve_refined"
+    rc = _run(["heads", "--curve=true", f"--models=[{folders['llama']}]", "--tasks=[greater_than]", "--limit=5",
+               "--ranking=refined", "--refine=3", f"--out={out}"])
+    assert rc == 0
+    report = json.loads((out / "heads.json").read_text())
+    assert report["ranking"] == "refined" and report["ig_steps"] == 2 and report["refine"] == 3
+    assert _run(["heads", "--curve=true", f"--models=[{folders['llama']}]", "--ranking=refined", "--refine=-1"]) == 2
+
+
 def test_ablation_command_writes_json_and_grid(folders, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "disabled")
     out = folders["root"] / "ablation"

@@ -28,7 +28,7 @@ def test_k_grid():
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "gemma3_text"])
-@pytest.mark.parametrize("ranking", ["exhaustive", "attribution"])
+@pytest.mark.parametrize("ranking", ["exhaustive", "attribution", "refined"])
 def test_task_curves_end_points(tiny_model, tok, items, arch, ranking):
     r = task_curves(tiny_model, tok, items, ranking=ranking, ablation="counterfactual", ig_steps=2)
     n = r["n_heads"]
@@ -39,7 +39,8 @@ def test_task_curves_end_points(tiny_model, tok, items, arch, ranking):
     assert share["needed"] is not None and 0 < share["needed"] <= n
     assert 0 < share["auc"] < 1
     assert r["ablation"] == "counterfactual" and r["ranking"] == ranking
-    assert r["ig_steps"] == (2 if ranking == "attribution" else None)
+    assert r["ig_steps"] == (None if ranking == "exhaustive" else 2)
+    assert r["refine"] == (30 if ranking == "refined" else None)
     # every head kept is the clean model
     batch = task_batch(tok, items)
     with torch.no_grad():

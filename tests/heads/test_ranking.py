@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from modular.heads.ranking import attribution_effects, exhaustive_effects
+from modular.heads.ranking import attribution_effects, exhaustive_effects, path_points, refined_effects
 from tests.conftest import VOCAB
 
 
@@ -103,3 +103,60 @@ def test_integrated_gradients_on_the_embedding_path_sums_to_the_total_effect(arc
     # not exact (embeddings and residual paths also move along the input path), but the same sign and scale
     total = scores.sum().item()
     assert total * (patched - clean).item() > 0
+
+
+def test_path_points_include_both_ends_with_trapezoid_weights():
+    assert path_points(1) == ([0.0], [1.0])
+    assert path_points(2) == ([0.0, 1.0], [0.5, 0.5])
+    alphas, weights = path_points(5)
+    assert alphas == [0.0, 0.25, 0.5, 0.75, 1.0] and weights == [0.125, 0.25, 0.25, 0.25, 0.125]
+    assert sum(weights) == pytest.approx(1)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "gemma3_text", "qwen2"])
+@pytest.mark.parametrize("ablation", ["counterfactual", "mean"])
+def test_refined_ranking_is_exact_on_its_heads_and_attribution_elsewhere(tiny_model, arch, ablation):
+    """Every head of the second half of the layers patched exactly equals exhaustive patching there (so the
+    ablation values and the replayed clean blocks taken from the gradient runs are right); the first half
+    keeps the attribution scores."""
+    batch = _batch(seed=7)
+    exact = exhaustive_effects(tiny_model, batch, ablation)
+    n_layers, n_heads = exact.shape
+    scores = attribution_effects(tiny_model, batch, ablation, ig_steps=2)
+    refined = refined_effects(tiny_model, batch, ablation, ig_steps=2, refine=n_layers * n_heads)
+    half = n_layers // 2
+    torch.testing.assert_close(refined[half:], exact[half:], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(refined[:half], scores[:half].detach(), atol=1e-6, rtol=1e-5)
+    assert not torch.allclose(scores[half:], exact[half:], atol=1e-5)  # the exact patching changed something
+    # only the top-k by |score| are patched
+    top = refined_effects(tiny_model, batch, ablation, ig_steps=2, refine=1)
+    flat = scores.detach().abs().flatten()
+    best = int(torch.argmax(flat))
+    changed = (top - scores.detach()).abs().flatten() > 1e-6
+    assert changed.sum() <= 1 and (not changed.any() or changed[best])
+
+
+def test_two_run_attribution_averages_the_gradients_on_the_clean_and_the_counterfactual_run():
+    """ig_steps = 2 on aligned counterfactual prompts: ½ (g_clean + g_cf) · (z_cf − z_clean), with g_cf the
+    gradient on the counterfactual run itself (not an interpolation of embeddings)."""
+    from modular.heads.ranking import ablation_values, last_position_logits, logit_diff, offset_heads
+    from modular.hooks import capture_head_inputs
+    from modular.models.adapter import ArchitectureAdapter
+    from tests.conftest import make_tiny_model
+
+    model = make_tiny_model("llama").double()
+    batch = _batch(seed=8)
+    adapter = ArchitectureAdapter(model)
+    with torch.no_grad(), capture_head_inputs(adapter) as z:
+        model(**batch["clean"])
+    cf = ablation_values(model, batch, "counterfactual")
+
+    def grads(inputs):
+        eps = {i: torch.zeros_like(z[i], requires_grad=True) for i in z}
+        with offset_heads(adapter, eps):
+            m = logit_diff(last_position_logits(model, inputs), batch["good"], batch["bad"])
+        return dict(zip(eps, torch.autograd.grad(m, list(eps.values()))))
+
+    g0, g1 = grads(batch["clean"]), grads(batch["counterfactual"])
+    expected = torch.stack([((cf[i] - z[i]) * (g0[i] + g1[i]) / 2).sum(dim=(0, 1, 3)) for i in sorted(z)])
+    torch.testing.assert_close(attribution_effects(model, batch, "counterfactual", ig_steps=2), expected)
