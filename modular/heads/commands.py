@@ -56,7 +56,7 @@ def heads(
     tasks: list[str] | None = None,
     ranking: str = "exhaustive",
     ig_steps: int | None = None,
-    refine: int = 30,
+    refine: int = 20,
     definition: str = "effect_share",
     ablation_kind: str | None = None,
     limit: int | None = 48,
@@ -91,8 +91,8 @@ def heads(
             ``refine`` heads of the second half of the layers: close to exhaustive at a few forwards' cost).
         ig_steps: Integrated-gradient points of attribution and refined ranking, ends included (default 1 for
             attribution: plain attribution patching; 2 for refined: the clean and the ablated run).
-        refine: Refined ranking: how many of the top-scored heads to patch exactly (those in the second half
-            of the layers).
+        refine: Refined ranking: how many heads of the second half of the layers (the top-scored there) to
+            patch exactly.
         definition: The plotted definition of ``--curve``: effect_share or faithfulness (both go to JSON).
         ablation_kind: counterfactual (default of ``--curve``), mean (default of ``--ablation``) or zero.
         limit: Items per task (and per split for ``--ablation``); default 48.

@@ -213,9 +213,9 @@ def attribution_effects(model, batch: dict, ablation: str = "counterfactual", ig
 
 
 def refined_effects(model, batch: dict, ablation: str = "counterfactual", ig_steps: int = 2,
-                    refine: int = 30) -> torch.Tensor:
+                    refine: int = 20) -> torch.Tensor:
     """Attribution scores (:func:`attribution_effects`), then exact single-head patching of the ``refine``
-    heads with the largest |score| that lie in the second half of the layers.
+    heads of the second half of the layers with the largest |score| there.
 
     A patched forward there costs at most half a full one (the blocks before the head replay the clean run),
     and those heads act through few later blocks, so exact patching fixes the large late effects that a
@@ -225,8 +225,9 @@ def refined_effects(model, batch: dict, ablation: str = "counterfactual", ig_ste
     adapter = ArchitectureAdapter(model)
     scores, values, outputs, clean = _attribution(model, batch, ablation, ig_steps)
     scores = scores.detach().clone()
-    order = torch.argsort(scores.abs().flatten(), descending=True).tolist()
-    picked = [divmod(i, adapter.n_heads) for i in order[:refine] if i // adapter.n_heads >= adapter.n_layers // 2]
+    half = adapter.n_layers // 2
+    order = torch.argsort(scores[half:].abs().flatten(), descending=True)[:refine].tolist()
+    picked = [(half + i // adapter.n_heads, i % adapter.n_heads) for i in order]
     for (layer, head), e in patched_effects(model, batch, picked, values, outputs, clean).items():
         scores[layer, head] = e
     return scores
