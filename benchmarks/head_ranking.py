@@ -4,8 +4,9 @@ exact patching of the top late heads) against exhaustive single-head activation 
 one run on the same batch.
 
 For each ``ig_steps`` (attribution) and each ``refine`` (refined ranking: the gradients on the clean and
-the counterfactual run, then exact patching of the ``refine`` top-scored heads of the second half of the layers)
-the scores are compared with the exhaustive effects over all heads: Pearson and Spearman correlation of the signed effects, Pearson of |e|, overlap of the top-20
+the counterfactual run, then exact patching of the ``refine`` top-scored heads of the second half of the
+layers) the scores are compared with the exhaustive effects over all heads: Pearson and Spearman correlation
+of the signed effects, Pearson of |e|, overlap of the top-20
 heads by |e|, and the speed ratio (exhaustive seconds / attribution seconds, median of ``--repeats``),
 against this package's exhaustive patching (which replays the blocks before the patched layer) and
 against plain exhaustive patching (one full forward per head; its cost is extrapolated from
@@ -13,7 +14,7 @@ against plain exhaustive patching (one full forward per head; its cost is extrap
 Targets: Pearson ≥ 0.9, top-20 overlap ≥ 15, ≥ 20× faster.
 
 Usage: python benchmarks/head_ranking.py [--model smollm2-135m-instruct] [--task ioi] [--limit 48]
-       [--ablation counterfactual] [--ig_steps 1 2 4] [--refine 20] [--out outputs/benchmarks]
+       [--ablation counterfactual] [--ig_steps 1 2 4] [--refine 15] [--out outputs/benchmarks]
 Writes head_ranking.json.
 """
 
@@ -86,7 +87,7 @@ def main() -> None:
     ap.add_argument("--ablation", default="counterfactual", choices=["counterfactual", "mean", "zero"])
     ap.add_argument("--ig_steps", type=int, nargs="+", default=[1, 2, 4],
                     help="attribution variants: integrated-gradient points, ends included (1: plain attribution)")
-    ap.add_argument("--refine", type=int, nargs="*", default=[20],
+    ap.add_argument("--refine", type=int, nargs="*", default=[15],
                     help="refined variants: heads patched exactly after the two-run attribution (none: skip)")
     ap.add_argument("--repeats", type=int, default=3, help="timed repetitions of each attribution variant")
     ap.add_argument("--top", type=int, default=20, help="size of the top-k overlap")

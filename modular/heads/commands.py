@@ -56,7 +56,7 @@ def heads(
     tasks: list[str] | None = None,
     ranking: str = "exhaustive",
     ig_steps: int | None = None,
-    refine: int = 20,
+    refine: int = 15,
     definition: str = "effect_share",
     ablation_kind: str | None = None,
     limit: int | None = 48,
@@ -164,8 +164,8 @@ def _curve(models, tasks, ranking, ig_steps, refine, definition, ablation_kind, 
         for task in tasks:
             ds = _items(task, split, tokenizer, seed, limit)
             try:
-                r = task_curves(model, tokenizer, ds, ranking, ablation_kind, ig_steps, threshold, name=f"{label}/{task}",
-                                refine=refine or 0)
+                r = task_curves(model, tokenizer, ds, ranking, ablation_kind, ig_steps, threshold,
+                                name=f"{label}/{task}", refine=refine or 0)
             except ValueError as err:  # e.g. every head effect is zero: the curve is undefined
                 raise ModularError(f"{label}/{task}: {err}") from err
             results[task][label] = r
@@ -198,8 +198,8 @@ def _curve(models, tasks, ranking, ig_steps, refine, definition, ablation_kind, 
     write_json(out_dir / "heads.json", report)
     log_to_wandb(out_dir, "evaluate-heads-curve", {"summary": summary, "multipliers": multipliers,
                                                    "perplexity": report["perplexity"]},
-                 config={k: report[k] for k in ("models", "tasks", "split", "limit", "seed", "ranking", "ig_steps", "refine",
-                                                "ablation", "threshold", "plotted_definition")},
+                 config={k: report[k] for k in ("models", "tasks", "split", "limit", "seed", "ranking", "ig_steps",
+                                                "refine", "ablation", "threshold", "plotted_definition")},
                  figures={"heads": fig})
     log.info("wrote %s and %s", out_dir / "heads.json", fig)
     return report

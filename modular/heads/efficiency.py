@@ -40,7 +40,7 @@ from modular.models.adapter import ArchitectureAdapter
 
 RANKINGS = ("exhaustive", "attribution", "refined")
 DEFAULT_IG_STEPS = {"attribution": 1, "refined": 2}  # refined: the gradients on the clean and the counterfactual run
-DEFAULT_REFINE = 20
+DEFAULT_REFINE = 15
 DEFINITIONS = ("effect_share", "faithfulness")
 
 

@@ -213,7 +213,7 @@ def attribution_effects(model, batch: dict, ablation: str = "counterfactual", ig
 
 
 def refined_effects(model, batch: dict, ablation: str = "counterfactual", ig_steps: int = 2,
-                    refine: int = 20) -> torch.Tensor:
+                    refine: int = 15) -> torch.Tensor:
     """Attribution scores (:func:`attribution_effects`), then exact single-head patching of the ``refine``
     heads of the second half of the layers with the largest |score| there.
 

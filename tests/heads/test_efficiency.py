@@ -40,7 +40,7 @@ def test_task_curves_end_points(tiny_model, tok, items, arch, ranking):
     assert 0 < share["auc"] < 1
     assert r["ablation"] == "counterfactual" and r["ranking"] == ranking
     assert r["ig_steps"] == (None if ranking == "exhaustive" else 2)
-    assert r["refine"] == (20 if ranking == "refined" else None)
+    assert r["refine"] == (15 if ranking == "refined" else None)
     # every head kept is the clean model
     batch = task_batch(tok, items)
     with torch.no_grad():
