@@ -123,19 +123,20 @@ def main() -> None:
         t_naive = naive_exhaustive_seconds(model, batch, args.ablation, args.naive_sample)
     print(f"exhaustive patching without replay (one full forward per head, from {args.naive_sample}): {t_naive:.1f} s")
 
-    methods = {str(steps): (steps, lambda steps=steps: attribution_effects(model, batch, args.ablation, ig_steps=steps))
+    methods = {str(steps): (steps, None, lambda steps=steps: attribution_effects(model, batch, args.ablation,
+                                                                                  ig_steps=steps))
                for steps in args.ig_steps}
-    methods |= {f"refined-{k}": (2, lambda k=k: refined_effects(model, batch, args.ablation, ig_steps=2, refine=k))
+    methods |= {f"refined-{k}": (2, k, lambda k=k: refined_effects(model, batch, args.ablation, ig_steps=2, refine=k))
                 for k in args.refine}
     variants = {}
-    for name, (steps, method) in methods.items():
+    for name, (steps, refine, method) in methods.items():
         times, approx = [], None
         for _ in range(max(1, args.repeats)):
             t0 = time.perf_counter()
             approx = method().detach()
             times.append(time.perf_counter() - t0)
         seconds = statistics.median(times)
-        variants[name] = {"ig_steps": steps, "refine": int(name.split("-")[1]) if name.startswith("refined") else None,
+        variants[name] = {"ig_steps": steps, "refine": refine,
                           "seconds": seconds, "speedup": t_exact / seconds, "speedup_vs_naive": t_naive / seconds,
                           **agreement(exact, approx, args.top), "effects": approx.tolist()}
         v = variants[name]

@@ -183,7 +183,8 @@ def scale_heads(adapter: ArchitectureAdapter, scales: Mapping[int, torch.Tensor]
         yield
 
 
-def _by_layer(heads: Iterable[Head]) -> dict[int, list[int]]:
+def heads_by_layer(heads: Iterable[Head]) -> dict[int, list[int]]:
+    """``{layer: [head, ...]}`` of ``(layer, head)`` pairs, in the order given."""
     out: dict[int, list[int]] = {}
     for layer, head in heads:
         out.setdefault(int(layer), []).append(int(head))
@@ -194,7 +195,7 @@ def _by_layer(heads: Iterable[Head]) -> dict[int, list[int]]:
 def zero_heads(adapter: ArchitectureAdapter, heads: Iterable[Head]) -> Iterator[None]:
     """Zero-ablate the listed ``(layer, head)`` pairs."""
     scales = {}
-    for layer, hs in _by_layer(heads).items():
+    for layer, hs in heads_by_layer(heads).items():
         s = torch.ones(adapter.n_heads)
         s[hs] = 0.0
         scales[layer] = s
@@ -213,7 +214,7 @@ def replace_heads(
     counterfactual prompts (same shape as the batch) give counterfactual patching.
     """
     hooks = []
-    for layer, hs in _by_layer(heads).items():
+    for layer, hs in heads_by_layer(heads).items():
         idx = torch.tensor(hs)
 
         def edit(z, idx=idx, v=values[layer]):

@@ -132,7 +132,7 @@ def _curve(models, tasks, ranking, ig_steps, refine, definition, ablation_kind, 
 
     from modular import ModularError
     from modular.heads.curves import multiplier, plot_efficiency_curves
-    from modular.heads.efficiency import DEFAULT_IG_STEPS, DEFINITIONS, RANKINGS, task_curves
+    from modular.heads.efficiency import DEFINITIONS, RANKINGS, ig_steps_for, task_curves
     from modular.heads.loading import load_head_model
     from modular.heads.ranking import ABLATIONS
     from modular.tracking import log_to_wandb, write_json
@@ -147,8 +147,7 @@ def _curve(models, tasks, ranking, ig_steps, refine, definition, ablation_kind, 
         raise ModularError("ig_steps must be ≥ 1")
     if refine < 0:
         raise ModularError("refine must be ≥ 0")
-    ig_steps = (ig_steps or DEFAULT_IG_STEPS[ranking]) if ranking in DEFAULT_IG_STEPS else None
-    refine = refine if ranking == "refined" else None
+    ig_steps = ig_steps_for(ranking, ig_steps)
     from modular.data import neutral_text
     from modular.evaluation.retain import perplexity
 
@@ -165,7 +164,7 @@ def _curve(models, tasks, ranking, ig_steps, refine, definition, ablation_kind, 
             ds = _items(task, split, tokenizer, seed, limit)
             try:
                 r = task_curves(model, tokenizer, ds, ranking, ablation_kind, ig_steps, threshold,
-                                name=f"{label}/{task}", refine=refine or 0)
+                                name=f"{label}/{task}", refine=refine)
             except ValueError as err:  # e.g. every head effect is zero: the curve is undefined
                 raise ModularError(f"{label}/{task}: {err}") from err
             results[task][label] = r
@@ -182,14 +181,14 @@ def _curve(models, tasks, ranking, ig_steps, refine, definition, ablation_kind, 
     fig, drawn = plot_efficiency_curves(out_dir / "heads.png", panels, DEFINITION_TITLES[definition],
                                         subtitle=f"ablation: {ablation_kind}; ranking: {ranking}"
                                         + (f" (ig_steps={ig_steps})" if ig_steps else "")
-                                        + (f", {refine} heads patched exactly" if refine else "")
+                                        + (f", {refine} heads patched exactly" if ranking == "refined" else "")
                                         + f"; {limit or 'all'} items per task",
                                         threshold=threshold)
     summary = {task: {label: {d: {"needed": results[task][label][d]["needed"], "auc": results[task][label][d]["auc"]}
                               for d in DEFINITIONS} for label in labels} for task in tasks}
     report = {
         "models": dict(zip(labels, models)), "base": base, "tasks": tasks, "split": split, "limit": limit,
-        "seed": seed, "ranking": ranking, "ig_steps": ig_steps, "refine": refine,
+        "seed": seed, "ranking": ranking, "ig_steps": ig_steps, "refine": refine if ranking == "refined" else None,
         "ablation": ablation_kind, "threshold": threshold, "plotted_definition": definition,
         "summary": summary, "multipliers": multipliers,
         "perplexity": {label: {"neutral_test": ppl[label], "ratio_to_base": ppl[label] / ppl[base]} for label in labels},

@@ -68,6 +68,11 @@ def check_task(dataset, ablation: str, name: str = "task") -> None:
                            "use --ablation_kind mean or zero")
 
 
+def ig_steps_for(ranking: str, ig_steps: int | None = None) -> int | None:
+    """The integrated-gradient points a ranking uses: ``ig_steps`` or its default; None for exhaustive ranking."""
+    return (ig_steps or DEFAULT_IG_STEPS[ranking]) if ranking in DEFAULT_IG_STEPS else None
+
+
 def rank_heads(model, batch: dict, ranking: str = "exhaustive", ablation: str = "counterfactual",
                ig_steps: int | None = None, refine: int = DEFAULT_REFINE) -> torch.Tensor:
     """Per-head effects e[l, h] (metric change when head h of layer l alone is ablated), (n_layers, n_heads).
@@ -77,9 +82,9 @@ def rank_heads(model, batch: dict, ranking: str = "exhaustive", ablation: str = 
     if ranking == "exhaustive":
         return exhaustive_effects(model, batch, ablation)
     if ranking == "attribution":
-        return attribution_effects(model, batch, ablation, ig_steps=ig_steps or DEFAULT_IG_STEPS[ranking]).detach()
+        return attribution_effects(model, batch, ablation, ig_steps=ig_steps_for(ranking, ig_steps))
     if ranking == "refined":
-        return refined_effects(model, batch, ablation, ig_steps=ig_steps or DEFAULT_IG_STEPS[ranking], refine=refine)
+        return refined_effects(model, batch, ablation, ig_steps=ig_steps_for(ranking, ig_steps), refine=refine)
     raise ModularError(f"unknown ranking '{ranking}': use one of {RANKINGS}")
 
 
@@ -144,7 +149,7 @@ def task_curves(model, tokenizer, dataset, ranking: str = "exhaustive", ablation
         "n_items": len(dataset),
         "n_heads": n,
         "ranking": ranking,
-        "ig_steps": (ig_steps or DEFAULT_IG_STEPS[ranking]) if ranking in DEFAULT_IG_STEPS else None,
+        "ig_steps": ig_steps_for(ranking, ig_steps),
         "refine": refine if ranking == "refined" else None,
         "ablation": ablation,
         "threshold": threshold,

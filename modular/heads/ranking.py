@@ -21,8 +21,8 @@ from tqdm.auto import tqdm
 
 from modular.data.formatting import batch_prompts
 from modular.evaluation.behaviour import first_token_ids
-from modular.hooks import (Head, capture_block_outputs, capture_head_inputs, registered, replace_heads,
-                           reuse_block_outputs, split_heads)
+from modular.hooks import (Head, capture_block_outputs, capture_head_inputs, heads_by_layer, registered,
+                           replace_heads, reuse_block_outputs, split_heads)
 from modular.models.adapter import ArchitectureAdapter
 
 ABLATIONS = ("counterfactual", "mean", "zero")
@@ -89,12 +89,9 @@ def patched_effects(model, batch: dict, heads: list[Head], values: dict[int, tor
     with ``reuse_prefix`` the blocks before the patched layer replay them instead of computing again.
     """
     adapter = ArchitectureAdapter(model)
-    by_layer: dict[int, list[int]] = {}
-    for layer, head in heads:
-        by_layer.setdefault(layer, []).append(head)
+    by_layer = heads_by_layer(heads)
     effects = {}
-    layers = sorted(by_layer)
-    for layer in tqdm(layers, desc=desc, leave=False, disable=desc is None):
+    for layer in tqdm(sorted(by_layer), desc=desc, leave=False, disable=desc is None):
         with reuse_block_outputs(adapter, clean_outputs, layer if reuse_prefix else 0):
             for head in by_layer[layer]:
                 with replace_heads(adapter, [(layer, head)], values):
@@ -224,7 +221,7 @@ def refined_effects(model, batch: dict, ablation: str = "counterfactual", ig_ste
     """
     adapter = ArchitectureAdapter(model)
     scores, values, outputs, clean = _attribution(model, batch, ablation, ig_steps)
-    scores = scores.detach().clone()
+    scores = scores.clone()
     half = adapter.n_layers // 2
     order = torch.argsort(scores[half:].abs().flatten(), descending=True)[:refine].tolist()
     picked = [(half + i // adapter.n_heads, i % adapter.n_heads) for i in order]
