@@ -73,6 +73,8 @@ def open_collate(pad_token_id: int):
 
     def collate(items: list[dict]) -> dict:
         out = {"open": _collate_part(base, items, "open")}
+        if "wrong_id" in items[0]:  # tasks: the competing answer's first token (-1: none), for margin terms
+            out["open"]["wrong_ids"] = torch.tensor([it["wrong_id"] for it in items], dtype=torch.long)
         if "counterfactual" in items[0]:  # same lengths row by row: the two batches align position by position
             out["counterfactual"] = _collate_part(base, items, "counterfactual")
         return out
@@ -263,6 +265,8 @@ class GatingDataModule(L.LightningDataModule):
     def _task_item(self, r: dict) -> dict:
         hp = self.hparams
         item = {"open": encode_example(self.tokenizer, r["prompt"], r["target"], r["chat"], hp.max_length)}
+        wrong = self.tokenizer(r.get("wrong") or "", add_special_tokens=False)["input_ids"]
+        item["wrong_id"] = wrong[0] if wrong else -1
         if hp.task_counterfactuals:
             if not r.get("counterfactual"):
                 from modular import ModularError

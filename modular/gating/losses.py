@@ -64,3 +64,24 @@ def response_logit_mse(logits: torch.Tensor, other: torch.Tensor, labels: torch.
     ids = b.detach().topk(min(k, b.shape[-1]), dim=-1).indices
     a, b = a.gather(-1, ids), b.gather(-1, ids)
     return ((a - a.mean(-1, keepdim=True)) - (b - b.mean(-1, keepdim=True))).pow(2).mean()
+
+
+def response_margin_mse(logits: torch.Tensor, other: torch.Tensor, labels: torch.Tensor,
+                        wrong_ids: torch.Tensor) -> torch.Tensor:
+    """Mean squared difference between ``logits`` and ``other`` of the margin logit(answer) − logit(wrong) at
+    each row's first response position: the quantity the head rankings measure (``modular.heads.ranking``),
+    matched directly rather than as one of many logit differences. The answer is the row's first response
+    token; rows whose ``wrong_ids`` entry is negative, or equals the answer, are skipped. Gradients reach
+    both sides."""
+    response = labels[:, 1:] != IGNORE
+    rows = torch.arange(labels.shape[0], device=labels.device)
+    idx = response.float().argmax(dim=1)  # the position that predicts the first response token
+    good = labels[rows, idx + 1]
+    keep = response.any(dim=1) & (wrong_ids >= 0) & (wrong_ids != good)
+    if not keep.any():
+        return logits.sum() * 0.0
+    rows, idx, good, bad = rows[keep], idx[keep], good[keep], wrong_ids[keep]
+    a, b = logits[rows, idx].float(), other[rows, idx].float()
+    margin_a = a[torch.arange(len(rows)), good] - a[torch.arange(len(rows)), bad]
+    margin_b = b[torch.arange(len(rows)), good] - b[torch.arange(len(rows)), bad]
+    return (margin_a - margin_b).pow(2).mean()

@@ -13,7 +13,8 @@ import torch
 
 from modular.data.formatting import IGNORE
 from modular.gating.data import TASK_PREFIX, per_behaviour
-from modular.gating.losses import first_token_kl, response_logit_mse, token_ce, topk_kl, unlikelihood
+from modular.gating.losses import (first_token_kl, response_logit_mse, response_margin_mse, token_ce, topk_kl,
+                                   unlikelihood)
 from modular.hooks import ablate_directions, add_vectors
 from modular.models.adapter import ArchitectureAdapter
 
@@ -26,16 +27,18 @@ def concat_left_padded(batches: list[dict], pad_token_id: int) -> dict:
     out: dict[str, list] = {}
     fills = {"input_ids": pad_token_id, "attention_mask": 0, "labels": IGNORE, "topk_ids": 0, "topk_logp": 0.0,
              "cf_input_ids": pad_token_id, "cf_attention_mask": 0}
-    templates = {k: b[k] for b in batches for k in ("topk_ids", "topk_logp", "first_logp") if k in b}
+    templates = {k: b[k] for b in batches for k in ("topk_ids", "topk_logp", "first_logp", "wrong_ids") if k in b}
     for b in batches:
         extra = n - b["input_ids"].shape[1]
         rows, width = b["input_ids"].shape
         for key, like in templates.items():  # pieces without reference tensors get empty ones
-            if key not in b:
+            if key == "wrong_ids" and key not in b:
+                b = {**b, key: like.new_full((rows,), -1)}  # no competing answer
+            elif key not in b:
                 shape = (rows, like.shape[-1]) if key == "first_logp" else (rows, width - 1, like.shape[-1])
                 b = {**b, key: like.new_zeros(shape)}
         for key, t in b.items():
-            if key == "first_logp":
+            if key in ("first_logp", "wrong_ids"):
                 pass  # one row per example, no sequence axis
             elif key in ("topk_ids", "topk_logp"):
                 t = torch.nn.functional.pad(t, (0, 0, extra, 0), value=fills[key])
@@ -126,6 +129,10 @@ class GatedLM(L.LightningModule):
             positions, so the closed heads' effect on the tasks' logit differences goes to zero in the published
             model, not only in the trained one. Applied once the gates are fixed (``gate_freeze_step``): before,
             its gradient would only open the gates. 0 disables.
+        gate_margin_weight: ``gate_scope: tasks``: weight of a second plain-vs-scoped term on the task items,
+            the squared difference of the margin logit(answer) − logit(wrong answer) at the first response
+            position: the very quantity the head rankings patch, so a closed head's effect on it is driven to
+            zero directly. Applied with the consistency term (once the gates are fixed). 0 disables.
     """
 
     def __init__(
@@ -164,6 +171,7 @@ class GatedLM(L.LightningModule):
         gate_scope: str = "all",
         gate_live_prob: float = 0.0,
         gate_consistency_weight: float = 0.0,
+        gate_margin_weight: float = 0.0,
     ):
         super().__init__()
         self.save_hyperparameters()
@@ -187,6 +195,9 @@ class GatedLM(L.LightningModule):
         if gate_consistency_weight < 0 or (gate_consistency_weight and gate_scope != "tasks"):
             raise ModularError("gate_consistency_weight must be >= 0 and needs gate_scope 'tasks', "
                                f"got {gate_consistency_weight} with gate_scope '{gate_scope}'")
+        if gate_margin_weight < 0 or (gate_margin_weight and gate_scope != "tasks"):
+            raise ModularError("gate_margin_weight must be >= 0 and needs gate_scope 'tasks', "
+                               f"got {gate_margin_weight} with gate_scope '{gate_scope}'")
         self.sparsity = make_sparsity(sparsity, sparsity_weight, lm_loss_target, multiplier_lr, multiplier_ema,
                                       multiplier_init)
         self.behaviours = list(behaviours)
@@ -342,13 +353,18 @@ class GatedLM(L.LightningModule):
             if task_group and self._consistency_on():
                 with self._scoped_gates(None):  # the plain run: every head its own input
                     plain = self.model(input_ids=merged["input_ids"], attention_mask=merged["attention_mask"]).logits
-                terms["tasks/consistency_mse"] = response_logit_mse(logits, plain, merged["labels"])
+                if hp.gate_consistency_weight:
+                    terms["tasks/consistency_mse"] = response_logit_mse(logits, plain, merged["labels"])
+                if hp.gate_margin_weight and "wrong_ids" in merged:
+                    terms["tasks/consistency_margin"] = response_margin_mse(logits, plain, merged["labels"],
+                                                                            merged["wrong_ids"])
         total = torch.zeros((), device=self.device)
         lm_loss = torch.zeros((), device=self.device)
         for name, value in terms.items():
             keeps_lm = name.startswith(("retain/", "lm/"))
             weight = (hp.retain_weight if keeps_lm else hp.task_weight if name.endswith("/task_ce")
-                      else hp.gate_consistency_weight if name == "tasks/consistency_mse" else 1.0)
+                      else hp.gate_consistency_weight if name == "tasks/consistency_mse"
+                      else hp.gate_margin_weight if name == "tasks/consistency_margin" else 1.0)
             if "/locked" in name:
                 weight *= hp.locked_weight
             total = total + weight * value
@@ -368,8 +384,8 @@ class GatedLM(L.LightningModule):
     def _consistency_on(self) -> bool:
         """The plain-vs-scoped consistency term runs: weighted, and the gates fixed (or never fixed)."""
         hp = self.hparams
-        return bool(hp.gate_consistency_weight) and (hp.gate_freeze_step is None
-                                                      or self.global_step >= hp.gate_freeze_step)
+        weighted = bool(hp.gate_consistency_weight or hp.gate_margin_weight)
+        return weighted and (hp.gate_freeze_step is None or self.global_step >= hp.gate_freeze_step)
 
     def _scoped_gates(self, merged: dict | None):
         """Gates off (``merged`` None), or on with each head's counterfactual input as what a closed gate lets in."""

@@ -112,3 +112,24 @@ def test_response_logit_mse_matches_logit_differences_only_at_response_positions
     changed[:, 2, other[0, 2].argmax()] += 3.0  # the top logit of a response position moves
     assert response_logit_mse(changed, other, labels) > 1e-3
     assert response_logit_mse(other, other, torch.full((2, 5), -100)) == 0
+
+
+def test_response_margin_mse_matches_the_answer_vs_wrong_margin_at_the_first_response_position():
+    from modular.gating.losses import response_margin_mse
+
+    g = torch.Generator().manual_seed(0)
+    other = torch.randn(3, 6, 20, generator=g)
+    labels = torch.full((3, 6), -100)
+    labels[0, 3:] = torch.tensor([4, 9, 9])  # row 0: position 2 predicts the answer 4
+    labels[1, 4:] = torch.tensor([5, 9])  # row 1: position 3 predicts the answer 5
+    labels[2, 4:] = torch.tensor([6, 9])
+    wrong = torch.tensor([11, 12, -1])  # row 2 has no competing answer
+    changed = other.clone()
+    changed[:, :, 9] += 7.0  # neither token of a margin: unmatched
+    changed[2, 3, 6] += 5.0  # row 2 is skipped
+    assert response_margin_mse(changed, other, labels, wrong) < 1e-10
+    changed[0, 2, 4] += 1.0  # row 0's margin up by 1
+    changed[1, 3, 12] += 2.0  # row 1's margin down by 2
+    changed[1, 4, 5] += 9.0  # a later response position: not matched
+    torch.testing.assert_close(response_margin_mse(changed, other, labels, wrong), torch.tensor((1.0 + 4.0) / 2))
+    assert response_margin_mse(changed, other, labels, torch.tensor([4, -1, 6])) == 0  # wrong == answer or none

@@ -373,3 +373,44 @@ def test_consistency_term_matches_plain_and_scoped_task_logits_once_gates_are_fi
                                atol=1e-6, rtol=1e-4)
     with pytest.raises(ModularError, match="gate_scope 'tasks'"):
         _sparse(model_dir, gate_consistency_weight=1.0)
+
+
+def test_margin_term_matches_plain_and_scoped_answer_margins_once_gates_are_fixed(tiny_folder):
+    """gate_margin_weight: logit(answer) - logit(wrong) at the first response position, plain vs scoped."""
+    from modular.gating.losses import response_margin_mse
+
+    model_dir = tiny_folder("llama")
+    dm = _data(model_dir, tasks=["ioi"], task_counterfactuals=True)  # one task: its rows are the group
+    dm.setup("fit")
+    batch = next(iter(dm.train_dataloader()))
+    batch = batch[0] if isinstance(batch, tuple) else batch
+    task = batch["task:ioi"]
+    wrong = [dm.tokenizer(r["wrong"], add_special_tokens=False)["input_ids"][0] for r in dm.task_data["ioi"]["train"]]
+    assert set(task["open"]["wrong_ids"].tolist()) <= set(wrong) and (task["open"]["wrong_ids"] >= 0).all()
+    # the tiny tokenizer starts every name with the same " " token, which the term skips: compete with another token
+    labels = task["open"]["labels"]
+    answer = labels[torch.arange(len(labels)), (labels[:, 1:] != -100).float().argmax(1) + 1]
+    task["open"]["wrong_ids"] = (answer + 1) % json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    module = _sparse(model_dir, gate_scope="tasks", gate_margin_weight=3.0, gate_freeze_step=5).eval()
+    with torch.no_grad():
+        assert "tasks/consistency_margin" not in module.model_step(batch, train=False)[1]  # before the freeze
+        module.hparams.gate_freeze_step = 0
+        _, open_terms = module.model_step(batch, train=False)
+        for g in head_gate_modules(module.hf_model):
+            g.fixed.fill_(0.0)
+        total, terms = module.model_step(batch, train=False)
+        with module._scoped_gates(None):
+            plain = module.model(input_ids=task["open"]["input_ids"], attention_mask=task["open"]["attention_mask"]).logits
+        with module._scoped_gates({"cf_input_ids": task["counterfactual"]["input_ids"],
+                                   "cf_attention_mask": task["counterfactual"]["attention_mask"]}):
+            scoped = module.model(input_ids=task["open"]["input_ids"],
+                                  attention_mask=task["open"]["attention_mask"]).logits
+    assert "tasks/consistency_mse" not in terms  # only the margin term is weighted
+    assert open_terms["tasks/consistency_margin"].abs() < 1e-9
+    expected = response_margin_mse(scoped, plain, task["open"]["labels"], task["open"]["wrong_ids"])
+    assert expected > 1e-6
+    torch.testing.assert_close(terms["tasks/consistency_margin"], expected, atol=1e-6, rtol=1e-4)
+    rest = sum(v for k, v in terms.items() if k.endswith(("_kl", "_ce")))
+    torch.testing.assert_close(total, rest + 3.0 * expected, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ModularError, match="gate_margin_weight"):
+        _sparse(model_dir, gate_margin_weight=1.0)
