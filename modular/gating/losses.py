@@ -40,13 +40,17 @@ def topk_kl(logits: torch.Tensor, labels: torch.Tensor, topk_ids: torch.Tensor, 
     return (kl * mask).sum() / mask.sum().clamp(min=1)
 
 
+def first_response_positions(labels: torch.Tensor) -> torch.Tensor:
+    """Per row, the position whose next token is the first response (labelled) token (0 for rows without one)."""
+    return (labels[:, 1:] != IGNORE).float().argmax(dim=1)
+
+
 def first_token_kl(logits: torch.Tensor, labels: torch.Tensor, first_logp: torch.Tensor) -> torch.Tensor:
     """Full-vocabulary KL(reference || model) at the first response position of each row.
 
     ``first_logp``: (batch, vocab) reference log-probabilities of the first response token.
     """
-    response = labels[:, 1:] != IGNORE
-    idx = response.float().argmax(dim=1)  # first position whose next token is a response token
+    idx = first_response_positions(labels)
     logp = torch.log_softmax(logits[torch.arange(len(idx)), idx].float(), -1)
     ref = first_logp.float()
     return (ref.exp() * (ref - logp)).sum(-1).mean()
@@ -73,15 +77,12 @@ def response_margin_mse(logits: torch.Tensor, other: torch.Tensor, labels: torch
     matched directly rather than as one of many logit differences. The answer is the row's first response
     token; rows whose ``wrong_ids`` entry is negative, or equals the answer, are skipped. Gradients reach
     both sides."""
-    response = labels[:, 1:] != IGNORE
     rows = torch.arange(labels.shape[0], device=labels.device)
-    idx = response.float().argmax(dim=1)  # the position that predicts the first response token
+    idx = first_response_positions(labels)
     good = labels[rows, idx + 1]
-    keep = response.any(dim=1) & (wrong_ids >= 0) & (wrong_ids != good)
+    keep = (labels[:, 1:] != IGNORE).any(dim=1) & (wrong_ids >= 0) & (wrong_ids != good)
     if not keep.any():
         return logits.sum() * 0.0
     rows, idx, good, bad = rows[keep], idx[keep], good[keep], wrong_ids[keep]
-    a, b = logits[rows, idx].float(), other[rows, idx].float()
-    margin_a = a[torch.arange(len(rows)), good] - a[torch.arange(len(rows)), bad]
-    margin_b = b[torch.arange(len(rows)), good] - b[torch.arange(len(rows)), bad]
-    return (margin_a - margin_b).pow(2).mean()
+    diff = (logits[rows, idx] - other[rows, idx]).float()  # the margins' difference is the difference's margin
+    return (diff.gather(-1, good[:, None]) - diff.gather(-1, bad[:, None])).pow(2).mean()
