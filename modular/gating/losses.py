@@ -86,3 +86,15 @@ def response_margin_mse(logits: torch.Tensor, other: torch.Tensor, labels: torch
     rows, idx, good, bad = rows[keep], idx[keep], good[keep], wrong_ids[keep]
     diff = (logits[rows, idx] - other[rows, idx]).float()  # the margins' difference is the difference's margin
     return (diff.gather(-1, good[:, None]) - diff.gather(-1, bad[:, None])).pow(2).mean()
+
+
+def interchange_kl(logits: torch.Tensor, cf_logits: torch.Tensor, labels: torch.Tensor,
+                   keep: torch.Tensor) -> torch.Tensor:
+    """Full-vocabulary KL(counterfactual || model) at the first response position of the rows in ``keep``: the
+    run under an interchange intervention (``logits``) should predict what the counterfactual run predicts
+    (``cf_logits``, no gradient; its rows align position by position with ``logits``)."""
+    if not keep.any():
+        return logits.sum() * 0.0
+    rows = torch.arange(labels.shape[0], device=labels.device)
+    ref = torch.log_softmax(cf_logits[rows, first_response_positions(labels)].detach().float(), -1)
+    return first_token_kl(logits[keep], labels[keep], ref[keep])

@@ -13,9 +13,10 @@ import torch
 
 from modular.data.formatting import IGNORE
 from modular.gating.data import TASK_PREFIX, per_behaviour
-from modular.gating.losses import (first_token_kl, response_logit_mse, response_margin_mse, token_ce, topk_kl,
-                                   unlikelihood)
-from modular.hooks import ablate_directions, add_vectors
+from modular.gating.losses import (first_token_kl, interchange_kl, response_logit_mse, response_margin_mse,
+                                   token_ce, topk_kl, unlikelihood)
+from modular.heads.gates import head_gate_scope
+from modular.hooks import ablate_directions, add_vectors, capture_head_inputs
 from modular.models.adapter import ArchitectureAdapter
 
 log = logging.getLogger("modular")
@@ -133,6 +134,13 @@ class GatedLM(L.LightningModule):
             the squared difference of the margin logit(answer) − logit(wrong answer) at the first response
             position: the very quantity the head rankings patch, so a closed head's effect on it is driven to
             zero directly. Applied with the consistency term (once the gates are fixed). 0 disables.
+        gate_interchange_weight: ``gate_scope: tasks``: weight of the interchange term (interchange intervention
+            training, Geiger et al. 2022). Once the gates are fixed, the task items also run with the roles
+            swapped: the open heads take their counterfactual input and the closed heads keep their own; that
+            run must predict what the plain model predicts on the counterfactual prompt (full-vocabulary
+            KL at the first response position). With the task CE of the scoped run (closed heads
+            counterfactual, the item's own answer) the answer then follows the open heads only, in both
+            directions. Items whose counterfactual is their own prompt are skipped. 0 disables.
     """
 
     def __init__(
@@ -172,6 +180,7 @@ class GatedLM(L.LightningModule):
         gate_live_prob: float = 0.0,
         gate_consistency_weight: float = 0.0,
         gate_margin_weight: float = 0.0,
+        gate_interchange_weight: float = 0.0,
     ):
         super().__init__()
         self.save_hyperparameters()
@@ -198,6 +207,9 @@ class GatedLM(L.LightningModule):
         if gate_margin_weight < 0 or (gate_margin_weight and gate_scope != "tasks"):
             raise ModularError("gate_margin_weight must be >= 0 and needs gate_scope 'tasks', "
                                f"got {gate_margin_weight} with gate_scope '{gate_scope}'")
+        if gate_interchange_weight < 0 or (gate_interchange_weight and gate_scope != "tasks"):
+            raise ModularError("gate_interchange_weight must be >= 0 and needs gate_scope 'tasks', "
+                               f"got {gate_interchange_weight} with gate_scope '{gate_scope}'")
         self.sparsity = make_sparsity(sparsity, sparsity_weight, lm_loss_target, multiplier_lr, multiplier_ema,
                                       multiplier_init)
         self.behaviours = list(behaviours)
@@ -335,11 +347,16 @@ class GatedLM(L.LightningModule):
         terms: dict[str, torch.Tensor] = {}
         for (ablated, _, task_group), items in groups.items():
             merged = concat_left_padded([p for p, _, _, _ in items], pad)
+            interchange = task_group and self._after_freeze(hp.gate_interchange_weight)
             with ExitStack() as stack:
                 if ablated:
                     stack.enter_context(ablate_directions(self.adapter, self.directions[sorted(ablated)]))
-                if scoped:
-                    stack.enter_context(self._scoped_gates(merged if task_group else None))
+                if task_group:
+                    cf_inputs, cf_logits = self._counterfactual_run(merged, full_logits=interchange)
+                    stack.enter_context(head_gate_scope(self.hf_model, replacements=cf_inputs,
+                                                        live_prob=hp.gate_live_prob))
+                elif scoped:
+                    stack.enter_context(head_gate_scope(self.hf_model, active=False))
                 vectors = self._row_vectors(items, merged["input_ids"].shape[0])
                 if vectors:  # steered pieces get their vector on their own rows only, in the shared forward
                     stack.enter_context(add_vectors(self.adapter, vectors))
@@ -350,8 +367,13 @@ class GatedLM(L.LightningModule):
                 sub = {key: v[row:row + n] for key, v in merged.items()}
                 terms[name] = self._loss_of(kind, logits[row:row + n], sub)
                 row += n
-            if task_group and self._consistency_on():
-                with self._scoped_gates(None):  # the plain run: every head its own input
+            if interchange:  # the roles swapped: open heads counterfactual, closed heads their own input
+                with head_gate_scope(self.hf_model, replacements=cf_inputs, invert=True):
+                    swapped = self.model(input_ids=merged["input_ids"], attention_mask=merged["attention_mask"]).logits
+                differs = (merged["cf_input_ids"] != merged["input_ids"]).any(dim=1)  # a counterfactual of its own
+                terms["tasks/interchange_kl"] = interchange_kl(swapped, cf_logits, merged["labels"], differs)
+            if task_group and self._after_freeze(hp.gate_consistency_weight or hp.gate_margin_weight):
+                with head_gate_scope(self.hf_model, active=False):  # the plain run: every head its own input
                     plain = self.model(input_ids=merged["input_ids"], attention_mask=merged["attention_mask"]).logits
                 if hp.gate_consistency_weight:
                     terms["tasks/consistency_mse"] = response_logit_mse(logits, plain, merged["labels"])
@@ -364,7 +386,8 @@ class GatedLM(L.LightningModule):
             keeps_lm = name.startswith(("retain/", "lm/"))
             weight = (hp.retain_weight if keeps_lm else hp.task_weight if name.endswith("/task_ce")
                       else hp.gate_consistency_weight if name == "tasks/consistency_mse"
-                      else hp.gate_margin_weight if name == "tasks/consistency_margin" else 1.0)
+                      else hp.gate_margin_weight if name == "tasks/consistency_margin"
+                      else hp.gate_interchange_weight if name == "tasks/interchange_kl" else 1.0)
             if "/locked" in name:
                 weight *= hp.locked_weight
             total = total + weight * value
@@ -381,25 +404,21 @@ class GatedLM(L.LightningModule):
                 total = self.sparsity(total, lm_loss, l0 / n_heads)
         return total, terms
 
-    def _consistency_on(self) -> bool:
-        """The plain-vs-scoped consistency term runs: weighted, and the gates fixed (or never fixed)."""
-        hp = self.hparams
-        weighted = bool(hp.gate_consistency_weight or hp.gate_margin_weight)
-        return weighted and (hp.gate_freeze_step is None or self.global_step >= hp.gate_freeze_step)
+    def _after_freeze(self, weight: float) -> bool:
+        """A term applied once the gates are fixed runs: weighted, and the gates fixed (or never fixed)."""
+        step = self.hparams.gate_freeze_step
+        return bool(weight) and (step is None or self.global_step >= step)
 
-    def _scoped_gates(self, merged: dict | None):
-        """Gates off (``merged`` None), or on with each head's counterfactual input as what a closed gate lets in."""
-        from modular.heads.gates import head_gate_scope
+    @torch.no_grad()
+    def _counterfactual_run(self, merged: dict, full_logits: bool) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+        """The plain model on the task items' counterfactual prompts: every head's input (what a closed gate
+        lets in), and the logits (every position with ``full_logits``, else the last one only)."""
         from modular.heads.ranking import last_position_logits
-        from modular.hooks import capture_head_inputs
 
-        if merged is None:
-            return head_gate_scope(self.hf_model, active=False)
-        with torch.no_grad(), head_gate_scope(self.hf_model, active=False), capture_head_inputs(self.adapter) as z:
-            # only the head inputs are needed: unembed one position, not the whole sequence
-            last_position_logits(self.model, {"input_ids": merged["cf_input_ids"],
-                                              "attention_mask": merged["cf_attention_mask"]})
-        return head_gate_scope(self.hf_model, replacements=dict(z), live_prob=self.hparams.gate_live_prob)
+        inputs = {"input_ids": merged["cf_input_ids"], "attention_mask": merged["cf_attention_mask"]}
+        with head_gate_scope(self.hf_model, active=False), capture_head_inputs(self.adapter) as z:
+            logits = self.model(**inputs).logits if full_logits else last_position_logits(self.model, inputs)
+        return dict(z), logits
 
     def _row_vectors(self, items: list, n_rows: int) -> dict[int, torch.Tensor]:
         """{block: (n_rows, d) vectors}: each steered piece's vector on its rows, zeros elsewhere."""

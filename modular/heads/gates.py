@@ -72,6 +72,7 @@ class GatedOutputProjection(nn.Module):
         self.active = True  # set by head_gate_scope only
         self.replacement: torch.Tensor | None = None  # (batch, seq, n_heads, head_dim): what a closed gate lets in
         self.live_prob = 0.0  # training: chance that a gate opens fully for one row (the replacement stays out)
+        self.invert = False  # set by head_gate_scope only: an open gate lets the replacement in, a closed one the input
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if not self.active:
@@ -83,7 +84,9 @@ class GatedOutputProjection(nn.Module):
             heads = heads * z
         else:
             r = self.replacement.to(dtype=x.dtype, device=x.device)
-            if self.training and self.live_prob > 0:  # per row and head: the head's own input now and then
+            if self.invert:
+                z = 1 - z
+            elif self.training and self.live_prob > 0:  # per row and head: the head's own input now and then
                 live = torch.rand(heads.shape[0], 1, self.n_heads, 1, device=x.device) < self.live_prob
                 z = z + (1 - z) * live.to(x.dtype)
             heads = heads * z + r * (1 - z)
@@ -108,25 +111,27 @@ def install_head_gates(model: nn.Module, **gate_kwargs) -> list[GatedOutputProje
 
 @contextmanager
 def head_gate_scope(model: nn.Module, active: bool = True, replacements: dict[int, torch.Tensor] | None = None,
-                    live_prob: float = 0.0):
+                    live_prob: float = 0.0, invert: bool = False):
     """Within the block, every installed gate is off (``active=False``: the plain model) or, with
     ``replacements`` (layer → ``(batch, seq, n_heads, head_dim)``), blends each head's input with the
     replacement by its gate instead of scaling it; in training mode ``live_prob`` opens a closed gate
-    fully for a random row now and then, so that what follows sees the head both ways. Restored on exit,
-    also after an error."""
+    fully for a random row now and then, so that what follows sees the head both ways. ``invert`` (with
+    ``replacements``) swaps the roles: open heads take the replacement and closed heads keep their own input
+    (``(1 − z)·x + z·r``, no ``live_prob``). Restored on exit, also after an error."""
     adapter = ArchitectureAdapter(model)
     wrappers = {i: adapter.attn_out(i) for i in range(adapter.n_layers)}
     wrappers = {i: w for i, w in wrappers.items() if isinstance(w, GatedOutputProjection)}
-    saved = {i: (w.active, w.replacement, w.live_prob) for i, w in wrappers.items()}
+    saved = {i: (w.active, w.replacement, w.live_prob, w.invert) for i, w in wrappers.items()}
     try:
         for i, w in wrappers.items():
             w.active = active
             w.replacement = replacements.get(i) if replacements is not None else None
             w.live_prob = live_prob if replacements is not None else 0.0
+            w.invert = invert and replacements is not None
         yield
     finally:
         for i, w in wrappers.items():
-            w.active, w.replacement, w.live_prob = saved[i]
+            w.active, w.replacement, w.live_prob, w.invert = saved[i]
 
 
 def remove_head_gates(model: nn.Module) -> None:

@@ -51,6 +51,26 @@ def _sparse(model_dir, **kw):
     return GatedLM(**args)
 
 
+def _counterfactual_batch(dm, key):
+    """The first training batch in which some of ``key``'s rows have a counterfactual other than their own prompt
+    (the tiny tokenizer encodes some counterfactuals to another length; those rows keep their own prompt)."""
+    for batch in dm.train_dataloader():
+        batch = batch[0] if isinstance(batch, tuple) else batch
+        if (batch[key]["counterfactual"]["input_ids"] != batch[key]["open"]["input_ids"]).any():
+            return batch
+    raise AssertionError(f"no {key} row with a counterfactual of its own")
+
+
+def _scoped_run(module, task):
+    """The task rows with closed heads fed their counterfactual input (the scoped run of the step)."""
+    from modular.heads.gates import head_gate_scope
+
+    cf_inputs, _ = module._counterfactual_run({"cf_input_ids": task["counterfactual"]["input_ids"],
+                                               "cf_attention_mask": task["counterfactual"]["attention_mask"]}, False)
+    with torch.no_grad(), head_gate_scope(module.hf_model, replacements=cf_inputs):
+        return module.model(input_ids=task["open"]["input_ids"], attention_mask=task["open"]["attention_mask"]).logits
+
+
 def _data(model_dir, **kw):
     args = dict(model_name=str(model_dir), behaviours=[], tasks=["ioi", "greater_than"], lm_text="neutral",
                 batch_size=4, max_length=64, lm_max_length=32, reference_max_new_tokens=4, reference_top_k=8)
@@ -347,8 +367,7 @@ def test_consistency_term_matches_plain_and_scoped_task_logits_once_gates_are_fi
     model_dir = tiny_folder("llama")
     dm = _data(model_dir, tasks=["greater_than"], task_counterfactuals=True)  # one task: its rows are the group
     dm.setup("fit")
-    batch = next(iter(dm.train_dataloader()))
-    batch = batch[0] if isinstance(batch, tuple) else batch
+    batch = _counterfactual_batch(dm, "task:greater_than")
     module = _sparse(model_dir, gate_scope="tasks", gate_consistency_weight=2.0, gate_freeze_step=5).eval()
     with torch.no_grad():
         assert "tasks/consistency_mse" not in module.model_step(batch, train=False)[1]  # step 0 < gate_freeze_step
@@ -365,9 +384,7 @@ def test_consistency_term_matches_plain_and_scoped_task_logits_once_gates_are_fi
     with torch.no_grad(), head_gate_scope(module.hf_model, active=False):
         plain = module.model(input_ids=task["open"]["input_ids"], attention_mask=task["open"]["attention_mask"]).logits
     # the term compares the scoped run with the plain run (every head its own input, not a closed head removed)
-    with torch.no_grad(), module._scoped_gates({"cf_input_ids": task["counterfactual"]["input_ids"],
-                                                "cf_attention_mask": task["counterfactual"]["attention_mask"]}):
-        scoped = module.model(input_ids=task["open"]["input_ids"], attention_mask=task["open"]["attention_mask"]).logits
+    scoped = _scoped_run(module, task)
     assert response_logit_mse(scoped, plain, task["open"]["labels"]) > 1e-6
     torch.testing.assert_close(terms["tasks/consistency_mse"], response_logit_mse(scoped, plain, task["open"]["labels"]),
                                atol=1e-6, rtol=1e-4)
@@ -378,12 +395,12 @@ def test_consistency_term_matches_plain_and_scoped_task_logits_once_gates_are_fi
 def test_margin_term_matches_plain_and_scoped_answer_margins_once_gates_are_fixed(tiny_folder):
     """gate_margin_weight: logit(answer) - logit(wrong) at the first response position, plain vs scoped."""
     from modular.gating.losses import response_margin_mse
+    from modular.heads.gates import head_gate_scope
 
     model_dir = tiny_folder("llama")
     dm = _data(model_dir, tasks=["ioi"], task_counterfactuals=True)  # one task: its rows are the group
     dm.setup("fit")
-    batch = next(iter(dm.train_dataloader()))
-    batch = batch[0] if isinstance(batch, tuple) else batch
+    batch = _counterfactual_batch(dm, "task:ioi")
     task = batch["task:ioi"]
     wrong = [dm.tokenizer(r["wrong"], add_special_tokens=False)["input_ids"][0] for r in dm.task_data["ioi"]["train"]]
     assert set(task["open"]["wrong_ids"].tolist()) <= set(wrong) and (task["open"]["wrong_ids"] >= 0).all()
@@ -399,12 +416,9 @@ def test_margin_term_matches_plain_and_scoped_answer_margins_once_gates_are_fixe
         for g in head_gate_modules(module.hf_model):
             g.fixed.fill_(0.0)
         total, terms = module.model_step(batch, train=False)
-        with module._scoped_gates(None):
+        with head_gate_scope(module.hf_model, active=False):
             plain = module.model(input_ids=task["open"]["input_ids"], attention_mask=task["open"]["attention_mask"]).logits
-        with module._scoped_gates({"cf_input_ids": task["counterfactual"]["input_ids"],
-                                   "cf_attention_mask": task["counterfactual"]["attention_mask"]}):
-            scoped = module.model(input_ids=task["open"]["input_ids"],
-                                  attention_mask=task["open"]["attention_mask"]).logits
+    scoped = _scoped_run(module, task)
     assert "tasks/consistency_mse" not in terms  # only the margin term is weighted
     assert open_terms["tasks/consistency_margin"].abs() < 1e-9
     expected = response_margin_mse(scoped, plain, task["open"]["labels"], task["open"]["wrong_ids"])
@@ -414,3 +428,48 @@ def test_margin_term_matches_plain_and_scoped_answer_margins_once_gates_are_fixe
     torch.testing.assert_close(total, rest + 3.0 * expected, atol=1e-5, rtol=1e-5)
     with pytest.raises(ModularError, match="gate_margin_weight"):
         _sparse(model_dir, gate_margin_weight=1.0)
+
+
+def test_interchange_term_matches_the_counterfactual_run_with_open_heads_swapped_once_gates_are_fixed(tiny_folder):
+    """gate_interchange_weight: with open heads counterfactual and closed heads their own input, the task rows
+    must predict the plain counterfactual run's first response token; rows without a counterfactual are skipped."""
+    from modular.gating.losses import first_token_kl
+    from modular.heads.gates import head_gate_scope
+
+    model_dir = tiny_folder("llama")
+    dm = _data(model_dir, tasks=["ioi"], task_counterfactuals=True)
+    dm.setup("fit")
+    batch = _counterfactual_batch(dm, "task:ioi")
+    task = batch["task:ioi"]
+    module = _sparse(model_dir, gate_scope="tasks", gate_interchange_weight=4.0, gate_freeze_step=5).eval()
+    closed = [(0, 1), (1, 0)]
+    with torch.no_grad():
+        assert "tasks/interchange_kl" not in module.model_step(batch, train=False)[1]  # before the freeze
+        module.hparams.gate_freeze_step = 0
+        for layer, h in closed:
+            head_gate_modules(module.hf_model)[layer].fixed[h] = 0.0
+        total, terms = module.model_step(batch, train=False)
+        cf_inputs, _ = module._counterfactual_run({"cf_input_ids": task["counterfactual"]["input_ids"],
+                                                   "cf_attention_mask": task["counterfactual"]["attention_mask"]}, False)
+        adapter = ArchitectureAdapter(module.hf_model)
+        everything = [(i, h) for i in range(adapter.n_layers) for h in range(adapter.n_heads)]
+        from modular.hooks import replace_heads
+
+        with head_gate_scope(module.hf_model, active=False), \
+                replace_heads(adapter, [hh for hh in everything if hh not in closed], cf_inputs):
+            swapped = module.model(input_ids=task["open"]["input_ids"],
+                                   attention_mask=task["open"]["attention_mask"]).logits
+        with head_gate_scope(module.hf_model, active=False):
+            cf = module.model(input_ids=task["counterfactual"]["input_ids"],
+                              attention_mask=task["counterfactual"]["attention_mask"]).logits
+    labels = task["open"]["labels"]
+    keep = (task["counterfactual"]["input_ids"] != task["open"]["input_ids"]).any(1)
+    idx = (labels[:, 1:] != -100).float().argmax(1)
+    ref = torch.log_softmax(cf[torch.arange(len(idx)), idx], -1)
+    expected = first_token_kl(swapped[keep], labels[keep], ref[keep])
+    assert expected > 1e-6
+    torch.testing.assert_close(terms["tasks/interchange_kl"], expected, atol=1e-6, rtol=1e-4)
+    rest = sum(v for k, v in terms.items() if k.endswith(("_kl", "_ce")) and k != "tasks/interchange_kl")
+    torch.testing.assert_close(total, rest + 4.0 * expected, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ModularError, match="gate_interchange_weight"):
+        _sparse(model_dir, gate_interchange_weight=1.0)

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from modular.heads.gates import GatedOutputProjection, gate_values, install_head_gates, remove_head_gates
-from modular.hooks import zero_heads
+from modular.hooks import replace_heads, zero_heads
 from modular.models.adapter import ArchitectureAdapter
 
 
@@ -125,6 +125,32 @@ def test_scoped_gates_are_off_or_let_the_replacement_in_and_always_restore(tiny_
             raise RuntimeError("inside the scope")
         torch.testing.assert_close(tiny_model(tokens).logits, zeroed, atol=1e-5, rtol=1e-4)
     assert all(w.active and w.replacement is None for w in (a.attn_out(i) for i in range(a.n_layers)))
+
+
+def test_inverted_scope_lets_the_replacement_into_open_heads_and_keeps_closed_heads_own_input(tiny_model, tokens):
+    """invert: open gates take the replacement, closed gates their own input (no live_prob), restored on exit."""
+    from modular.heads.gates import head_gate_scope
+
+    a = ArchitectureAdapter(tiny_model)
+    heads = [(i, h) for i in range(a.n_layers) for h in range(a.n_heads)]
+    closed = [(0, 1), (a.n_layers - 1, 2)]
+    plain, cf, everything = _plain_and_patched(tiny_model, tokens, heads)
+    with torch.no_grad(), replace_heads(a, [hh for hh in heads if hh not in closed], cf):
+        open_swapped = tiny_model(tokens).logits
+    install_head_gates(tiny_model)
+    with torch.no_grad():
+        with head_gate_scope(tiny_model, replacements=cf, invert=True):  # every gate open: every head swapped
+            torch.testing.assert_close(tiny_model(tokens).logits, everything, atol=1e-5, rtol=1e-4)
+        for layer, h in closed:
+            a.attn_out(layer).head_gate.fixed[h] = 0.0
+        for i in range(a.n_layers):  # the gates in training mode (no dropout elsewhere), every gate fixed
+            a.attn_out(i).train()
+            a.attn_out(i).head_gate.fixed[torch.isnan(a.attn_out(i).head_gate.fixed)] = 1.0
+        with head_gate_scope(tiny_model, replacements=cf, live_prob=1.0, invert=True):  # live_prob is ignored
+            torch.testing.assert_close(tiny_model(tokens).logits, open_swapped, atol=1e-5, rtol=1e-4)
+        with head_gate_scope(tiny_model, active=False):
+            torch.testing.assert_close(tiny_model(tokens).logits, plain, atol=0, rtol=0)
+    assert not any(a.attn_out(i).invert for i in range(a.n_layers))
 
 
 def test_live_prob_opens_closed_gates_by_row_in_training_only(tiny_model, tokens):
