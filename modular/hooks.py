@@ -230,13 +230,19 @@ def replace_heads(
 
 @contextmanager
 def capture_head_inputs(adapter: ArchitectureAdapter, detach: bool = True) -> Iterator[dict[int, torch.Tensor]]:
-    """Capture every layer's attention output projection input as ``(batch, seq, n_heads, head_dim)``."""
+    """Capture every layer's attention output projection input as ``(batch, seq, n_heads, head_dim)``.
+    ``detach=False``: the captured tensors are the ones the projection then reads, so gradients can be taken
+    with respect to them (``torch.autograd.grad``)."""
     store: dict[int, torch.Tensor] = {}
 
     def make(layer):
         def fn(module, args):
             z = split_heads(args[0], adapter.n_heads)
-            store[layer] = z.detach() if detach else z
+            if detach:
+                store[layer] = z.detach()
+                return None
+            store[layer] = z
+            return (z.flatten(-2), *args[1:])
 
         return fn
 

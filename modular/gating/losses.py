@@ -70,22 +70,28 @@ def response_logit_mse(logits: torch.Tensor, other: torch.Tensor, labels: torch.
     return ((a - a.mean(-1, keepdim=True)) - (b - b.mean(-1, keepdim=True))).pow(2).mean()
 
 
-def response_margin_mse(logits: torch.Tensor, other: torch.Tensor, labels: torch.Tensor,
-                        wrong_ids: torch.Tensor) -> torch.Tensor:
-    """Mean squared difference between ``logits`` and ``other`` of the margin logit(answer) − logit(wrong) at
-    each row's first response position: the quantity the head rankings measure (``modular.heads.ranking``),
-    matched directly rather than as one of many logit differences. The answer is the row's first response
-    token; rows whose ``wrong_ids`` entry is negative, or equals the answer, are skipped. Gradients reach
-    both sides."""
+def response_margins(logits: torch.Tensor, labels: torch.Tensor,
+                     wrong_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, logit(answer) − logit(wrong) at the first response position (the quantity the head rankings
+    measure, ``modular.heads.ranking``), and which rows have one: a response, and a ``wrong_ids`` entry that is
+    neither negative nor the answer itself (``(batch,)`` each)."""
     rows = torch.arange(labels.shape[0], device=labels.device)
     idx = first_response_positions(labels)
     good = labels[rows, idx + 1]
     keep = (labels[:, 1:] != IGNORE).any(dim=1) & (wrong_ids >= 0) & (wrong_ids != good)
+    last = logits[rows, idx].float()
+    return last.gather(-1, good.clamp(min=0)[:, None])[:, 0] - last.gather(-1, wrong_ids.clamp(min=0)[:, None])[:, 0], keep
+
+
+def response_margin_mse(logits: torch.Tensor, other: torch.Tensor, labels: torch.Tensor,
+                        wrong_ids: torch.Tensor) -> torch.Tensor:
+    """Mean squared difference between ``logits`` and ``other`` of the margin logit(answer) − logit(wrong) at
+    each row's first response position (:func:`response_margins`), matched directly rather than as one of many
+    logit differences. Rows without a margin are skipped. Gradients reach both sides."""
+    margins, keep = response_margins(logits - other, labels, wrong_ids)  # the margins' difference
     if not keep.any():
         return logits.sum() * 0.0
-    rows, idx, good, bad = rows[keep], idx[keep], good[keep], wrong_ids[keep]
-    diff = (logits[rows, idx] - other[rows, idx]).float()  # the margins' difference is the difference's margin
-    return (diff.gather(-1, good[:, None]) - diff.gather(-1, bad[:, None])).pow(2).mean()
+    return margins[keep].pow(2).mean()
 
 
 def interchange_kl(logits: torch.Tensor, cf_logits: torch.Tensor, labels: torch.Tensor,

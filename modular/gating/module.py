@@ -14,8 +14,8 @@ import torch
 from modular.data.formatting import IGNORE
 from modular.gating.data import TASK_PREFIX, per_behaviour
 from modular.gating.losses import (first_token_kl, interchange_kl, response_logit_mse, response_margin_mse,
-                                   token_ce, topk_kl, unlikelihood)
-from modular.heads.gates import head_gate_scope
+                                   response_margins, token_ce, topk_kl, unlikelihood)
+from modular.heads.gates import deterministic_gate_values, head_gate_scope
 from modular.hooks import ablate_directions, add_vectors, capture_head_inputs
 from modular.models.adapter import ArchitectureAdapter
 
@@ -141,6 +141,15 @@ class GatedLM(L.LightningModule):
             KL at the first response position). With the task CE of the scoped run (closed heads
             counterfactual, the item's own answer) the answer then follows the open heads only, in both
             directions. Items whose counterfactual is their own prompt are skipped. 0 disables.
+        gate_attribution_weight: ``gate_scope: tasks``: weight of a penalty on what the closed heads still do in
+            the published model. Once the gates are fixed, the plain run on the task items estimates, by
+            attribution patching, every head's effect on the margin logit(answer) − logit(wrong answer) at the
+            first response position when its input is swapped for the counterfactual one (gradient times
+            input difference, the fast ranking of ``modular.heads.ranking``); the penalty is the closed heads'
+            share of the summed absolute estimates, averaged over the items: the effect-share measure of the
+            head-efficiency curves, and blind to the margin's scale, so shrinking the answer does not lower it.
+            It is differentiated through the gradient (a second backward pass). Training steps only (it needs
+            gradients). 0 disables.
     """
 
     def __init__(
@@ -181,6 +190,7 @@ class GatedLM(L.LightningModule):
         gate_consistency_weight: float = 0.0,
         gate_margin_weight: float = 0.0,
         gate_interchange_weight: float = 0.0,
+        gate_attribution_weight: float = 0.0,
     ):
         super().__init__()
         self.save_hyperparameters()
@@ -210,6 +220,9 @@ class GatedLM(L.LightningModule):
         if gate_interchange_weight < 0 or (gate_interchange_weight and gate_scope != "tasks"):
             raise ModularError("gate_interchange_weight must be >= 0 and needs gate_scope 'tasks', "
                                f"got {gate_interchange_weight} with gate_scope '{gate_scope}'")
+        if gate_attribution_weight < 0 or (gate_attribution_weight and gate_scope != "tasks"):
+            raise ModularError("gate_attribution_weight must be >= 0 and needs gate_scope 'tasks', "
+                               f"got {gate_attribution_weight} with gate_scope '{gate_scope}'")
         self.sparsity = make_sparsity(sparsity, sparsity_weight, lm_loss_target, multiplier_lr, multiplier_ema,
                                       multiplier_init)
         self.behaviours = list(behaviours)
@@ -372,6 +385,9 @@ class GatedLM(L.LightningModule):
                     swapped = self.model(input_ids=merged["input_ids"], attention_mask=merged["attention_mask"]).logits
                 differs = (merged["cf_input_ids"] != merged["input_ids"]).any(dim=1)  # a counterfactual of its own
                 terms["tasks/interchange_kl"] = interchange_kl(swapped, cf_logits, merged["labels"], differs)
+            if (task_group and self._after_freeze(hp.gate_attribution_weight) and "wrong_ids" in merged
+                    and torch.is_grad_enabled()):  # it needs gradients: not in validation
+                terms["tasks/closed_attribution"] = self._closed_attribution(merged, cf_inputs)
             if task_group and self._after_freeze(hp.gate_consistency_weight or hp.gate_margin_weight):
                 with head_gate_scope(self.hf_model, active=False):  # the plain run: every head its own input
                     plain = self.model(input_ids=merged["input_ids"], attention_mask=merged["attention_mask"]).logits
@@ -387,7 +403,8 @@ class GatedLM(L.LightningModule):
             weight = (hp.retain_weight if keeps_lm else hp.task_weight if name.endswith("/task_ce")
                       else hp.gate_consistency_weight if name == "tasks/consistency_mse"
                       else hp.gate_margin_weight if name == "tasks/consistency_margin"
-                      else hp.gate_interchange_weight if name == "tasks/interchange_kl" else 1.0)
+                      else hp.gate_interchange_weight if name == "tasks/interchange_kl"
+                      else hp.gate_attribution_weight if name == "tasks/closed_attribution" else 1.0)
             if "/locked" in name:
                 weight *= hp.locked_weight
             total = total + weight * value
@@ -408,6 +425,27 @@ class GatedLM(L.LightningModule):
         """A term applied once the gates are fixed runs: weighted, and the gates fixed (or never fixed)."""
         step = self.hparams.gate_freeze_step
         return bool(weight) and (step is None or self.global_step >= step)
+
+    def _closed_attribution(self, merged: dict, cf_inputs: dict[int, torch.Tensor]) -> torch.Tensor:
+        """Mean over the task rows of the closed heads' share of the summed |attribution-patching estimates| of
+        every head's effect on the answer margin in the plain run (see ``gate_attribution_weight``),
+        differentiable in the weights."""
+        from modular.analysis.attention import eager_attention  # SDPA kernels have no second derivative
+
+        closed = (deterministic_gate_values(self.hf_model) == 0).float()  # (layers, heads)
+        with eager_attention(self.hf_model), head_gate_scope(self.hf_model, active=False), \
+                capture_head_inputs(self.adapter, detach=False) as z:
+            logits = self.model(input_ids=merged["input_ids"], attention_mask=merged["attention_mask"]).logits
+        margins, keep = response_margins(logits, merged["labels"], merged["wrong_ids"])
+        keep = keep & (merged["cf_input_ids"] != merged["input_ids"]).any(dim=1)  # a counterfactual of its own
+        layers = sorted(z)
+        if not keep.any() or not closed.any():
+            return logits.sum() * 0.0
+        grads = torch.autograd.grad(margins[keep].sum(), [z[i] for i in layers], create_graph=True)
+        estimates = torch.stack([(g * (cf_inputs[i].to(g) - z[i])).sum(dim=(1, 3)) for i, g in zip(layers, grads)],
+                                dim=1).abs().float()  # (batch, layers, heads): summed over positions and dims
+        share = (estimates * closed).sum(dim=(1, 2)) / estimates.sum(dim=(1, 2)).clamp(min=1e-6)
+        return share[keep].mean()
 
     @torch.no_grad()
     def _counterfactual_run(self, merged: dict, full_logits: bool) -> tuple[dict[int, torch.Tensor], torch.Tensor]:

@@ -473,3 +473,48 @@ def test_interchange_term_matches_the_counterfactual_run_with_open_heads_swapped
     torch.testing.assert_close(total, rest + 4.0 * expected, atol=1e-5, rtol=1e-5)
     with pytest.raises(ModularError, match="gate_interchange_weight"):
         _sparse(model_dir, gate_interchange_weight=1.0)
+
+
+def test_attribution_term_sums_the_closed_heads_attribution_estimates_and_trains_them_down(tiny_folder):
+    """gate_attribution_weight: the closed heads' share of the summed |gradient · (counterfactual − own input)| on
+    the answer margin, averaged over rows; differentiable in the weights; absent without gradients."""
+    from modular.gating.losses import response_margins
+    from modular.heads.gates import head_gate_scope
+    from modular.hooks import capture_head_inputs
+
+    model_dir = tiny_folder("llama")
+    dm = _data(model_dir, tasks=["ioi"], task_counterfactuals=True)
+    dm.setup("fit")
+    batch = _counterfactual_batch(dm, "task:ioi")
+    task = batch["task:ioi"]
+    labels = task["open"]["labels"]
+    answer = labels[torch.arange(len(labels)), (labels[:, 1:] != -100).float().argmax(1) + 1]
+    task["open"]["wrong_ids"] = (answer + 1) % json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    module = _sparse(model_dir, gate_scope="tasks", gate_attribution_weight=2.0, gate_freeze_step=0).eval()
+    closed = [(0, 1), (1, 0)]
+    for layer, h in closed:
+        head_gate_modules(module.hf_model)[layer].fixed[h] = 0.0
+    with torch.no_grad():
+        assert "tasks/closed_attribution" not in module.model_step(batch, train=False)[1]  # no gradients
+    total, terms = module.model_step(batch, train=True)
+    term = terms["tasks/closed_attribution"]
+    # by hand: the plain run, the margin's gradient at every head input, times the counterfactual difference
+    cf_inputs, _ = module._counterfactual_run({"cf_input_ids": task["counterfactual"]["input_ids"],
+                                               "cf_attention_mask": task["counterfactual"]["attention_mask"]}, False)
+    with head_gate_scope(module.hf_model, active=False), capture_head_inputs(module.adapter, detach=False) as z:
+        logits = module.model(input_ids=task["open"]["input_ids"], attention_mask=task["open"]["attention_mask"]).logits
+    margins, keep = response_margins(logits, labels, task["open"]["wrong_ids"])
+    keep = keep & (task["counterfactual"]["input_ids"] != task["open"]["input_ids"]).any(1)
+    grads = torch.autograd.grad(margins[keep].sum(), [z[i] for i in sorted(z)])
+    estimates = [(g * (cf_inputs[i] - z[i])).sum(dim=(1, 3)).abs() for i, g in zip(sorted(z), grads)]
+    everything = sum(e.sum(-1) for e in estimates)
+    expected = (sum(estimates[layer][:, h] for layer, h in closed) / everything)[keep].mean()
+    assert 1e-6 < expected < 1
+    torch.testing.assert_close(term.detach(), expected.detach(), atol=1e-6, rtol=1e-4)
+    rest = sum(v for k, v in terms.items() if k.endswith(("_kl", "_ce")))
+    torch.testing.assert_close(total.detach(), (rest + 2.0 * term).detach(), atol=1e-5, rtol=1e-5)
+    # the penalty reaches the weights through the gradient itself (a second backward pass)
+    params = [p for p in module.model.parameters() if p.requires_grad]
+    assert any(g is not None and g.abs().sum() > 0 for g in torch.autograd.grad(term, params, allow_unused=True))
+    with pytest.raises(ModularError, match="gate_attribution_weight"):
+        _sparse(model_dir, gate_attribution_weight=1.0)
