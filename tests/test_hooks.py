@@ -96,6 +96,24 @@ def test_replace_heads_with_own_activations_is_identity(tiny_model, tokens):
     assert not torch.allclose(ref, changed)
 
 
+def test_undetached_head_inputs_are_what_the_projection_reads(tiny_model, tokens):
+    """detach=False: same logits, and the gradient at a head input equals the gradient of scaling that head."""
+    a = ArchitectureAdapter(tiny_model)
+    with torch.no_grad():
+        ref = tiny_model(tokens).logits
+    with capture_head_inputs(a, detach=False) as z:
+        logits = tiny_model(tokens).logits
+    torch.testing.assert_close(logits, ref)
+    layer = a.n_layers - 1
+    (grad,) = torch.autograd.grad(logits[:, -1, 0].sum(), [z[layer]])
+    assert grad.shape == z[layer].shape
+    scale = torch.ones(a.n_heads, requires_grad=True)
+    with scale_heads(a, {layer: scale}):
+        out = tiny_model(tokens).logits[:, -1, 0].sum()
+    (by_scale,) = torch.autograd.grad(out, [scale])
+    torch.testing.assert_close(by_scale, (grad * z[layer]).sum(dim=(0, 1, 3)), atol=1e-5, rtol=1e-4)
+
+
 def test_add_vectors_shifts_the_residual(tiny_model, tokens):
     a = ArchitectureAdapter(tiny_model)
     v = torch.randn(D)
