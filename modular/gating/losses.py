@@ -80,7 +80,8 @@ def response_margins(logits: torch.Tensor, labels: torch.Tensor,
     good = labels[rows, idx + 1]
     keep = (labels[:, 1:] != IGNORE).any(dim=1) & (wrong_ids >= 0) & (wrong_ids != good)
     last = logits[rows, idx].float()
-    return last.gather(-1, good.clamp(min=0)[:, None])[:, 0] - last.gather(-1, wrong_ids.clamp(min=0)[:, None])[:, 0], keep
+    answer = last.gather(-1, good.clamp(min=0)[:, None])[:, 0]
+    return answer - last.gather(-1, wrong_ids.clamp(min=0)[:, None])[:, 0], keep
 
 
 def response_margin_mse(logits: torch.Tensor, other: torch.Tensor, labels: torch.Tensor,
