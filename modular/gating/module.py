@@ -55,6 +55,13 @@ LOCKED_OBJECTIVES = ("refusal", "unlikelihood")
 GATE_SCOPES = ("all", "tasks")
 
 
+#: terms on the task items under ``gate_scope: tasks``, applied once the gates are fixed -> their weight option
+TASK_TERM_WEIGHTS = {"tasks/consistency_mse": "gate_consistency_weight",
+                     "tasks/consistency_margin": "gate_margin_weight",
+                     "tasks/interchange_kl": "gate_interchange_weight",
+                     "tasks/closed_attribution": "gate_attribution_weight"}
+
+
 def _locked_objectives(spec: str | dict[str, str], behaviours: list[str]) -> dict[str, str]:
     """The locked-state objective of every behaviour, from one name or a mapping behaviour → name."""
     from modular import ModularError
@@ -211,18 +218,11 @@ class GatedLM(L.LightningModule):
             raise ModularError("gate_scope 'tasks' needs head_gates: true")
         if not 0.0 <= gate_live_prob < 1.0:
             raise ModularError(f"gate_live_prob must be in [0, 1), got {gate_live_prob}")
-        if gate_consistency_weight < 0 or (gate_consistency_weight and gate_scope != "tasks"):
-            raise ModularError("gate_consistency_weight must be >= 0 and needs gate_scope 'tasks', "
-                               f"got {gate_consistency_weight} with gate_scope '{gate_scope}'")
-        if gate_margin_weight < 0 or (gate_margin_weight and gate_scope != "tasks"):
-            raise ModularError("gate_margin_weight must be >= 0 and needs gate_scope 'tasks', "
-                               f"got {gate_margin_weight} with gate_scope '{gate_scope}'")
-        if gate_interchange_weight < 0 or (gate_interchange_weight and gate_scope != "tasks"):
-            raise ModularError("gate_interchange_weight must be >= 0 and needs gate_scope 'tasks', "
-                               f"got {gate_interchange_weight} with gate_scope '{gate_scope}'")
-        if gate_attribution_weight < 0 or (gate_attribution_weight and gate_scope != "tasks"):
-            raise ModularError("gate_attribution_weight must be >= 0 and needs gate_scope 'tasks', "
-                               f"got {gate_attribution_weight} with gate_scope '{gate_scope}'")
+        for option in TASK_TERM_WEIGHTS.values():  # the terms on task items that need the scoped gates
+            weight = self.hparams[option]
+            if weight < 0 or (weight and gate_scope != "tasks"):
+                raise ModularError(f"{option} must be >= 0 and needs gate_scope 'tasks', "
+                                   f"got {weight} with gate_scope '{gate_scope}'")
         self.sparsity = make_sparsity(sparsity, sparsity_weight, lm_loss_target, multiplier_lr, multiplier_ema,
                                       multiplier_init)
         self.behaviours = list(behaviours)
@@ -401,10 +401,7 @@ class GatedLM(L.LightningModule):
         for name, value in terms.items():
             keeps_lm = name.startswith(("retain/", "lm/"))
             weight = (hp.retain_weight if keeps_lm else hp.task_weight if name.endswith("/task_ce")
-                      else hp.gate_consistency_weight if name == "tasks/consistency_mse"
-                      else hp.gate_margin_weight if name == "tasks/consistency_margin"
-                      else hp.gate_interchange_weight if name == "tasks/interchange_kl"
-                      else hp.gate_attribution_weight if name == "tasks/closed_attribution" else 1.0)
+                      else hp[TASK_TERM_WEIGHTS[name]] if name in TASK_TERM_WEIGHTS else 1.0)
             if "/locked" in name:
                 weight *= hp.locked_weight
             total = total + weight * value
