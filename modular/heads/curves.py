@@ -153,7 +153,9 @@ def plot_efficiency_curves(path: str | Path, panels: dict[str, dict[str, dict]],
     max value + 0.05 (faithfulness can overshoot 1) and downward below 0 if a value is negative.
     A dashed black line marks ``threshold``. When a panel has exactly two models and both reach it,
     a double arrow joins their crossing points on the line, labelled with
-    :func:`multiplier` (first model's count / second model's count), e.g. ``"2.0x"``.
+    :func:`multiplier` (first model's count / second model's count), e.g. ``"2.0x"``. With more
+    models, each later model's multiplier against the first is written into its legend entry
+    (``"sparse (2.0x)"``) and the panel's annotation reads ``"sparse: 2.0x; other: 1.5x"``.
     The figure title is ``definition``, with ``subtitle`` (e.g. the ablation kind) on a second line.
 
     Returns the path and the multiplier labels drawn, by task.
@@ -168,17 +170,24 @@ def plot_efficiency_curves(path: str | Path, panels: dict[str, dict[str, dict]],
     fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 4.0), sharey=True, squeeze=False)
     annotations: dict[str, str] = {}
     for ax, (task, lines) in zip(axes[0], panels.items()):
-        crossings = []
+        crossings, factors = [], []
         for label, line in lines.items():
             ks, values = list(line["ks"]), list(line["values"])
             dense = len(ks) > 40
-            (handle,) = ax.plot(ks, values, marker=None if dense else "o", markersize=3, linewidth=1.6, label=label)
             k = _needed(line, threshold)
+            if len(lines) > 2 and crossings and crossings[0] is not None and k is not None:
+                factor = multiplier(crossings[0], k)
+                if factor is not None:
+                    factors.append(f"{label}: {factor:.1f}x")
+                    label = f"{label} ({factor:.1f}x)"
+            (handle,) = ax.plot(ks, values, marker=None if dense else "o", markersize=3, linewidth=1.6, label=label)
             crossings.append(k)
             if k is not None:
                 ax.plot([k], [threshold], marker="o", markersize=6, color=handle.get_color(),
                         markeredgecolor="black", zorder=5)
         ax.axhline(threshold, color="black", linestyle="--", linewidth=1, label=f"{threshold:.0%} threshold")
+        if factors:
+            annotations[task] = "; ".join(factors)
         if len(crossings) == 2 and None not in crossings:
             factor = multiplier(crossings[0], crossings[1])
             if factor is not None:

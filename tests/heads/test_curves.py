@@ -128,3 +128,15 @@ def test_plot_allows_overshoot_without_annotation_for_one_model(tmp_path):
     path, annotations = plot_efficiency_curves(tmp_path / "f.png", panels, "Faithfulness")
     assert path.stat().st_size > 0
     assert annotations == {}
+
+
+def test_plot_with_three_models_gives_each_later_model_its_multiplier(tmp_path):
+    ks = list(range(0, 17))
+    lines = {"base": [min(1.0, k / 16) for k in ks],  # 0.9 at k = 15
+             "sparse": [min(1.0, k / 5) for k in ks],  # 0.9 at k = 5
+             "other": [min(1.0, k / 10) for k in ks],  # 0.9 at k = 9
+             "never": [0.5 for _ in ks]}
+    panels = {"ioi": {name: {"ks": ks, "values": v} for name, v in lines.items()}}
+    path, annotations = plot_efficiency_curves(tmp_path / "f.png", panels, "Effect share")
+    assert path.stat().st_size > 0
+    assert annotations == {"ioi": "sparse: 3.0x; other: 1.7x"}
