@@ -17,7 +17,9 @@ with a threshold τ, in one of two ways (``method``):
 * ``joint`` (default): the single-head classes are the candidates, in the same order, and a
   candidate joins Interference or Irrelevance only if it keeps its class *with the heads already
   chosen ablated too* (:func:`joint_categories`): an Interference head must still raise log p
-  on top of them, an Irrelevance head must move each example's log p by at most τ on average
+  on top of them, by more than the standard error of that gain over examples (a mean gain carried
+  by one or two examples, or by noise, does not count: per-example effects are heavy-tailed, and
+  such heads lowered held-out items), an Irrelevance head must move each example's log p by at most τ on average
   (mean |Δ| over examples, not |mean Δ|: changes of opposite sign on different examples do not
   cancel, so the class holds on held-out items too) and leave the set's mean |Δ| within ``band``.
   Candidates that fail are left out of every class (``rejected``). Facilitation keeps its
@@ -173,7 +175,8 @@ def joint_categories(model, batch: dict, effects: torch.Tensor, values: dict[int
 
     Candidates come from :func:`classify_heads` (``effects``, ``threshold``), in its order. With S the
     heads of a class chosen so far and d(S) the per-example Δ log p(target) over ``batch`` with S ablated
-    (d(∅) = 0): an Interference candidate h joins if mean d(S ∪ {h}) > mean d(S); an Irrelevance
+    (d(∅) = 0) and g = d(S ∪ {h}) − d(S): an Interference candidate h joins if mean g > its standard error
+    (std g / √n; with one example, mean g > 0); an Irrelevance
     candidate if mean |d(S ∪ {h}) − d(S)| ≤ ``threshold`` and mean |d(S ∪ {h})| ≤ ``band``. Each class
     stops at ``max_heads`` heads. Facilitation is the single-head list. Returns the three classes plus
     ``rejected`` (the candidates that failed, in the order tried).
@@ -187,7 +190,7 @@ def joint_categories(model, batch: dict, effects: torch.Tensor, values: dict[int
         return ablated_logprob(model, batch, heads, values) - clean
 
     out: dict[str, list[Head]] = {"facilitation": single["facilitation"], "rejected": []}
-    tests = {"interference": lambda new, cur: float(new.mean()) > float(cur.mean()),
+    tests = {"interference": lambda new, cur: float((new - cur).mean()) > _standard_error(new - cur),
              "irrelevance": lambda new, cur: (float((new - cur).abs().mean()) <= threshold
                                               and float(new.abs().mean()) <= band)}
     for cat, accept in tests.items():
@@ -206,6 +209,10 @@ def joint_categories(model, batch: dict, effects: torch.Tensor, values: dict[int
     return out
 
 
+def _standard_error(x: torch.Tensor) -> float:
+    return float(x.std(unbiased=True) / len(x) ** 0.5) if len(x) > 1 else 0.0
+
+
 def ablation_curve(model, batch: dict, heads: list[Head], values: dict[int, torch.Tensor], max_heads: int = 50,
                    desc: str = "ablation curve") -> dict:
     """Δ log p(target) per example when the first n heads of ``heads`` are ablated together, for n = 0…20
@@ -221,7 +228,7 @@ def ablation_curve(model, batch: dict, heads: list[Head], values: dict[int, torc
     for n in tqdm(ns, desc=desc, leave=False):
         delta = ablated_logprob(model, batch, list(heads[:n]), values) - clean
         means.append(float(delta.mean()))
-        sems.append(float(delta.std(unbiased=True) / len(delta) ** 0.5) if len(delta) > 1 else 0.0)
+        sems.append(_standard_error(delta))
         rows.append([round(float(d), 5) for d in delta])
     return {"n": ns, "mean": means, "sem": sems, "per_example": rows}
 

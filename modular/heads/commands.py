@@ -337,7 +337,8 @@ def _write_ablation(out_dir, results, labels, models, tasks, kind, threshold, sp
 METHOD_TEXT = {
     "single": "single-head ablation effect with threshold",
     "joint": "single-head candidates kept only if they keep their class with the class's earlier heads ablated "
-             "too (Irrelevance: each head moves every example by ≤ threshold on average, all of them together "
+             "too (Interference: each head raises mean log p by more than its standard error over examples; "
+             "Irrelevance: each head moves every example by ≤ threshold on average, all of them together "
              "by a mean |Δ| ≤ {band} nats)",
 }
 
