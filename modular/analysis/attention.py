@@ -2,32 +2,17 @@
 
 Positions count from each prompt's first real token (left padding removed), so a span
 inserted after a fixed prefix sits at the same positions in every prompt. Attention
-weights need the eager attention implementation; :func:`eager_attention` switches a
-loaded model to it for the duration of a ``with`` block.
+weights need the eager attention implementation, which
+:func:`modular.models.attention.eager_attention` switches a loaded model to for a ``with`` block.
 """
 
 from __future__ import annotations
-
-from contextlib import contextmanager
-from typing import Iterator
 
 import torch
 
 from modular.analysis.formats import with_positions
 from modular.data.formatting import LeftPadCollator
-
-
-@contextmanager
-def eager_attention(model) -> Iterator[None]:
-    """Run ``model`` with eager attention (needed for attention weights), then restore its implementation."""
-    previous = getattr(model.config, "_attn_implementation", None)
-    if previous != "eager":
-        model.set_attn_implementation("eager")
-    try:
-        yield
-    finally:
-        if previous not in (None, "eager"):
-            model.set_attn_implementation(previous)
+from modular.models.attention import eager_attention
 
 
 @torch.no_grad()

@@ -427,7 +427,7 @@ class GatedLM(L.LightningModule):
         """Mean over the task rows of the closed heads' share of the summed |attribution-patching estimates| of
         every head's effect on the answer margin in the plain run (see ``gate_attribution_weight``),
         differentiable in the weights."""
-        from modular.analysis.attention import eager_attention  # SDPA kernels have no second derivative
+        from modular.models.attention import eager_attention  # SDPA kernels have no second derivative
 
         closed = (deterministic_gate_values(self.hf_model) == 0).float()  # (layers, heads)
         with eager_attention(self.hf_model), head_gate_scope(self.hf_model, active=False), \

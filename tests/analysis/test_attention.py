@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from modular import ModularError
-from modular.analysis.attention import eager_attention, last_token_attention, parse_heads, top_heads
-from tests.conftest import VOCAB, make_tiny_model, make_tiny_tokenizer
+from modular.analysis.attention import last_token_attention, parse_heads, top_heads
+from tests.conftest import VOCAB, make_tiny_tokenizer
 
 ARCHS = ["llama", "gemma3_text", "gpt2", "qwen2"]
 
@@ -32,14 +32,6 @@ def test_last_token_attention_is_a_distribution_over_real_positions(tiny_model, 
     # a span starting at position 0 leaves out the first position (the usual attention sink)
     sink = last_token_attention(tiny_model, tok, seqs[:1], [(0, 2)])
     assert torch.allclose(sink["span_mass"], sink["mean"][..., 1], atol=1e-6)
-
-
-def test_eager_attention_switches_and_restores():
-    tiny_model = make_tiny_model("llama")
-    tiny_model.set_attn_implementation("sdpa")
-    with eager_attention(tiny_model):
-        assert tiny_model.config._attn_implementation == "eager"
-    assert tiny_model.config._attn_implementation == "sdpa"
 
 
 def test_top_heads_and_parse_heads():
