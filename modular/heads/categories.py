@@ -17,11 +17,12 @@ with a threshold τ, in one of two ways (``method``):
 * ``joint`` (default): the single-head classes are the candidates, in the same order, and a
   candidate joins Interference or Irrelevance only if it keeps its class *with the heads already
   chosen ablated too* (:func:`joint_categories`): an Interference head must still raise log p
-  on top of them, by more than the standard error of that gain over examples (a mean gain carried
-  by one or two examples, or by noise, does not count: per-example effects are heavy-tailed, and
-  such heads lowered held-out items), an Irrelevance head must move each example's log p by at most τ on average
-  (mean |Δ| over examples, not |mean Δ|: changes of opposite sign on different examples do not
-  cancel, so the class holds on held-out items too) and leave the set's mean |Δ| within ``band``.
+  on top of them, by more than the standard error of that gain over examples (per-example effects
+  are heavy-tailed: a mean gain carried by one or two examples, or by noise, does not count, and
+  such heads lowered held-out items); an Irrelevance head must move each example's log p by at
+  most τ on average (mean |Δ| over examples, not |mean Δ|: changes of opposite sign on different
+  examples do not cancel, so the class holds on held-out items too) and leave the set's mean |Δ|
+  within ``band``.
   Candidates that fail are left out of every class (``rejected``). Facilitation keeps its
   single-head order (ablating helpful heads together hurts all the more). This is the
   greedy, deterministic counterpart of CHG's joint fit: one ablated forward per candidate, no
