@@ -176,11 +176,11 @@ def joint_categories(model, batch: dict, effects: torch.Tensor, values: dict[int
 
     Candidates come from :func:`classify_heads` (``effects``, ``threshold``), in its order. With S the
     heads of a class chosen so far and d(S) the per-example Δ log p(target) over ``batch`` with S ablated
-    (d(∅) = 0) and g = d(S ∪ {h}) − d(S): an Interference candidate h joins if mean g > its standard error
-    (std g / √n; with one example, mean g > 0); an Irrelevance
-    candidate if mean |d(S ∪ {h}) − d(S)| ≤ ``threshold`` and mean |d(S ∪ {h})| ≤ ``band``. Each class
-    stops at ``max_heads`` heads. Facilitation is the single-head list. Returns the three classes plus
-    ``rejected`` (the candidates that failed, in the order tried).
+    (d(∅) = 0) and g = d(S ∪ {h}) − d(S): an Interference candidate h joins if mean g exceeds its standard
+    error (std g / √n; with one example, if mean g > 0); an Irrelevance candidate if mean |g| ≤ ``threshold``
+    and mean |d(S ∪ {h})| ≤ ``band``. Each class stops at ``max_heads`` heads. Facilitation is the
+    single-head list. Returns the three classes plus ``rejected`` (the candidates that failed, in the order
+    tried).
     """
     if band < 0:
         raise ModularError("band must be ≥ 0")

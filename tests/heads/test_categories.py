@@ -149,9 +149,9 @@ def test_joint_categories_hold_for_their_heads_together(tiny_model, tok, arch):
     # a head rejected from interference no longer helps, beyond its standard error, once the chosen ones are ablated
     for head in [h for h in joint["rejected"] if h in single["interference"]][:1]:
         chosen = [h for h in joint["interference"] if single["interference"].index(h) < single["interference"].index(head)]
-        before = torch.tensor(ablation_curve(tiny_model, batch, chosen, values, max_heads=len(chosen))["per_example"][-1])
-        after = ablation_curve(tiny_model, batch, chosen + [head], values, max_heads=len(chosen) + 1)["per_example"][-1]
-        gain = torch.tensor(after) - before
+        rows = [ablation_curve(tiny_model, batch, heads, values, max_heads=len(heads))["per_example"][-1]
+                for heads in (chosen, chosen + [head])]
+        gain = torch.tensor(rows[1]) - torch.tensor(rows[0])
         assert float(gain.mean()) <= float(gain.std() / len(gain) ** 0.5) + 1e-4  # per_example is rounded to 1e-5
     with pytest.raises(ModularError):
         joint_categories(tiny_model, batch, effects, values, threshold, band=-1.0)

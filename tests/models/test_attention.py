@@ -1,5 +1,7 @@
 """Switching the attention implementation, and restoring it, on a tiny random model."""
 
+import pytest
+
 from modular.models.attention import eager_attention
 from tests.conftest import make_tiny_model
 
@@ -10,9 +12,6 @@ def test_eager_attention_switches_and_restores():
     with eager_attention(tiny_model):
         assert tiny_model.config._attn_implementation == "eager"
     assert tiny_model.config._attn_implementation == "sdpa"
-    try:  # restored also when the block raises
-        with eager_attention(tiny_model):
-            raise RuntimeError
-    except RuntimeError:
-        pass
+    with pytest.raises(RuntimeError), eager_attention(tiny_model):  # restored also when the block raises
+        raise RuntimeError
     assert tiny_model.config._attn_implementation == "sdpa"
