@@ -18,6 +18,7 @@ from modular.gating.losses import (first_token_kl, interchange_kl, response_logi
 from modular.heads.gates import deterministic_gate_values, head_gate_scope
 from modular.hooks import ablate_directions, add_vectors, capture_head_inputs
 from modular.models.adapter import ArchitectureAdapter
+from modular.models.attention import eager_attention
 
 log = logging.getLogger("modular")
 
@@ -427,9 +428,8 @@ class GatedLM(L.LightningModule):
         """Mean over the task rows of the closed heads' share of the summed |attribution-patching estimates| of
         every head's effect on the answer margin in the plain run (see ``gate_attribution_weight``),
         differentiable in the weights."""
-        from modular.models.attention import eager_attention  # SDPA kernels have no second derivative
-
         closed = (deterministic_gate_values(self.hf_model) == 0).float()  # (layers, heads)
+        # eager attention: SDPA kernels have no second derivative
         with eager_attention(self.hf_model), head_gate_scope(self.hf_model, active=False), \
                 capture_head_inputs(self.adapter, detach=False) as z:
             logits = self.model(input_ids=merged["input_ids"], attention_mask=merged["attention_mask"]).logits

@@ -170,36 +170,29 @@ def plot_efficiency_curves(path: str | Path, panels: dict[str, dict[str, dict]],
     fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 4.0), sharey=True, squeeze=False)
     annotations: dict[str, str] = {}
     for ax, (task, lines) in zip(axes[0], panels.items()):
-        crossings, factors = [], []
-        for label, line in lines.items():
+        crossings = [_needed(line, threshold) for line in lines.values()]
+        factors = [None] + [multiplier(crossings[0], k) for k in crossings[1:]]  # each later model vs the first
+        for (label, line), k, factor in zip(lines.items(), crossings, factors):
             ks, values = list(line["ks"]), list(line["values"])
             dense = len(ks) > 40
-            k = _needed(line, threshold)
-            if len(lines) > 2 and crossings and crossings[0] is not None and k is not None:
-                factor = multiplier(crossings[0], k)
-                if factor is not None:
-                    factors.append(f"{label}: {factor:.1f}x")
-                    label = f"{label} ({factor:.1f}x)"
+            if len(lines) > 2 and factor is not None:
+                label = f"{label} ({factor:.1f}x)"
             (handle,) = ax.plot(ks, values, marker=None if dense else "o", markersize=3, linewidth=1.6, label=label)
-            crossings.append(k)
             if k is not None:
                 ax.plot([k], [threshold], marker="o", markersize=6, color=handle.get_color(),
                         markeredgecolor="black", zorder=5)
         ax.axhline(threshold, color="black", linestyle="--", linewidth=1, label=f"{threshold:.0%} threshold")
-        if factors:
-            annotations[task] = "; ".join(factors)
-        if len(crossings) == 2 and None not in crossings:
-            factor = multiplier(crossings[0], crossings[1])
-            if factor is not None:
-                text = f"{factor:.1f}x"
-                annotations[task] = text
-                lo, hi = sorted(crossings)
-                if hi > lo:
-                    ax.annotate("", xy=(lo, threshold), xytext=(hi, threshold),
-                                arrowprops=dict(arrowstyle="<->", color="black", linewidth=1.2,
-                                                shrinkA=0, shrinkB=0))
-                ax.annotate(text, xy=((lo + hi) / 2, threshold), xytext=(0, 5), textcoords="offset points",
-                            ha="center", va="bottom", fontsize=10, fontweight="bold")
+        if len(lines) > 2 and any(f is not None for f in factors):
+            annotations[task] = "; ".join(f"{label}: {f:.1f}x" for label, f in zip(lines, factors) if f is not None)
+        if len(lines) == 2 and factors[1] is not None:
+            text = f"{factors[1]:.1f}x"
+            annotations[task] = text
+            lo, hi = sorted(crossings)
+            if hi > lo:
+                ax.annotate("", xy=(lo, threshold), xytext=(hi, threshold),
+                            arrowprops=dict(arrowstyle="<->", color="black", linewidth=1.2, shrinkA=0, shrinkB=0))
+            ax.annotate(text, xy=((lo + hi) / 2, threshold), xytext=(0, 5), textcoords="offset points",
+                        ha="center", va="bottom", fontsize=10, fontweight="bold")
         ax.set_title(task)
         ax.set_xlabel("Number of Heads Kept")
         ax.set_ylim(bottom, top)
