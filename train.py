@@ -1,46 +1,14 @@
 #!/usr/bin/env python
 """Train a gated model: ``python train.py fit --config configs/gate_capitals_smollm2.yaml``.
 
-A LightningCLI over :class:`modular.gating.module.GatedLM` and
-:class:`modular.gating.data.GatingDataModule`; ``python train.py fit --help``
-documents every option. A killed run resumes from ``last.ckpt`` in its run folder
-when started again with the same command (``--ckpt_path null`` starts afresh).
+A thin shim over :mod:`modular.train_cli` (a LightningCLI over the gated module and its data);
+``python train.py fit --help`` documents every option. A killed run resumes from ``last.ckpt`` in its run
+folder when started again with the same command (``--ckpt_path null`` starts afresh).
 """
 
-import os
 import sys
 
-os.environ.setdefault("WANDB_MODE", "offline")
-os.environ.setdefault("WANDB_SILENT", "true")
-
-from lightning.pytorch.cli import LightningCLI  # noqa: E402
-
-from modular import ModularError  # noqa: E402
-from modular.gating.data import GatingDataModule  # noqa: E402
-from modular.gating.module import GatedLM  # noqa: E402
-
-
-class GatingCLI(LightningCLI):
-    def add_arguments_to_parser(self, parser) -> None:
-        parser.link_arguments("model.model_name", "data.model_name")
-        parser.link_arguments("model.behaviours", "data.behaviours")
-        parser.link_arguments("model.seed", "data.seed")
-        parser.link_arguments("model.gate_scope", "data.task_counterfactuals", compute_fn=lambda s: s == "tasks")
-
-
-def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["fit"] and not any(a.startswith("--ckpt_path") for a in argv):
-        argv += ["--ckpt_path", "last"]  # resume a killed run; a fresh run finds none and starts from step 0
-    sys.argv = [sys.argv[0], *argv]
-    try:
-        GatingCLI(GatedLM, GatingDataModule, save_config_kwargs={"overwrite": True},
-                  parser_kwargs={"description": "modular: gate behaviours into residual directions."})
-    except ModularError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    return 0
-
+from modular.train_cli import main
 
 if __name__ == "__main__":
     sys.exit(main())
