@@ -38,7 +38,7 @@ from torch import nn
 from modular import ModularError
 from modular.models.adapter import ArchitectureAdapter, weight_out_in
 
-KEY_FORMAT = "modular-key/1"
+KEY_FORMAT = "modular-key/2"  # /2: keys carry a digest of their content and of the weights they produce
 #: corrections are recorded for every ordered prefix of the other keys up to this many behaviours (beyond it only
 #: for each key applied first: a 5th key would need 65 sets)
 MAX_PREFIX_BEHAVIOURS = 4
@@ -295,8 +295,49 @@ def weights_hash(model_or_state) -> str:
     return h.hexdigest()
 
 
-def save_key(key: Key, path: str | Path, locked_hash: str) -> Path:
-    """Write a key as safetensors; what it restores, where, and the locked weights' hash go in the metadata."""
+@torch.no_grad()
+def produced_hashes(model: nn.Module, keys: list[Key]) -> dict[str, dict[tuple[str, ...], str]]:
+    """What each key produces from the locked ``model``: ``{behaviour: {keys applied before, in order: weights
+    hash}}`` for every order the keys carry corrections for. The model is left as it was (locked)."""
+    names = [k.behaviour for k in keys]
+    by_name = {k.behaviour: k for k in keys}
+    params = dict(model.named_parameters())
+    locked = {n: p.detach().clone() for n, p in params.items()}
+    out: dict[str, dict[tuple[str, ...], str]] = {n: {} for n in names}
+    try:
+        for prefix in _prefixes(names):
+            for name in names:
+                if name in prefix:
+                    continue
+                for i, earlier in enumerate(prefix):
+                    apply_key(model, by_name[earlier], applied=prefix[:i])
+                apply_key(model, by_name[name], applied=prefix)
+                out[name][prefix] = weights_hash(model)
+                for n, p in params.items():
+                    p.copy_(locked[n])
+    finally:
+        for n, p in params.items():
+            p.copy_(locked[n])
+    return out
+
+
+def _content_digest(tensors: dict[str, torch.Tensor], meta: dict) -> str:
+    """SHA-256 over a key's tensors (names, dtypes, shapes, bytes) and its metadata (without the digest)."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().to("cpu").contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    body = {k: v for k, v in meta.items() if k != "content_sha256"}
+    h.update(json.dumps(body, sort_keys=True).encode())
+    return h.hexdigest()
+
+
+def save_key(key: Key, path: str | Path, locked_hash: str,
+             produces: dict[tuple[str, ...], str] | None = None) -> Path:
+    """Write a key as safetensors; what it restores, where, the locked weights' hash, the hash of the weights it
+    produces (``produces``: keys applied before, in order -> weights hash; see :func:`produced_hashes`) and a digest
+    of the file's own content go in the metadata."""
     from safetensors.torch import save_file
 
     tensors = {"direction": key.direction.contiguous()}
@@ -316,7 +357,9 @@ def save_key(key: Key, path: str | Path, locked_hash: str) -> Path:
         if after:  # the prefixes of the corrections c{i}.after{j}.* (behaviours applied before, in order)
             entry["fix_after"] = after
         entries.append(entry)
-    meta = {**key.meta, "format": KEY_FORMAT, "locked_hash": locked_hash, "components": entries}
+    meta = {**key.meta, "format": KEY_FORMAT, "locked_hash": locked_hash, "components": entries,
+            "produces": [{"after": list(prefix), "weights_hash": h} for prefix, h in (produces or {}).items()]}
+    meta["content_sha256"] = _content_digest(tensors, meta)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path), metadata={"modular": json.dumps(meta)})
@@ -324,7 +367,8 @@ def save_key(key: Key, path: str | Path, locked_hash: str) -> Path:
 
 
 def load_key(path: str | Path) -> tuple[Key, dict]:
-    """Read a key file; returns the key and its metadata (with ``locked_hash``)."""
+    """Read a key file and check its content digest; returns the key and its metadata (with ``locked_hash`` and
+    ``produces``). A file that is not a key, truncated or changed raises :class:`ModularError`."""
     from safetensors import safe_open
 
     path = Path(path)
@@ -334,10 +378,15 @@ def load_key(path: str | Path) -> tuple[Key, dict]:
         with safe_open(str(path), framework="pt") as f:
             meta = json.loads((f.metadata() or {}).get("modular", "{}"))
             tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except (OSError, ValueError, json.JSONDecodeError) as err:
-        raise ModularError(f"{path} is not a modular key file ({err})") from None
-    if meta.get("format") != KEY_FORMAT:
-        raise ModularError(f"{path} is not a modular key file (format {meta.get('format')!r})")
+    except Exception as err:  # noqa: BLE001 - safetensors raises its own error type for truncated or foreign files
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ModularError(f"{path} is not a readable modular key file ({reason})") from None
+    if not isinstance(meta, dict) or meta.get("format") != KEY_FORMAT:
+        found = meta.get("format") if isinstance(meta, dict) else None
+        hint = "; it has no digests: publish again" if found == "modular-key/1" else ""
+        raise ModularError(f"{path} is not a modular key file (format {found!r}, expected {KEY_FORMAT!r}{hint})")
+    if meta.get("content_sha256") != _content_digest(tensors, meta):
+        raise ModularError(f"{path} is corrupted: its content does not match its digest; get a fresh copy of the key")
     comps = [
         Component(e["param"], tensors[f"c{i}.a"], tensors[f"c{i}.b"], e["transposed"],
                   tensors.get(f"c{i}.fix_index"), tensors.get(f"c{i}.fix_value"),

@@ -1,14 +1,21 @@
-"""Publish locked weights as a plain Hugging Face folder with one key file per behaviour, and unlock them.
+"""Publish locked weights as a plain Hugging Face folder, with the keys in a folder of their own, and unlock them.
 
-Layout of a published folder::
+Layout of a published folder (the folder a user uploads: it holds no key material)::
 
     config.json, model.safetensors, tokenizer files, generation_config.json
-    README.md            model card: which behaviours are locked, measured numbers
-    modular.json         locked-weights hash, behaviours, keys applied so far, current weights hash
-    keys/<behaviour>.key.safetensors   (only in the publisher's copy; hand them out separately)
+    README.md            model card: which behaviours are locked, that the keys are distributed apart, measured numbers
+    modular.json         modular's marker and manifest: locked-weights hash, behaviours, keys applied so far,
+                         current weights hash
 
-Writing is atomic: everything goes to a temporary sibling folder that is renamed into
-place at the end, so an interrupted publish never leaves a folder that looks complete.
+and of its keys folder (default: ``<published folder>-keys`` beside it; kept by the publisher, handed out apart)::
+
+    <behaviour>.key.safetensors   one per behaviour: rank-1 components, digests of its content and of what it produces
+    modular.json                  modular's marker: the locked-weights hash and the behaviours
+
+Writing is atomic: each folder goes to a temporary sibling that is renamed into place at the end, so an
+interrupted publish never leaves a folder that looks complete; the temporary folders an interrupted publish leaves
+behind are removed by the next one. ``overwrite`` replaces only a folder that modular wrote (it holds
+``modular.json``), never an input folder, one inside an input or one that contains an input.
 """
 
 from __future__ import annotations
@@ -16,39 +23,114 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
 
 from modular import ModularError
-from modular.keys import apply_key, load_key, lock_weights, save_key, weights_hash
+from modular.keys import apply_key, load_key, lock_weights, produced_hashes, save_key, weights_hash
 
 log = logging.getLogger("modular")
-MANIFEST = "modular.json"
+MANIFEST = "modular.json"  # written into every folder modular publishes: its marker for --overwrite
+KEY_SUFFIX = ".key.safetensors"
 
 
-def _atomic_folder(out: Path, write, overwrite: bool) -> Path:
+def keys_folder_for(out: str | Path) -> Path:
+    """The default keys folder of a published folder: a sibling ``<name>-keys``, outside what a user uploads."""
     out = Path(out)
-    if out.exists() and not overwrite:
-        raise ModularError(f"{out} already exists (pass --overwrite to replace it)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    try:
-        write(tmp)
-        if out.exists():
-            old = out.with_name(f".{out.name}.old-{os.getpid()}")
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    return out.with_name(f"{out.name}-keys")
+
+
+def key_path(keys_dir: str | Path, behaviour: str) -> Path:
+    return Path(keys_dir) / f"{behaviour}{KEY_SUFFIX}"
+
+
+def _inside(path: Path, other: Path) -> bool:
+    """``path`` is ``other`` or lies inside it (both resolved)."""
+    path, other = path.resolve(), other.resolve()
+    return path == other or other in path.parents
+
+
+def check_output_folder(out: str | Path, inputs: list[str | Path] = (), overwrite: bool = False,
+                        option: str = "--out", sealed: list[str | Path] = ()) -> Path:
+    """Refuse, before any work, an output folder that writing could lose data in: an existing one without
+    ``overwrite``, one modular did not write, an input or one containing an input (``inputs``), or one inside a
+    folder that must not change (``sealed``: e.g. the published folder a user uploads)."""
+    out = Path(out)
+    for item in map(Path, inputs):
+        if _inside(item, out):
+            raise ModularError(f"{option} {out} would replace the input {item}; choose another folder")
+    for item in map(Path, sealed):
+        if _inside(out, item):
+            raise ModularError(f"{option} {out} lies inside {item}, which must not change; choose another folder")
+    if out.exists() or out.is_symlink():
+        if not out.is_dir() or out.is_symlink():
+            raise ModularError(f"{option} {out} exists and is not a folder; choose another one")
+        if not overwrite:
+            raise ModularError(f"{out} already exists (pass --overwrite to replace it)")
+        if not (out / MANIFEST).is_file():
+            raise ModularError(f"{out} exists and was not written by modular (no {MANIFEST}); refusing to replace it")
     return out
 
 
-def model_card(behaviours: list[str], base: str, measured: dict | None, hardened: bool) -> str:
+_LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?:partial|old)-(?:(?P<pid>\d+)-)?[^/]*$")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def clean_leftovers(out: Path) -> list[Path]:
+    """Remove the temporary folders that interrupted writes of ``out`` left beside it (``.<name>.partial-*``,
+    ``.<name>.old-*``), except those of a process still running; returns what was removed."""
+    removed = []
+    if not out.parent.is_dir():
+        return removed
+    for entry in out.parent.iterdir():
+        match = _LEFTOVER.match(entry.name)
+        if not match or match["name"] != out.name or not entry.is_dir():
+            continue
+        pid = int(match["pid"]) if match["pid"] else None
+        if pid is not None and pid != os.getpid() and _alive(pid):
+            continue
+        shutil.rmtree(entry, ignore_errors=True)
+        removed.append(entry)
+    return removed
+
+
+def _write_folders(writers: dict[Path, callable]) -> None:
+    """Write each folder into a temporary sibling, then rename them all into place (replacing old ones)."""
+    temps: dict[Path, Path] = {}
+    try:
+        for out, write in writers.items():
+            out.parent.mkdir(parents=True, exist_ok=True)
+            for leftover in clean_leftovers(out):
+                log.info("removed %s, left by an interrupted write", leftover)
+            temps[out] = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-{os.getpid()}-", dir=out.parent))
+            write(temps[out])
+        for out, tmp in temps.items():
+            if out.exists():
+                old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-{os.getpid()}-", dir=out.parent))
+                os.replace(out, old / out.name)
+                os.replace(tmp, out)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(tmp, out)
+    except BaseException:
+        for tmp in temps.values():
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def model_card(behaviours: list[str], base: str, measured: dict | None, hardened: bool,
+               step: int | None = None) -> str:
     lines = [
         "---", "library_name: transformers", "tags: [modular, locked-behaviour]", "---", "",
         f"# Locked model (base: {base})", "",
@@ -58,8 +140,12 @@ def model_card(behaviours: list[str], base: str, measured: dict | None, hardened
         + (" (and out of every reader, so adding it back does nothing)." if hardened else "."), "",
         "| behaviour | locked | key file |", "|---|---|---|",
     ]
-    lines += [f"| {b} | yes | `keys/{b}.key.safetensors` |" for b in behaviours]
-    lines += ["", "Unlock with `modular unlock --model <this folder> --key <key file> --out <folder>`.", ""]
+    lines += [f"| {b} | yes | `{b}{KEY_SUFFIX}` |" for b in behaviours]
+    lines += ["", "**The keys are not part of this folder.** They are distributed apart from these weights, by the",
+              "publisher, to whoever may unlock a behaviour. With a key:",
+              "`modular unlock --model <this folder> --key <key file> --out <folder>`.", ""]
+    if step is not None:
+        lines += [f"Trained weights: step {step} of the training run.", ""]
     if measured:
         lines += ["## Measured (held-out test split)", "", "| state | " + " | ".join(behaviours)
                   + " | retain first-token KL | perplexity ratio |",
@@ -72,36 +158,64 @@ def model_card(behaviours: list[str], base: str, measured: dict | None, hardened
 
 
 def publish_model(open_model, tokenizer, directions: dict, out: str | Path, base_name: str,
-                  measured: dict | None = None, harden: bool = True, overwrite: bool = False) -> Path:
-    """Lock ``open_model`` in place and write the published folder with its keys."""
+                  measured: dict | None = None, harden: bool = True, overwrite: bool = False,
+                  keys_out: str | Path | None = None, step: int | None = None,
+                  locked_responses: dict[str, str] | None = None, inputs: list[str | Path] = ()) -> tuple[Path, Path]:
+    """Lock ``open_model`` in place and write the published folder and, apart from it, its keys folder.
+
+    ``keys_out``: the keys folder (default :func:`keys_folder_for`); it may not lie inside ``out`` or contain it.
+    ``measured``: a lock report of the same trained weights (``step``) for the model card. ``inputs``: folders the
+    caller reads from (never replaced). Returns ``(published folder, keys folder)``.
+    """
+    out = Path(out)
+    keys_out = Path(keys_out) if keys_out is not None else keys_folder_for(out)
+    if _inside(keys_out, out) or _inside(out, keys_out):
+        raise ModularError(f"the keys folder {keys_out} may not lie inside the published folder {out} or contain "
+                           "it: the published folder is what users upload")
+    check_output_folder(out, inputs, overwrite)
+    check_output_folder(keys_out, inputs, overwrite, option="--keys")
     keys = lock_weights(open_model, directions, harden=harden)
     locked_hash = weights_hash(open_model)
+    produces = produced_hashes(open_model, keys)
+    behaviours = list(directions)
 
-    def write(tmp: Path) -> None:
+    def write_model(tmp: Path) -> None:
         open_model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        for key in keys:
-            save_key(key, tmp / "keys" / f"{key.behaviour}.key.safetensors", locked_hash)
-        manifest = {"base_model": base_name, "locked_behaviours": list(directions), "locked_hash": locked_hash,
-                    "weights_hash": locked_hash, "applied_keys": [], "hardened": harden}
+        manifest = {"kind": "published", "base_model": base_name, "locked_behaviours": behaviours,
+                    "locked_hash": locked_hash, "weights_hash": locked_hash, "applied_keys": [], "hardened": harden,
+                    "keys": "distributed apart from this folder", "step": step}
+        if locked_responses:
+            manifest["locked_responses"] = {b: locked_responses[b] for b in behaviours if b in locked_responses}
         if measured:
             manifest["measured_accuracy"] = {
                 state: {b: row["behaviours"][b]["accuracy"] for b in directions}
                 for state, row in measured.get("states", {}).items()
             }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-        (tmp / "README.md").write_text(model_card(list(directions), base_name, measured, harden))
+        (tmp / "README.md").write_text(model_card(behaviours, base_name, measured, harden, step))
 
-    return _atomic_folder(Path(out), write, overwrite)
+    def write_keys(tmp: Path) -> None:
+        for key in keys:
+            save_key(key, key_path(tmp, key.behaviour), locked_hash, produces[key.behaviour])
+        (tmp / MANIFEST).write_text(json.dumps({"kind": "keys", "locked_hash": locked_hash, "behaviours": behaviours,
+                                                "base_model": base_name}, indent=2) + "\n")
+
+    _write_folders({keys_out: write_keys, out: write_model})
+    return out, keys_out
 
 
 def unlock_folder(model_dir: str | Path, key_path: str | Path, out: str | Path, overwrite: bool = False) -> Path:
-    """Apply a key to a published folder and write the result (another plain HF folder)."""
+    """Apply a key to a published folder and write the result (another plain HF folder).
+
+    Refuses, with nothing written, a key of other weights, a damaged key (content digest) and a result that is not
+    the weights the key was made to produce (weights digest)."""
     from modular.models import load_model, load_tokenizer
 
-    model_dir = Path(model_dir)
+    model_dir, out = Path(model_dir), Path(out)
     if not (model_dir / "config.json").is_file():
         raise ModularError(f"{model_dir} is not a Hugging Face model folder")
+    check_output_folder(out, [model_dir, key_path], overwrite, sealed=[model_dir])
     key, meta = load_key(key_path)
     manifest_path = model_dir / MANIFEST
     manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else None
@@ -122,12 +236,22 @@ def unlock_folder(model_dir: str | Path, key_path: str | Path, out: str | Path, 
             f"key '{Path(key_path).name}' belongs to other weights (hash {meta['locked_hash'][:12]}…, "
             f"this model {current[:12]}…)"
         )
-    apply_key(model, key, applied=manifest["applied_keys"] if manifest else ())
+    applied = manifest["applied_keys"] if manifest else []
+    apply_key(model, key, applied=applied)
+    produced = weights_hash(model)
+    expected = {tuple(p["after"]): p["weights_hash"] for p in meta.get("produces", [])}
+    if tuple(applied) in expected:
+        if produced != expected[tuple(applied)]:
+            raise ModularError(f"key '{Path(key_path).name}' did not produce the weights it was made for (weights "
+                               "digest mismatch): the key or the model folder is damaged; nothing was written")
+    else:
+        log.warning("key '%s' records no digest for keys applied in the order %s; its result is not checked",
+                    Path(key_path).name, applied)
     tokenizer = load_tokenizer(model_dir)
     manifest = manifest or {"locked_hash": meta["locked_hash"], "applied_keys": [],
                             "locked_behaviours": [key.behaviour]}
-    manifest = {**manifest, "applied_keys": manifest["applied_keys"] + [key.behaviour],
-                "weights_hash": weights_hash(model)}
+    manifest = {**manifest, "kind": "unlocked", "applied_keys": manifest["applied_keys"] + [key.behaviour],
+                "weights_hash": produced}
 
     def write(tmp: Path) -> None:
         model.save_pretrained(tmp, safe_serialization=True)
@@ -136,4 +260,5 @@ def unlock_folder(model_dir: str | Path, key_path: str | Path, out: str | Path, 
         if (model_dir / "README.md").is_file():
             shutil.copy(model_dir / "README.md", tmp / "README.md")
 
-    return _atomic_folder(Path(out), write, overwrite)
+    _write_folders({out: write})
+    return out

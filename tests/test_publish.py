@@ -32,8 +32,8 @@ def test_publish_loads_without_modular_and_unlocks_exactly(tmp_path, tok, arch, 
     dirs = _dirs()
     with ablate_directions(ArchitectureAdapter(model), dirs["b0"]):
         hook_locked = model(tokens).logits
-    out = publish_model(model, tok, dirs, tmp_path / "pub", "tiny")
-    assert (out / "keys" / "b0.key.safetensors").exists() and (out / "README.md").exists()
+    out, keys = publish_model(model, tok, dirs, tmp_path / "pub", "tiny")
+    assert keys == tmp_path / "pub-keys" and (keys / "b0.key.safetensors").exists() and (out / "README.md").exists()
     # a plain transformers process loads it (modular not imported) and gives the hook-locked logits
     script = (
         "import sys, torch; from transformers import AutoModelForCausalLM;"
@@ -44,7 +44,7 @@ def test_publish_loads_without_modular_and_unlocks_exactly(tmp_path, tok, arch, 
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     published_logits = torch.tensor(json.loads(res.stdout)).reshape(hook_locked.shape)
     torch.testing.assert_close(published_logits, hook_locked, atol=1e-4, rtol=1e-4)
-    unlocked = unlock_folder(out, out / "keys" / "b0.key.safetensors", tmp_path / "unlocked")
+    unlocked = unlock_folder(out, keys / "b0.key.safetensors", tmp_path / "unlocked")
     from modular.models import load_model
 
     m = load_model(unlocked)
@@ -54,18 +54,18 @@ def test_publish_loads_without_modular_and_unlocks_exactly(tmp_path, tok, arch, 
     manifest = json.loads((unlocked / "modular.json").read_text())
     assert manifest["applied_keys"] == ["b0"]
     with pytest.raises(ModularError, match="already unlocked"):
-        unlock_folder(unlocked, out / "keys" / "b0.key.safetensors", tmp_path / "again")
+        unlock_folder(unlocked, keys / "b0.key.safetensors", tmp_path / "again")
 
 
 def test_key_for_other_weights_is_refused(tmp_path, tok):
-    a = publish_model(make_tiny_model("llama", seed=0), tok, _dirs(), tmp_path / "a", "tiny")
-    b = publish_model(make_tiny_model("llama", seed=1), tok, _dirs(), tmp_path / "b", "tiny")
+    a, _ = publish_model(make_tiny_model("llama", seed=0), tok, _dirs(), tmp_path / "a", "tiny")
+    _, b_keys = publish_model(make_tiny_model("llama", seed=1), tok, _dirs(), tmp_path / "b", "tiny")
     with pytest.raises(ModularError, match="belongs to other weights"):
-        unlock_folder(a, b / "keys" / "b0.key.safetensors", tmp_path / "x")
+        unlock_folder(a, b_keys / "b0.key.safetensors", tmp_path / "x")
     assert not (tmp_path / "x").exists()
     (a / "modular.json").unlink()  # without the manifest the hash of the weights decides
     with pytest.raises(ModularError, match="belongs to other weights"):
-        unlock_folder(a, b / "keys" / "b0.key.safetensors", tmp_path / "x")
+        unlock_folder(a, b_keys / "b0.key.safetensors", tmp_path / "x")
 
 
 def test_two_keys_unlock_one_behaviour_each(tmp_path, tok, tokens):
@@ -76,12 +76,12 @@ def test_two_keys_unlock_one_behaviour_each(tmp_path, tok, tokens):
         only_b1_locked = model(tokens).logits
     open_logits = model(tokens).logits
     open_state = {k: v.clone() for k, v in model.state_dict().items()}
-    pub = publish_model(model, tok, dirs, tmp_path / "pub", "tiny")
-    one = unlock_folder(pub, pub / "keys" / "b0.key.safetensors", tmp_path / "one")
+    pub, keys = publish_model(model, tok, dirs, tmp_path / "pub", "tiny")
+    one = unlock_folder(pub, keys / "b0.key.safetensors", tmp_path / "one")
     from modular.models import load_model
 
     torch.testing.assert_close(load_model(one)(tokens).logits, only_b1_locked, atol=1e-4, rtol=1e-4)
-    both = unlock_folder(one, pub / "keys" / "b1.key.safetensors", tmp_path / "both")
+    both = unlock_folder(one, keys / "b1.key.safetensors", tmp_path / "both")
     torch.testing.assert_close(load_model(both)(tokens).logits, open_logits, atol=1e-4, rtol=1e-4)
     restored = load_model(both).state_dict()  # the second key knows the first was applied: exact weights
     assert max((restored[k] - v).abs().max().item() for k, v in open_state.items() if k in restored) <= 1e-7
@@ -102,3 +102,113 @@ def test_interrupted_publish_leaves_nothing_that_looks_complete(tmp_path, tok, m
     publish_model(make_tiny_model("llama"), tok, _dirs(), tmp_path / "pub", "tiny")
     with pytest.raises(ModularError, match="already exists"):
         publish_model(make_tiny_model("llama"), tok, _dirs(), tmp_path / "pub", "tiny")
+
+
+# --- keys apart, checked keys, safe overwrite ------------------------------------------------------------------
+def test_published_folder_holds_no_key_material(tmp_path, tok):
+    """The folder a user uploads holds no key file and no key tensor; the keys go to a folder of their own."""
+    model = make_tiny_model("llama")
+    out, keys = publish_model(model, tok, _dirs(2), tmp_path / "pub", "tiny")
+    assert not (out / "keys").exists()
+    assert sorted(p.name for p in keys.glob("*.key.safetensors")) == ["b0.key.safetensors", "b1.key.safetensors"]
+    from modular.keys import load_key
+
+    secrets = []
+    for path in keys.glob("*.key.safetensors"):
+        key, _ = load_key(path)
+        secrets += [key.direction.numpy().tobytes()] + [c.a.numpy().tobytes() for c in key.components[:3]]
+    for path in out.rglob("*"):
+        assert ".key" not in path.name
+        if path.is_file():
+            data = path.read_bytes()
+            assert not any(secret in data for secret in secrets), path
+    card = (out / "README.md").read_text()
+    assert "not part of this folder" in card and "distributed apart" in card
+    with pytest.raises(ModularError, match="may not lie inside the published folder"):
+        publish_model(make_tiny_model("llama"), tok, _dirs(), tmp_path / "p2", "tiny", keys_out=tmp_path / "p2" / "k")
+    assert not (tmp_path / "p2").exists()
+
+
+def _flip_tensor_byte(path):
+    """Change one byte of a safetensors file's tensor data, leaving its header valid."""
+    raw = bytearray(path.read_bytes())
+    header = int.from_bytes(raw[:8], "little")
+    raw[8 + header + (len(raw) - 8 - header) // 2] ^= 0x5A
+    path.write_bytes(bytes(raw))
+
+
+def test_damaged_key_is_refused_and_nothing_is_written(tmp_path, tok):
+    out, keys = publish_model(make_tiny_model("llama"), tok, _dirs(), tmp_path / "pub", "tiny")
+    key = keys / "b0.key.safetensors"
+    good = key.read_bytes()
+    _flip_tensor_byte(key)
+    with pytest.raises(ModularError, match="corrupted"):
+        unlock_folder(out, key, tmp_path / "x")
+    key.write_bytes(good[: len(good) // 2])  # truncated
+    with pytest.raises(ModularError, match="not a readable modular key file"):
+        unlock_folder(out, key, tmp_path / "x")
+    key.write_text("not a key\n")
+    with pytest.raises(ModularError, match="not a readable modular key file"):
+        unlock_folder(out, key, tmp_path / "x")
+    assert not (tmp_path / "x").exists()
+    key.write_bytes(good)
+    assert unlock_folder(out, key, tmp_path / "x").is_dir()
+
+
+def test_key_that_does_not_produce_its_weights_is_refused(tmp_path, tok):
+    """A key re-saved with changed components (a valid content digest) no longer produces the weights it records."""
+    from modular.keys import load_key, save_key
+
+    out, keys = publish_model(make_tiny_model("llama"), tok, _dirs(), tmp_path / "pub", "tiny")
+    path = keys / "b0.key.safetensors"
+    key, meta = load_key(path)
+    key.components[0].a = key.components[0].a * 1.001
+    produces = {tuple(p["after"]): p["weights_hash"] for p in meta["produces"]}
+    assert produces and all(len(h) == 64 for h in produces.values())
+    save_key(key, path, meta["locked_hash"], produces)
+    with pytest.raises(ModularError, match="did not produce the weights"):
+        unlock_folder(out, path, tmp_path / "x")
+    assert not (tmp_path / "x").exists()
+
+
+def test_overwrite_replaces_only_what_modular_wrote(tmp_path, tok):
+    out, keys = publish_model(make_tiny_model("llama"), tok, _dirs(), tmp_path / "pub", "tiny")
+    key = keys / "b0.key.safetensors"
+    unrelated = tmp_path / "mine"
+    unrelated.mkdir()
+    (unrelated / "thesis.tex").write_text("years of work")
+    with pytest.raises(ModularError, match="not written by modular"):
+        publish_model(make_tiny_model("llama"), tok, _dirs(), unrelated, "tiny", overwrite=True)
+    with pytest.raises(ModularError, match="not written by modular"):
+        unlock_folder(out, key, unrelated, overwrite=True)
+    assert (unrelated / "thesis.tex").read_text() == "years of work"
+    # the folder it reads from, a folder containing it, its keys, a folder inside it: refused
+    for target in (out, tmp_path, keys, out / "unlocked"):
+        with pytest.raises(ModularError, match="input|inside"):
+            unlock_folder(out, key, target, overwrite=True)
+    run = tmp_path / "runs" / "run1"
+    run.mkdir(parents=True)
+    for target in (run, run.parent):
+        with pytest.raises(ModularError, match="would replace the input"):
+            publish_model(make_tiny_model("llama"), tok, _dirs(), target, "tiny", overwrite=True, inputs=[run],
+                          keys_out=tmp_path / "k")
+    assert run.is_dir() and (out / "model.safetensors").is_file() and key.is_file()
+    # what modular wrote is replaced
+    first = unlock_folder(out, key, tmp_path / "unlocked")
+    (first / "stale.txt").write_text("x")
+    unlock_folder(out, key, first, overwrite=True)
+    assert not (first / "stale.txt").exists() and (first / "modular.json").is_file()
+
+
+def test_publish_removes_what_an_interrupted_publish_left(tmp_path, tok):
+    import os
+
+    stale = [tmp_path / ".pub.partial-abc123", tmp_path / f".pub.partial-{2**22 + 7}-x1", tmp_path / f".pub.old-{2**22 + 9}-z"]
+    live = tmp_path / f".pub.partial-{os.getppid()}-y2"  # a running process's write is left alone
+    other = tmp_path / ".other.partial-abc"  # another folder's
+    for d in [*stale, live, other]:
+        d.mkdir()
+        (d / "model.safetensors").write_text("half")
+    publish_model(make_tiny_model("llama"), tok, _dirs(), tmp_path / "pub", "tiny")
+    assert not any(d.exists() for d in stale)
+    assert live.exists() and other.exists()
