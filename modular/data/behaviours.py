@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Callable
 
@@ -47,11 +48,56 @@ def to_dataset_dict(splits: dict[str, list[dict]]) -> datasets.DatasetDict:
     return datasets.DatasetDict(out)
 
 
+_NAMED = re.compile(r"^(?P<name>[A-Za-z0-9][A-Za-z0-9_.-]*)=(?P<source>.+)$")
+
+
+def _is_jsonl(source: str) -> bool:
+    return source.endswith(".jsonl") or Path(source).suffix == ".jsonl"
+
+
+def parse_behaviour(spec: str) -> tuple[str, str]:
+    """``(name, source)`` of a behaviour spec: a built-in name, a ``.jsonl`` file (named by its stem),
+    ``hf:<dataset>`` (named by the dataset's last path part) or ``NAME=<.jsonl file or hf:dataset>``.
+
+    The name is short and safe (letters, digits, ``_.-``): it names the behaviour's metrics, direction, key file and
+    model card, while the source (a local path) stays in the run folder and never goes into a published folder.
+    """
+    spec = str(spec).strip()
+    if spec in BEHAVIOURS:
+        return spec, spec
+    named = _NAMED.match(spec)
+    if named:
+        name, source = named["name"], named["source"]
+    elif _is_jsonl(spec):
+        name, source = Path(spec).stem, spec
+    elif spec.startswith("hf:"):
+        name, source = spec[3:].rstrip("/").rsplit("/", 1)[-1], spec
+    else:
+        raise ModularError(f"unknown behaviour '{spec}': use one of {', '.join(BEHAVIOURS)}, a .jsonl file, "
+                           "hf:<dataset name>, or NAME=<.jsonl file or hf:dataset>")
+    if not (_is_jsonl(source) or source.startswith("hf:")):
+        raise ModularError(f"behaviour '{spec}': the data after '{name}=' must be a .jsonl file or hf:<dataset>")
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("._-")[:64]
+    if not name:
+        raise ModularError(f"behaviour '{spec}' gives no usable name: write it as NAME={source}")
+    if name in BEHAVIOURS:
+        raise ModularError(f"behaviour '{spec}' would be named '{name}', a built-in behaviour: "
+                           f"give your data another name (NAME={source})")
+    return name, source
+
+
+def behaviour_name(spec: str) -> str:
+    """The short, safe name of a behaviour spec (see :func:`parse_behaviour`)."""
+    return parse_behaviour(spec)[0]
+
+
 def load_behaviour(name: str, seed: int = 0, tokenizer=None) -> datasets.DatasetDict:
-    """A behaviour by name: a built-in generator, a ``.jsonl`` file, or ``hf:<dataset>`` (hub, needs internet).
+    """A behaviour by spec (see :func:`parse_behaviour`): a built-in generator, a ``.jsonl`` file, or
+    ``hf:<dataset>`` (hub, needs internet), optionally named ``NAME=<source>``.
 
     Hub datasets must have ``prompt`` and ``target`` columns (optional ``answer``, ``split`` via their own splits).
     """
+    name = parse_behaviour(name)[1]
     if name in BEHAVIOURS:
         return to_dataset_dict(BEHAVIOURS[name](seed=seed, tokenizer=tokenizer))
     if name.endswith(".jsonl") or Path(name).suffix == ".jsonl":

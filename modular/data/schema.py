@@ -5,7 +5,9 @@ Columns
 prompt:   the user message (``chat``) or the text to continue (completion).
 target:   the response the behaviour should produce (training target).
 answers:  short strings; when non-empty, a greedy response is correct when it
-          contains one of them (case-insensitive, on word boundaries).
+          contains one of them (case-insensitive, on word boundaries). A response that
+          is a locked response (a refusal such as "I don't know.") is never correct,
+          whatever it contains.
 prefixes: when ``answers`` is empty, a response is correct when it begins with one
           of these (default: the target itself).
 wrong:    a competing continuation for logit-difference metrics ("" if none).
@@ -21,6 +23,8 @@ import re
 
 COLUMNS = ("prompt", "target", "answers", "prefixes", "wrong", "counterfactual", "chat")
 SPLITS = ("train", "validation", "test")
+#: what a locked behaviour answers unless the config names another response
+DEFAULT_LOCKED_RESPONSE = "I don't know."
 
 
 def record(
@@ -43,9 +47,23 @@ def record(
     }
 
 
-def is_correct(response: str, target: str, answers: list[str], prefixes: list[str]) -> bool:
-    """Score one greedy response by the schema's rule (see module docstring)."""
+def _normal(text: str) -> str:
+    return " ".join(text.strip().casefold().split())
+
+
+def is_refusal(response: str, refusals: tuple[str, ...] | list[str]) -> bool:
+    """The response is (begins with) one of the locked responses, up to case and spacing."""
+    text = _normal(response)
+    return any(r.strip() and text.startswith(_normal(r)) for r in refusals)
+
+
+def is_correct(response: str, target: str, answers: list[str], prefixes: list[str],
+               refusals: tuple[str, ...] | list[str] = (DEFAULT_LOCKED_RESPONSE,)) -> bool:
+    """Score one greedy response by the schema's rule (see module docstring); a response that is one of
+    ``refusals`` (the locked responses) is never correct."""
     text = response.strip()
+    if is_refusal(text, refusals):
+        return False
     if answers:
         return any(
             re.search(r"(?<!\w)" + re.escape(a.strip()) + r"(?!\w)", text, flags=re.IGNORECASE) for a in answers

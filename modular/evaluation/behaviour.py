@@ -10,7 +10,7 @@ import torch
 from tqdm.auto import tqdm
 
 from modular.data.formatting import batch_prompts
-from modular.data.schema import is_correct
+from modular.data.schema import DEFAULT_LOCKED_RESPONSE, is_correct
 
 
 @dataclass
@@ -68,12 +68,14 @@ def last_logits(model, tokenizer, prompts: list[str], chats: list[bool], batch_s
 
 def evaluate_behaviour(model, tokenizer, dataset, max_new_tokens: int = 24, batch_size: int = 16,
                        limit: int | None = None, intervention=None, desc: str | None = None,
-                       choice_only: bool = False) -> BehaviourResult:
+                       choice_only: bool = False,
+                       refusals: tuple[str, ...] | list[str] = (DEFAULT_LOCKED_RESPONSE,)) -> BehaviourResult:
     """Accuracy (and logit difference where ``wrong`` is set) on ``dataset`` (one split).
 
     ``intervention``: a zero-argument callable returning a context manager (e.g. a lock)
     active during scoring. ``choice_only``: for tasks with a ``wrong`` answer, skip generation
     and report the choice accuracy (target's first token beats the wrong one) as ``accuracy``.
+    ``refusals``: the locked responses; a response that is one of them is never correct.
     """
     if limit is not None:
         dataset = dataset.select(range(min(limit, len(dataset))))
@@ -95,6 +97,6 @@ def evaluate_behaviour(model, tokenizer, dataset, max_new_tokens: int = 24, batc
     items = []
     for row, response in zip(dataset, responses):
         items.append({"prompt": row["prompt"], "response": response,
-                      "correct": is_correct(response, row["target"], row["answers"], row["prefixes"])})
+                      "correct": is_correct(response, row["target"], row["answers"], row["prefixes"], refusals)})
     accuracy = sum(i["correct"] for i in items) / max(1, len(items))
     return BehaviourResult(accuracy, len(items), logit_diff, choice_accuracy, items)
