@@ -1,4 +1,14 @@
-"""Load what a training run produced: the open (trained) model, its directions and its record."""
+"""The run folder: its layout, and what a training run produced (the open model, its directions, its record).
+
+Layout of a run folder (``trainer.default_root_dir``)::
+
+    run.json                 the run record, written when fitting ends (behaviours and their data sources, the
+                             checkpoint and its step, the last logged metrics)
+    directions.safetensors   one designated direction per gated behaviour
+    last.ckpt                the checkpoint of the last step (what publish and the evaluations read)
+    wandb_run_id             the W&B run's id, so a resumed run continues it
+    lock.json, lock.png      the lock evaluation of the checkpoint (``evaluate.py lock``)
+"""
 
 from __future__ import annotations
 
@@ -9,6 +19,12 @@ from pathlib import Path
 import torch
 
 from modular import ModularError
+
+RUN_RECORD = "run.json"
+DIRECTIONS = "directions.safetensors"
+LAST_CHECKPOINT = "last.ckpt"
+WANDB_RUN_ID = "wandb_run_id"
+LOCK_REPORT = "lock.json"
 
 
 @dataclass
@@ -25,13 +41,41 @@ def read_run(run_dir: str | Path) -> Run:
     from safetensors.torch import load_file
 
     path = Path(run_dir)
-    if not (path / "run.json").is_file():
-        raise ModularError(f"{path} is not a finished training run (no run.json); train with train.py fit first")
-    record = json.loads((path / "run.json").read_text())
+    if not (path / RUN_RECORD).is_file():
+        raise ModularError(f"{path} is not a finished training run (no {RUN_RECORD}); train with train.py fit first")
+    record = json.loads((path / RUN_RECORD).read_text())
     behaviours = record["behaviours"]
     # a run without gated behaviours (sparse post-training) has no directions
-    dirs = load_file(str(path / "directions.safetensors")) if behaviours else {}
+    dirs = load_file(str(path / DIRECTIONS)) if behaviours else {}
     return Run(path, record["model_name"], behaviours, {b: dirs[b] for b in behaviours}, record)
+
+
+def behaviour_sources(run: Run) -> dict[str, str]:
+    """Where each gated behaviour's data comes from (a built-in name, a .jsonl file, hf:<dataset>), by name."""
+    return {b: run.record.get("behaviour_sources", {}).get(b, b) for b in run.behaviours}
+
+
+def checkpoint_path(run: Run) -> Path:
+    """The run's checkpoint (the one ``run.json`` names; beside ``run.json`` if the folder has moved)."""
+    recorded = Path(run.record.get("checkpoint") or LAST_CHECKPOINT)
+    # the run folder may have moved since training: look for the checkpoint beside run.json first
+    path = run.path / recorded.name if (run.path / recorded.name).is_file() else recorded
+    if not path.is_file():
+        raise ModularError(f"checkpoint not found: {path}")
+    return path
+
+
+def _load_checkpoint(path: Path) -> dict:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    except Exception as err:  # noqa: BLE001 - a truncated or foreign file fails in torch's zip or pickle readers
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ModularError(f"{path} is not a readable checkpoint ({reason}); train again to replace it") from None
+
+
+def checkpoint_step(run: Run) -> int:
+    """The optimisation step the run's checkpoint holds (what publish and the evaluations describe)."""
+    return int(_load_checkpoint(checkpoint_path(run))["global_step"])
 
 
 def load_open_model(run: Run):
@@ -41,12 +85,7 @@ def load_open_model(run: Run):
     gates scoped to the tasks (``gate_scope: tasks``) only guided training and are dropped."""
     from modular.models import load_model
 
-    recorded = Path(run.record.get("checkpoint") or "last.ckpt")
-    # the run folder may have moved since training: look for the checkpoint beside run.json first
-    ckpt_path = run.path / recorded.name if (run.path / recorded.name).is_file() else recorded
-    if not ckpt_path.is_file():
-        raise ModularError(f"checkpoint not found: {ckpt_path}")
-    ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False, mmap=True)
+    ckpt = _load_checkpoint(checkpoint_path(run))
     state = {k[len("model."):]: v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
     model = load_model(run.model_name)
     gated = any(".head_gate." in k for k in state)

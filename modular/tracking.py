@@ -29,20 +29,24 @@ def _clean(obj: Any) -> Any:
     return obj
 
 
-def write_json(path: str | Path, data: Any) -> Path:
-    """Write ``data`` as indented JSON atomically (temp file + rename)."""
+def write_text(path: str | Path, text: str) -> Path:
+    """Write ``text`` atomically (temp file + rename): readers never see a half-written file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump(_clean(data), f, indent=2)
-            f.write("\n")
+            f.write(text)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def write_json(path: str | Path, data: Any) -> Path:
+    """Write ``data`` as indented JSON atomically (temp file + rename)."""
+    return write_text(path, json.dumps(_clean(data), indent=2) + "\n")
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:

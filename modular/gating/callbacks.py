@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from modular.evaluation.behaviour import evaluate_behaviour, last_logits
 from modular.hooks import ablate_directions
@@ -42,7 +42,7 @@ class LockMetricsCallback(Callback):
             ds = dm.behaviour_data[b]["validation"]
             for state, ctx in (("open", None), ("locked", lambda i=i: ablate_directions(adapter, dirs[i]))):
                 r = evaluate_behaviour(model, tok, ds, self.max_new_tokens, limit=self.limit, intervention=ctx,
-                                       desc=False)
+                                       desc=False, refusals=(dm.locked_responses[b],))
                 metrics[f"val/{b}/accuracy_{state}"] = r.accuracy
         retain = dm.retain["validation"]
         ref = dm.reference_first_logp["validation"]
@@ -103,19 +103,33 @@ class SparseHeadsCallback(Callback):
             })
 
 
+class RunCheckpoint(ModelCheckpoint):
+    """Lightning's :class:`~lightning.pytorch.callbacks.ModelCheckpoint` that also saves ``last.ckpt`` at the
+    final step: with ``every_n_train_steps`` the last save is otherwise the last multiple of the interval, and a
+    150-step run would publish step 140. Takes every option of ``ModelCheckpoint``."""
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        super().on_train_end(trainer, pl_module)
+        if self.save_last and self._last_global_step_saved != trainer.global_step:
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+
 class RunRecordCallback(Callback):
-    """Writes ``run.json`` in the run folder when fitting ends: what was gated, where the weights are,
-    and the last logged metrics (the lock evaluation reads it)."""
+    """Writes ``run.json`` in the run folder when fitting ends: what was gated (short names and where their data
+    is), where the weights are and the step they hold, and the last logged metrics (the lock evaluation reads it)."""
 
     def on_fit_end(self, trainer, pl_module) -> None:
         if not trainer.is_global_zero:
             return
         from pathlib import Path
 
+        from modular.runs import RUN_RECORD
         from modular.tracking import write_json
 
         run_dir = Path(trainer.default_root_dir)
         ckpt = next((c.last_model_path for c in trainer.checkpoint_callbacks if c.last_model_path), None)
+        ckpt_step = int(torch.load(ckpt, map_location="cpu", weights_only=False, mmap=True)["global_step"]) \
+            if ckpt else None
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
         gates = {}
         if pl_module.hparams.get("head_gates", False):
@@ -123,14 +137,18 @@ class RunRecordCallback(Callback):
 
             values = deterministic_gate_values(pl_module.hf_model)
             gates = {"open_heads": int((values > 0).sum()), "n_heads": values.numel()}
-        write_json(run_dir / "run.json", {
+        dm = trainer.datamodule
+        write_json(run_dir / RUN_RECORD, {
             "model_name": pl_module.hparams.model_name,
             "behaviours": pl_module.behaviours,
+            "behaviour_sources": dict(getattr(dm, "behaviour_specs", {})),
+            "locked_responses": dict(getattr(dm, "locked_responses", {})),
             "finetuning": pl_module.hparams.finetuning,
             "direction_strategy": pl_module.hparams.direction_strategy,
             "tasks": list(getattr(trainer.datamodule, "tasks", [])),
             "head_gates": bool(pl_module.hparams.get("head_gates", False)),
             "checkpoint": ckpt,
+            "checkpoint_step": ckpt_step,  # the step publish and the evaluations read
             "global_step": trainer.global_step,
             "metrics": metrics,
             **gates,
