@@ -18,6 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 from modular.data.formatting import LeftPadCollator, encode_example
+from modular.data.schema import DEFAULT_LOCKED_RESPONSE
 from modular.directions import last_position_mean, robust_norm
 from modular.evaluation.behaviour import evaluate_behaviour
 from modular.hooks import add_vectors, capture_residual
@@ -54,28 +55,30 @@ def residual_scale(model, tokenizer, prompts, chats) -> float:
     return robust_norm(states[adapter.n_layers // 2][:, -1].float()).item()
 
 
-def _scan(model, tokenizer, test, make_vectors, scales, desc) -> dict:
+def _scan(model, tokenizer, test, make_vectors, scales, desc, refusals=(DEFAULT_LOCKED_RESPONSE,)) -> dict:
     best = {"accuracy": -1.0}
     rows = []
     adapter = ArchitectureAdapter(model)
     for s in tqdm(scales, desc=desc, leave=False):
         acc = evaluate_behaviour(model, tokenizer, test, max_new_tokens=16,
-                                 intervention=lambda s=s: add_vectors(adapter, make_vectors(s)), desc=False).accuracy
+                                 intervention=lambda s=s: add_vectors(adapter, make_vectors(s)), desc=False,
+                                 refusals=refusals).accuracy
         rows.append({"scale": s, "accuracy": acc})
         if acc > best["accuracy"]:
             best = {"scale": s, "accuracy": acc}
     return {"best": best, "scan": rows}
 
 
-def weight_attack(model, tokenizer, test, alphas, scale: float) -> dict:
+def weight_attack(model, tokenizer, test, alphas, scale: float, refusals=(DEFAULT_LOCKED_RESPONSE,)) -> dict:
     u, evals = null_space_direction(model)
     n = ArchitectureAdapter(model).n_layers
-    res = _scan(model, tokenizer, test, lambda a: {i: a * scale * u for i in range(n)}, alphas, "attack (a)")
+    res = _scan(model, tokenizer, test, lambda a: {i: a * scale * u for i in range(n)}, alphas, "attack (a)",
+                refusals)
     return {**res, "smallest_eigenvalues": evals}
 
 
 def steering_attack(model, tokenizer, behaviour_train, contrast, test, alphas, scale: float,
-                    n_pairs: int = 128) -> dict:
+                    n_pairs: int = 128, refusals=(DEFAULT_LOCKED_RESPONSE,)) -> dict:
     adapter = ArchitectureAdapter(model)
     n = min(n_pairs, len(behaviour_train), len(contrast))
     layers = sorted({adapter.n_layers // 4, adapter.n_layers // 2, (3 * adapter.n_layers) // 4})
@@ -89,7 +92,7 @@ def steering_attack(model, tokenizer, behaviour_train, contrast, test, alphas, s
         # the vector enters ``layer``: add it to the output of the block before (or to the embedding output)
         res = _scan(model, tokenizer, test, lambda s, v=v, layer=layer: {max(layer - 1, 0): s * scale * v},
                     [a for a in alphas if a > 0],
-                    f"attack (b) layer {layer}")
+                    f"attack (b) layer {layer}", refusals)
         out["layers"][layer] = res
         if res["best"]["accuracy"] > best["accuracy"]:
             best = {**res["best"], "layer": layer}
@@ -98,7 +101,8 @@ def steering_attack(model, tokenizer, behaviour_train, contrast, test, alphas, s
 
 
 def relearn_attack(model, tokenizer, behaviour_train, test, n_examples, open_accuracy: float, lr: float = 5e-5,
-                   max_steps: int = 40, eval_every: int = 5, batch_size: int = 8, seed: int = 0) -> dict:
+                   max_steps: int = 40, eval_every: int = 5, batch_size: int = 8, seed: int = 0,
+                   refusals=(DEFAULT_LOCKED_RESPONSE,)) -> dict:
     """Fine-tune a copy on ``n`` examples; steps until 50% / 90% of ``open_accuracy`` return."""
     results = {}
     collate = LeftPadCollator(tokenizer.pad_token_id)
@@ -117,7 +121,7 @@ def relearn_attack(model, tokenizer, behaviour_train, test, n_examples, open_acc
             opt.zero_grad()
             if step % eval_every == 0:
                 m.eval()
-                acc = evaluate_behaviour(m, tokenizer, test, max_new_tokens=16, desc=False).accuracy
+                acc = evaluate_behaviour(m, tokenizer, test, max_new_tokens=16, desc=False, refusals=refusals).accuracy
                 m.train()
                 curve.append({"step": step, "examples_seen": step * len(idx), "accuracy": acc})
                 if hit50 is None and acc >= 0.5 * open_accuracy:

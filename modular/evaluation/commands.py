@@ -79,7 +79,8 @@ def lock(run: str, out: str | None = None, other_limit: int = 64, harden: bool =
     published_locked (weights) and unlocked (keys applied); writes lock.json and lock.png.
 
     Args:
-        run: Training run folder (holds run.json, directions.safetensors, last.ckpt).
+        run: Training run folder (holds run.json, directions.safetensors, last.ckpt); lock.json records the
+            checkpoint's step.
         out: Output folder (default: the run folder).
         other_limit: Items scored for each non-gated built-in behaviour.
         harden: Publish with hardened readers (as ``modular publish`` does by default).
@@ -87,16 +88,18 @@ def lock(run: str, out: str | None = None, other_limit: int = 64, harden: bool =
     """
     from modular.evaluation.lock import lock_report, plot_lock
     from modular.models import load_model, load_tokenizer
-    from modular.runs import load_open_model, read_run
+    from modular.runs import behaviour_sources, checkpoint_step, load_open_model, read_run
     from modular.tracking import log_to_wandb, write_json
 
     r = read_run(run)
     out_dir = Path(out or run)
     tokenizer = load_tokenizer(r.model_name)
+    step = checkpoint_step(r)
     report = lock_report(load_model(r.model_name), load_open_model(r), tokenizer, r.directions,
                          seed=int(r.record.get("seed", 0)), other_limit=other_limit, harden=harden,
-                         max_new_tokens=max_new_tokens)
-    report = {"run": str(run), "model": r.model_name, **report}
+                         max_new_tokens=max_new_tokens, sources=behaviour_sources(r),
+                         locked_responses=r.record.get("locked_responses"))
+    report = {"run": str(run), "model": r.model_name, "step": step, **report}  # the checkpoint step it describes
     write_json(out_dir / "lock.json", report)
     fig = plot_lock(report, out_dir / "lock.png")
     log_to_wandb(out_dir, "evaluate-lock", report, config={"run": str(run)}, figures={"lock": fig})
@@ -106,13 +109,15 @@ def lock(run: str, out: str | None = None, other_limit: int = 64, harden: bool =
 
 def attack(model: str, behaviour: str | None = None, alphas: list[float] = (-1, -0.5, -0.25, -0.1, 0.1, 0.25, 0.5, 1),
            n_pairs: int = 128, n_examples: list[int] = (8, 32, 128), relearn_steps: int = 40,
-           relearn_lr: float = 5e-5, limit: int | None = None, seed: int = 0, out: str | None = None) -> dict:
+           relearn_lr: float = 5e-5, limit: int | None = None, seed: int = 0, out: str | None = None,
+           base: str | None = None) -> dict:
     """Attack a published locked model as someone who knows the method: (a) recover the direction from the
     weights and add it back, (b) difference-in-means steering, (c) relearning by fine-tuning; writes attack.json.
 
     Args:
         model: Published model folder (from ``modular publish``).
-        behaviour: Locked behaviour to attack (default: every behaviour listed in the folder's modular.json).
+        behaviour: Locked behaviour(s) to attack, comma-separated (default: every behaviour listed in the folder's
+            modular.json). A behaviour gated from user data is given with its data: NAME=<.jsonl file or hf:dataset>.
         alphas: Scales scanned in (a) and (b), in units of the typical residual norm.
         n_pairs: Prompt pairs used for the difference-in-means direction in (b) (at most 128).
         n_examples: Training-set sizes N for relearning in (c).
@@ -121,12 +126,15 @@ def attack(model: str, behaviour: str | None = None, alphas: list[float] = (-1, 
         limit: Score at most this many test items per evaluation.
         seed: Seed of the data splits.
         out: Output folder (default: <model>/attack).
+        base: The base model the weights were trained from (default: the one the folder's modular.json names; a
+            base given as a local folder is named there by its last part only, so give it here).
     """
     import json as _json
 
     from modular import ModularError
-    from modular.data import load_behaviour, retain_data
+    from modular.data import BEHAVIOURS, load_behaviour, parse_behaviour, retain_data
     from modular.evaluation.attack import relearn_attack, residual_scale, steering_attack, weight_attack
+    from modular.data.schema import DEFAULT_LOCKED_RESPONSE
     from modular.evaluation.behaviour import evaluate_behaviour
     from modular.models import load_model, load_tokenizer
     from modular.plots import bar_chart
@@ -137,26 +145,43 @@ def attack(model: str, behaviour: str | None = None, alphas: list[float] = (-1, 
     if not manifest_path.is_file():
         raise ModularError(f"{folder} is not a published modular model (no modular.json)")
     manifest = _json.loads(manifest_path.read_text())
-    behaviours = [behaviour] if behaviour else manifest["locked_behaviours"]
+    if "locked_behaviours" not in manifest:
+        raise ModularError(f"{folder} is not a published modular model (its modular.json lists no locked behaviours)")
+    specs = [b.strip() for b in behaviour.split(",") if b.strip()] if behaviour else manifest["locked_behaviours"]
+    sources = {}
+    for spec in specs:
+        if spec not in manifest["locked_behaviours"] and "=" not in spec and spec not in BEHAVIOURS:
+            spec = parse_behaviour(spec)[0] + "=" + spec  # a data file named by its stem
+        name, source = parse_behaviour(spec) if spec not in manifest["locked_behaviours"] else (spec, spec)
+        if name not in manifest["locked_behaviours"]:
+            raise ModularError(f"behaviour '{name}' is not locked in {folder} (locked: "
+                               f"{', '.join(manifest['locked_behaviours'])})")
+        if source == name and name not in BEHAVIOURS:
+            raise ModularError(f"behaviour '{name}' was gated from user data: give it as --behaviour "
+                               f"{name}=<its .jsonl file or hf:dataset>")
+        sources[name] = source
+    refusals = manifest.get("locked_responses", {})
     if n_pairs > 128:
         raise ModularError("n_pairs is at most 128")
     tokenizer = load_tokenizer(folder)
     locked = load_model(folder)
-    base = load_model(manifest["base_model"])
+    base = load_model(base or manifest["base_model"])
     retain = retain_data(seed)["train"]
     out_dir = Path(out or folder / "attack")
     report = {"model": str(folder), "behaviours": {}}
-    for b in behaviours:
-        data = load_behaviour(b, seed=seed, tokenizer=tokenizer)
+    for b, source in sources.items():
+        data = load_behaviour(source, seed=seed, tokenizer=tokenizer)
         test = data["test"] if limit is None else data["test"].select(range(min(limit, len(data["test"]))))
-        base_acc = evaluate_behaviour(base, tokenizer, test, desc="base").accuracy
-        locked_acc = evaluate_behaviour(locked, tokenizer, test, desc="locked").accuracy
+        refuse = (refusals.get(b, DEFAULT_LOCKED_RESPONSE),)
+        base_acc = evaluate_behaviour(base, tokenizer, test, desc="base", refusals=refuse).accuracy
+        locked_acc = evaluate_behaviour(locked, tokenizer, test, desc="locked", refusals=refuse).accuracy
         open_acc = manifest.get("measured_accuracy", {}).get("open", {}).get(b, base_acc)
         scale = residual_scale(locked, tokenizer, retain["prompt"], retain["chat"])
-        a = weight_attack(locked, tokenizer, test, list(alphas), scale)
-        s = steering_attack(locked, tokenizer, data["train"], retain, test, list(alphas), scale, n_pairs)
+        a = weight_attack(locked, tokenizer, test, list(alphas), scale, refusals=refuse)
+        s = steering_attack(locked, tokenizer, data["train"], retain, test, list(alphas), scale, n_pairs,
+                            refusals=refuse)
         c = relearn_attack(locked, tokenizer, data["train"].shuffle(seed=seed), test, list(n_examples), open_acc,
-                           lr=relearn_lr, max_steps=relearn_steps)
+                           lr=relearn_lr, max_steps=relearn_steps, refusals=refuse)
         report["behaviours"][b] = {
             "base_accuracy": base_acc, "open_accuracy": open_acc, "locked_accuracy": locked_acc,
             "residual_scale": scale,

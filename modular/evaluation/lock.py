@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from modular.data import BEHAVIOURS, load_behaviour, neutral_text, retain_data
+from modular.data.schema import DEFAULT_LOCKED_RESPONSE
 from modular.evaluation.behaviour import evaluate_behaviour, last_logits
 from modular.evaluation.retain import first_token_logp, mean_kl, perplexity
 from modular.evaluation.stats import wilson_interval
@@ -55,12 +56,16 @@ def build_states(base, open_model, directions: dict[str, torch.Tensor], harden: 
 
 
 def lock_report(base, open_model, tokenizer, directions: dict[str, torch.Tensor], seed: int = 0,
-                other_limit: int = 64, harden: bool = True, max_new_tokens: int = 24) -> dict:
-    """Every number of ``lock.json``."""
+                other_limit: int = 64, harden: bool = True, max_new_tokens: int = 24,
+                sources: dict[str, str] | None = None, locked_responses: dict[str, str] | None = None) -> dict:
+    """Every number of ``lock.json``. ``sources``: where each gated behaviour's data is, by name (default: the
+    name); ``locked_responses``: each behaviour's locked response, never scored as a correct answer."""
     states, published, unlocked, _ = build_states(base, open_model, directions, harden)
     gated = list(directions)
     others = [b for b in BEHAVIOURS if b not in gated]
-    data = {b: load_behaviour(b, seed=seed, tokenizer=tokenizer)["test"] for b in gated + others}
+    sources = {b: (sources or {}).get(b, b) for b in gated}
+    refusals = {b: ((locked_responses or {}).get(b, DEFAULT_LOCKED_RESPONSE),) for b in gated}
+    data = {b: load_behaviour(sources.get(b, b), seed=seed, tokenizer=tokenizer)["test"] for b in gated + others}
     retain = retain_data(seed)["test"]
     texts = list(neutral_text(seed)["test"]["text"])
 
@@ -80,7 +85,8 @@ def lock_report(base, open_model, tokenizer, directions: dict[str, torch.Tensor]
     for state, (model, ctx) in states.items():
         row: dict = {"behaviours": {}, "others": {}}
         for b in gated:
-            r = evaluate_behaviour(model, tokenizer, data[b], max_new_tokens, intervention=ctx, desc=f"{state}:{b}")
+            r = evaluate_behaviour(model, tokenizer, data[b], max_new_tokens, intervention=ctx, desc=f"{state}:{b}",
+                                   refusals=refusals[b])
             k = sum(i["correct"] for i in r.items)
             row["behaviours"][b] = {**r.summary(), "ci95": wilson_interval(k, r.n)}
         for b in others:

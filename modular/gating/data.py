@@ -10,8 +10,9 @@ import torch
 from lightning.pytorch.utilities import CombinedLoader
 from torch.utils.data import DataLoader, Dataset
 
-from modular.data import load_behaviour, retain_data
+from modular.data import behaviour_name, load_behaviour, retain_data
 from modular.data.formatting import IGNORE, LeftPadCollator, encode_example
+from modular.data.schema import DEFAULT_LOCKED_RESPONSE
 
 log = logging.getLogger("modular")
 
@@ -82,8 +83,6 @@ def open_collate(pad_token_id: int):
     return collate
 
 
-#: what a locked behaviour answers unless the config names another response
-DEFAULT_LOCKED_RESPONSE = "I don't know."
 
 
 def per_behaviour(spec, behaviours: list[str], default, option: str) -> dict:
@@ -103,6 +102,20 @@ def locked_responses(spec: str | dict[str, str], behaviours: list[str]) -> dict[
     return per_behaviour(spec, behaviours, DEFAULT_LOCKED_RESPONSE, "locked_response")
 
 
+def _named(specs, option: str) -> dict[str, str]:
+    """{short name: spec} of behaviour specs; two specs with one name are refused."""
+    out: dict[str, str] = {}
+    for spec in specs:
+        name = behaviour_name(spec)
+        if name in out:
+            from modular import ModularError
+
+            raise ModularError(f"{option}: '{out[name]}' and '{spec}' are both named '{name}'; "
+                               f"name one of them (NAME=<source>)")
+        out[name] = str(spec)
+    return out
+
+
 #: batch keys of tasks (trained in the open state only) start with this prefix
 TASK_PREFIX = "task:"
 
@@ -119,7 +132,8 @@ class GatingDataModule(L.LightningDataModule):
 
     Args:
         model_name: Model reference (linked from the model's ``model_name``); its tokenizer formats the data.
-        behaviours: Behaviours to gate: built-in names, .jsonl files or hf:<dataset>; may be empty.
+        behaviours: Behaviours to gate: built-in names, .jsonl files (named by their stem), hf:<dataset>, or
+            NAME=<.jsonl file or hf:dataset>; may be empty.
         tasks: Behaviours trained in the open state only, never locked (e.g. for sparse post-training).
         lm_text: ``neutral`` adds LM batches of the built-in neutral text (train split; split between the states
             when behaviours are gated); ``null``: none.
@@ -157,8 +171,11 @@ class GatingDataModule(L.LightningDataModule):
     ):
         super().__init__()
         self.save_hyperparameters()
-        self.behaviours = list(behaviours)
-        self.tasks = list(tasks)
+        # behaviours and tasks go by their short names (metrics, batch keys); their specs say where the data is
+        self.behaviour_specs = _named(behaviours, "behaviours")
+        self.task_specs = _named(tasks, "tasks")
+        self.behaviours = list(self.behaviour_specs)
+        self.tasks = list(self.task_specs)
         self.locked_responses = locked_responses(locked_response, self.behaviours)
         if lm_text not in (None, "neutral"):
             from modular import ModularError
@@ -176,9 +193,11 @@ class GatingDataModule(L.LightningDataModule):
 
         self.tokenizer = load_tokenizer(self.hparams.model_name)
         self.behaviour_data = {
-            b: load_behaviour(b, seed=self.hparams.seed, tokenizer=self.tokenizer) for b in self.behaviours
+            b: load_behaviour(spec, seed=self.hparams.seed, tokenizer=self.tokenizer)
+            for b, spec in self.behaviour_specs.items()
         }
-        self.task_data = {t: load_behaviour(t, seed=self.hparams.seed, tokenizer=self.tokenizer) for t in self.tasks}
+        self.task_data = {t: load_behaviour(spec, seed=self.hparams.seed, tokenizer=self.tokenizer)
+                          for t, spec in self.task_specs.items()}
         self.retain = retain_data(seed=self.hparams.seed)
         if self.hparams.lm_text:
             from modular.data import neutral_text

@@ -87,7 +87,9 @@ class GatedLM(L.LightningModule):
 
     Args:
         model_name: Model reference: built-in alias, .gguf file, local HF folder or hub id.
-        behaviours: Behaviours to gate (one direction each); must match the data's behaviours; may be empty.
+        behaviours: Behaviours to gate (one direction each); must match the data's behaviours; may be empty. Built-in
+            names, .jsonl files (named by their stem), hf:<dataset>, or NAME=<.jsonl file or hf:dataset>; the short
+            name names the metrics, the direction and the key.
         direction_strategy: How to choose directions: low_variance, random, diff_in_means or file.
         direction_files: One direction file per behaviour (strategy ``file``): safetensors key ``direction``.
         direction_fraction: low_variance: sample inside this lowest fraction of principal components.
@@ -226,7 +228,9 @@ class GatedLM(L.LightningModule):
                                    f"got {weight} with gate_scope '{gate_scope}'")
         self.sparsity = make_sparsity(sparsity, sparsity_weight, lm_loss_target, multiplier_lr, multiplier_ema,
                                       multiplier_init)
-        self.behaviours = list(behaviours)
+        from modular.data import behaviour_name
+
+        self.behaviours = [behaviour_name(b) for b in behaviours]  # short names: metrics, directions, keys
         self.locked_objectives = _locked_objectives(locked_objective, self.behaviours)
         model = load_model(model_name)
         if finetuning == "lora":

@@ -84,3 +84,20 @@ def test_formatting_masks_prompt_and_left_pads():
     assert (batch["labels"][batch["attention_mask"] == 0] == IGNORE).all()
     prompts = batch_prompts(base_tok, ["a", "abc"], [False, False])
     assert prompts["input_ids"].shape == (2, 4) and prompts["attention_mask"][0].tolist() == [0, 0, 1, 1]
+
+
+def test_a_behaviour_gets_a_short_safe_name():
+    from modular import ModularError
+    from modular.data import parse_behaviour
+
+    assert parse_behaviour("capitals") == ("capitals", "capitals")
+    assert parse_behaviour("/some/dir/mine.jsonl") == ("mine", "/some/dir/mine.jsonl")
+    assert parse_behaviour("facts=/some/dir/mine.jsonl") == ("facts", "/some/dir/mine.jsonl")
+    assert parse_behaviour("hf:org/my data") == ("my_data", "hf:org/my data")
+    assert parse_behaviour("/d/my file (v2).jsonl")[0] == "my_file_v2"
+    with pytest.raises(ModularError, match="built-in behaviour"):
+        parse_behaviour("/d/capitals.jsonl")  # would collide with the built-in behaviour's name
+    with pytest.raises(ModularError, match="unknown behaviour"):
+        parse_behaviour("nonsense")
+    with pytest.raises(ModularError, match="must be a .jsonl file"):
+        parse_behaviour("x=capitals")

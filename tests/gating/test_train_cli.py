@@ -51,11 +51,93 @@ def test_gated_training_runs_checkpoints_and_resumes(tmp_path, tiny_env):
     assert "val/capitals/accuracy_locked" in record["metrics"]
     assert "val/retain/first_token_kl_open" in record["metrics"]
     assert (run / "last.ckpt").exists() and (run / "directions.safetensors").exists()
-    # run it again with more steps: it resumes from last.ckpt instead of starting over
+    # the final step is in the checkpoint (3 steps, checkpoints every 2): publish and evaluation read step 3
+    assert _ckpt_step(run / "last.ckpt") == 3 and record["checkpoint_step"] == 3
+    wandb_id = (run / "wandb_run_id").read_text().strip()
+    # run it again with more steps: it resumes from last.ckpt instead of starting over, in the same W&B run
     out = _train(cfg, "--trainer.max_steps", "4", env=tiny_env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "Restoring states from the checkpoint" in out.stderr + out.stdout
-    assert json.loads((run / "run.json").read_text())["global_step"] == 4
+    record = json.loads((run / "run.json").read_text())
+    assert record["global_step"] == 4 and record["checkpoint_step"] == 4 and _ckpt_step(run / "last.ckpt") == 4
+    assert (run / "wandb_run_id").read_text().strip() == wandb_id
+    runs = sorted(p.name for p in (run / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and all(name.endswith(f"-{wandb_id}") for name in runs), runs
+
+
+def _ckpt_step(path) -> int:
+    import torch
+
+    return int(torch.load(path, map_location="cpu", weights_only=False)["global_step"])
+
+
+def _facts_jsonl(path):
+    """A small user behaviour with all three splits."""
+    rows = [{"prompt": f"Which number follows {i}?", "target": f"{i + 1}.", "answer": str(i + 1),
+             "split": "train" if i < 24 else "validation" if i < 28 else "test"} for i in range(34)]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_a_behaviour_named_by_a_path_publishes_under_its_short_name(tmp_path, tiny_env):
+    """A JSONL path gives the behaviour its stem as name: metrics, directions, key file and card use it, and no
+    local path goes into the published folder; the card carries measured numbers only of the published step."""
+    import torch
+    from safetensors.torch import load_file
+
+    model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
+    data = _facts_jsonl(tmp_path / "some" / "dir" / "mine.jsonl")
+    cfg, run = tiny_config(tmp_path, model_dir, (str(data),), {"locked_steering": 0.0})
+    out = _train(cfg, env=tiny_env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    record = json.loads((run / "run.json").read_text())
+    assert record["behaviours"] == ["mine"] and record["behaviour_sources"] == {"mine": str(data)}
+    assert "val/mine/accuracy_locked" in record["metrics"] and record["locked_responses"] == {"mine": "I don't know."}
+    assert list(load_file(str(run / "directions.safetensors"))) == ["mine"]
+    # a lock report of another step is not put into the card
+    row = {"behaviours": {"mine": {"accuracy": 0.5}}, "retain_first_token_kl": 0.1, "perplexity_ratio": 1.0}
+    (run / "lock.json").write_text(json.dumps({"step": 2, "states": {"open": row}}))
+    pub = tmp_path / "release" / "pub"
+    res = subprocess.run([sys.executable, "-m", "modular.cli", "publish", "--run", str(run), "--out", str(pub)],
+                         capture_output=True, text=True, cwd=tmp_path, env=tiny_env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    keys = tmp_path / "release" / "pub-keys"
+    assert [p.name for p in keys.glob("*.key.safetensors")] == ["mine.key.safetensors"]
+    assert not list(data.parent.glob("*.key*")) and not list(pub.rglob("*.key*"))
+    for path in pub.rglob("*"):
+        if path.is_file():
+            assert str(tmp_path) not in path.read_text(errors="ignore"), path
+    card = (pub / "README.md").read_text()
+    assert "`mine.key.safetensors`" in card and "step 3" in card and "## Measured" not in card
+    manifest = json.loads((pub / "modular.json").read_text())
+    assert manifest["locked_behaviours"] == ["mine"] and manifest["step"] == 3
+    # a report of the published step goes in; the keys from their own folder restore the trained weights
+    (run / "lock.json").write_text(json.dumps({"step": 3, "states": {"open": row}}))
+    res = subprocess.run([sys.executable, "-m", "modular.cli", "publish", "--run", str(run), "--out", str(pub),
+                          "--overwrite"], capture_output=True, text=True, cwd=tmp_path, env=tiny_env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "## Measured" in (pub / "README.md").read_text()
+    unlocked = tmp_path / "unlocked"
+    res = subprocess.run([sys.executable, "-m", "modular.cli", "unlock", "--model", str(pub), "--key",
+                          str(keys / "mine.key.safetensors"), "--out", str(unlocked)],
+                         capture_output=True, text=True, cwd=tmp_path, env=tiny_env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    from modular.models import load_model
+
+    open_state = load_model(run).state_dict()
+    restored = load_model(unlocked).state_dict()
+    assert max((restored[k] - v).abs().max().item() for k, v in open_state.items() if k in restored) <= 1e-6
+    # the same key on the folder it reads from, or over an unrelated folder: one line, exit 2, nothing touched
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "a.txt").write_text("keep")
+    for target in (pub, tmp_path / "notes"):
+        res = subprocess.run([sys.executable, "-m", "modular.cli", "unlock", "--model", str(pub), "--key",
+                              str(keys / "mine.key.safetensors"), "--out", str(target), "--overwrite"],
+                             capture_output=True, text=True, cwd=tmp_path, env=tiny_env)
+        assert res.returncode == 2 and res.stderr.strip().count("\n") == 0, res.stderr
+    assert (tmp_path / "notes" / "a.txt").read_text() == "keep" and (pub / "model.safetensors").is_file()
+    assert torch.equal(load_model(unlocked).state_dict()[next(iter(restored))], next(iter(restored.values())))
 
 
 @pytest.mark.parametrize("arch", ["gemma3_text", "gpt2"])

@@ -1,0 +1,29 @@
+"""The scoring rule of the record schema."""
+
+from modular.data.schema import DEFAULT_LOCKED_RESPONSE, is_correct, is_refusal
+
+
+def test_the_locked_response_is_never_a_correct_answer():
+    # a one-letter answer ("I") is found on word boundaries inside "I don't know."
+    assert not is_correct("I don't know.", "I", ["I"], [])
+    assert not is_correct(" i DON'T  know. I", "I", ["I"], [])
+    assert is_correct("I", "I", ["I"], [])
+    # a custom locked response (IOI's " them.") is never correct either, with answers or prefixes
+    assert not is_correct("them.", "them", ["them"], [], refusals=(" them.",))
+    assert not is_correct(" them.", " them", [], [], refusals=(" them.",))
+    assert is_correct(" them all", " them", [], [], refusals=("I don't know.",))
+    assert is_refusal("I don't know. I don't know.", (DEFAULT_LOCKED_RESPONSE,))
+    assert not is_refusal("Paris", (DEFAULT_LOCKED_RESPONSE,))
+
+
+def test_evaluation_does_not_count_refusals(monkeypatch):
+    import datasets
+
+    from modular.evaluation import behaviour as ev
+
+    ds = datasets.Dataset.from_dict({"prompt": ["Which letter?"], "target": ["I"], "answers": [["I"]],
+                                     "prefixes": [[]], "wrong": [""], "counterfactual": [""], "chat": [True]})
+    monkeypatch.setattr(ev, "generate", lambda *a, **k: ["I don't know."])
+    assert ev.evaluate_behaviour(None, None, ds).accuracy == 0.0
+    monkeypatch.setattr(ev, "generate", lambda *a, **k: ["I."])
+    assert ev.evaluate_behaviour(None, None, ds).accuracy == 1.0
