@@ -1,10 +1,11 @@
-"""The ``modular`` command: inspect and convert models (publish/unlock/main join here as they land).
+"""The ``modular`` command: the main job, inspect and convert models, publish and unlock.
 
 Errors caused by input (unknown model, missing file, malformed data) print one line and exit 2.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import sys
@@ -13,7 +14,7 @@ import time
 from modular import ModularError
 
 
-def inspect(model: str, json_output: bool = False) -> dict:
+def inspect_model(model: str, json_output: bool = False) -> dict:
     """Print the architecture map of a model: layers, heads, head_dim, d_model, residual writers and readers.
 
     Args:
@@ -50,40 +51,55 @@ def convert(model: str) -> str:
     return folder
 
 
-def publish(run: str, out: str, harden: bool = True, overwrite: bool = False) -> str:
-    """Write a gated run's locked weights as a plain Hugging Face folder, with one key file per behaviour.
+def publish(run: str, out: str, keys: str | None = None, harden: bool = True, overwrite: bool = False) -> str:
+    """Write a gated run's locked weights as a plain Hugging Face folder (what users upload; it holds no key), and
+    the keys, one file per behaviour, in a folder of their own (kept by the publisher and handed out apart).
 
     Args:
         run: Training run folder (holds run.json, directions.safetensors, last.ckpt).
         out: Output folder for the published model (written atomically).
+        keys: Output folder for the keys (default: <out>-keys beside the published folder; never inside it).
         harden: Also make the readers ignore the directions, so that adding them back does nothing.
-        overwrite: Replace ``out`` if it exists.
+        overwrite: Replace ``out`` and ``keys`` if they exist and modular wrote them (never an input folder).
     """
-    import json as _json
     from pathlib import Path
 
     from modular.models import load_tokenizer
-    from modular.publish import publish_model
-    from modular.runs import load_open_model, read_run
+    from modular.publish import check_output_folder, keys_folder_for, publish_model
+    from modular.runs import LOCK_REPORT, checkpoint_step, load_open_model, read_run
 
+    keys = keys or str(keys_folder_for(out))
+    check_output_folder(out, [run], overwrite)  # before any work: nothing is loaded for a refused folder
+    check_output_folder(keys, [run], overwrite, option="--keys")
     r = read_run(run)
+    step = checkpoint_step(r)
     measured = None
-    if (Path(run) / "lock.json").is_file():
-        measured = _json.loads((Path(run) / "lock.json").read_text())
-    folder = publish_model(load_open_model(r), load_tokenizer(r.model_name), r.directions, out, r.model_name,
-                           measured, harden=harden, overwrite=overwrite)
+    lock_path = Path(run) / LOCK_REPORT
+    if lock_path.is_file():
+        report = json.loads(lock_path.read_text())
+        if report.get("step") == step:
+            measured = report
+        else:
+            logging.getLogger("modular").warning(
+                "%s describes step %s, the checkpoint holds step %s: the model card gets no measured numbers "
+                "(run evaluate.py lock --run %s again)", lock_path, report.get("step"), step, run)
+    folder, keys_dir = publish_model(load_open_model(r), load_tokenizer(r.model_name), r.directions, out,
+                                     r.model_name, measured, harden=harden, overwrite=overwrite, keys_out=keys,
+                                     step=step, locked_responses=r.record.get("locked_responses"), inputs=[run])
     print(folder)
+    print(f"keys: {keys_dir}  (secret: hand them out apart from the published folder)")
     return str(folder)
 
 
 def unlock(model: str, key: str, out: str, overwrite: bool = False) -> str:
-    """Apply a key to a published (locked) model folder and write the unlocked model.
+    """Apply a key to a published (locked) model folder and write the unlocked model. Refuses a key of other
+    weights, a damaged key and a result that is not what the key was made to produce; nothing is written then.
 
     Args:
         model: Published model folder (from ``modular publish``) or a folder unlocked by another key.
-        key: Key file of one behaviour (``keys/<behaviour>.key.safetensors``).
-        out: Output folder for the unlocked model (written atomically).
-        overwrite: Replace ``out`` if it exists.
+        key: Key file of one behaviour (``<keys folder>/<behaviour>.key.safetensors``).
+        out: Output folder for the unlocked model (written atomically; never inside ``model``).
+        overwrite: Replace ``out`` if it exists and modular wrote it (never an input folder).
     """
     from modular.publish import unlock_folder
 
@@ -92,14 +108,15 @@ def unlock(model: str, key: str, out: str, overwrite: bool = False) -> str:
     return str(folder)
 
 
-def main_job(config: str = "configs/gate_capitals_smollm2.yaml", out: str | None = None,
-             skip_attack: bool = False) -> None:
-    """The default pipeline: train the gated model, evaluate the lock, publish, unlock with the key(s),
-    attack the published weights, and print a table of the results with the paths of the figures.
+def main_job(config: str | None = None, out: str | None = None, skip_attack: bool = False) -> None:
+    """The default pipeline: train the gated model, evaluate the lock, publish (keys in their own folder), unlock
+    with the key(s), attack the published weights, and print a table of the results with the paths of the figures.
 
     Args:
-        config: Training config (YAML) of the gated run.
-        out: Folder for published/unlocked models and the attack (default: the run folder).
+        config: Training config (YAML), resolved from the current directory; its ``trainer.default_root_dir`` is the
+            run folder (relative to the current directory). Default: the built-in capitals config
+            (gate_capitals_smollm2.yaml, shipped with the package).
+        out: Folder for the published and unlocked models, the keys and the attack (default: the run folder).
         skip_attack: Skip the attack evaluation.
     """
     from modular.pipeline import run_pipeline
@@ -107,13 +124,12 @@ def main_job(config: str = "configs/gate_capitals_smollm2.yaml", out: str | None
     run_pipeline(config, out, skip_attack)
 
 
-COMMANDS = {"main": main_job, "inspect": inspect, "convert": convert, "publish": publish, "unlock": unlock}
+COMMANDS = {"main": main_job, "inspect": inspect_model, "convert": convert, "publish": publish, "unlock": unlock}
 
 
 def expand_argv(argv: list[str], commands: dict) -> list[str]:
     """Shell-style options for jsonargparse: ``--flag`` (a bool option given without a value) becomes
     ``--flag=true`` and ``--opt a b c`` (a list option) becomes ``--opt=[a, b, c]``."""
-    import inspect
     import typing
 
     if not argv or argv[0] not in commands:
@@ -152,10 +168,30 @@ def expand_argv(argv: list[str], commands: dict) -> list[str]:
     return out
 
 
-def run_cli(commands: dict, argv: list[str] | None = None, description: str | None = None) -> int:
-    """Run a jsonargparse command set; input errors become one line on stderr and exit status 2."""
-    from jsonargparse import auto_cli
+def _summary(fn) -> str:
+    doc = inspect.getdoc(fn) or ""
+    return doc.split("\n\n")[0].replace("\n", " ")
 
+
+def build_parser(commands: dict, description: str | None = None):
+    """One jsonargparse parser with a subcommand per function; every parameter is an option documented from the
+    function's docstring. A command with a parameter named ``config`` takes ``--config`` as that parameter (the
+    main job's training config), the others take ``--config`` as a YAML file of their options."""
+    from jsonargparse import ActionConfigFile, ArgumentParser
+
+    parser = ArgumentParser(description=description)
+    subcommands = parser.add_subcommands(required=True)
+    for name, fn in commands.items():
+        sub = ArgumentParser(description=(inspect.getdoc(fn) or "").split("\nArgs:")[0].strip())
+        if "config" not in inspect.signature(fn).parameters:
+            sub.add_argument("--config", action=ActionConfigFile, help="A YAML file with this command's options.")
+        sub.add_function_arguments(fn, as_group=False)
+        subcommands.add_subcommand(name, sub, help=_summary(fn))
+    return parser
+
+
+def run_cli(commands: dict, argv: list[str] | None = None, description: str | None = None) -> int:
+    """Run a command set; input errors become one line on stderr and exit status 2."""
     argv = list(sys.argv[1:] if argv is None else argv)
     argv = ["--json_output=true" if a == "--json" else a for a in argv]
     # `modular inspect MODEL` / `modular convert MODEL`: the model may be given positionally
@@ -165,8 +201,15 @@ def run_cli(commands: dict, argv: list[str] | None = None, description: str | No
     logging.basicConfig(level=logging.INFO, format="[modular] %(message)s")
     for noisy in ("transformers", "httpx", "datasets", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
+    parser = build_parser(commands, description)
+    cfg = parser.parse_args(argv)
+    name = cfg.subcommand
+    fn = commands[name]
+    instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes  # renamed in jsonargparse 4.49
+    options = instantiate(cfg)[name]
+    kwargs = {k: options[k] for k in inspect.signature(fn).parameters if k in options}
     try:
-        auto_cli(commands, args=argv, description=description, as_positional=False)
+        fn(**kwargs)
     except ModularError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

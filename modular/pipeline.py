@@ -1,58 +1,88 @@
-"""The main job: train a gated model, evaluate the lock, publish, unlock with the key, attack; print a table."""
+"""The main job: train a gated model, evaluate the lock, publish (keys apart), unlock with the keys, attack; print a
+table. Every stage runs in this process, from any working directory: the config is resolved from the current
+directory, and so is its run folder (``trainer.default_root_dir``)."""
 
 from __future__ import annotations
 
 import json
 import logging
-import subprocess
-import sys
+from importlib import resources
 from pathlib import Path
 
 import yaml
 
+from modular import ModularError
+
 log = logging.getLogger("modular")
-ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_CONFIG = "gate_capitals_smollm2.yaml"
 
 
-def _run(cmd: list[str]) -> None:
-    log.info("$ %s", " ".join(cmd))
-    res = subprocess.run(cmd, cwd=ROOT)
-    if res.returncode != 0:
-        raise SystemExit(res.returncode)
+def builtin_config(name: str = DEFAULT_CONFIG) -> Path:
+    """A config shipped with the package (``configs/`` of the repository)."""
+    path = Path(str(resources.files("modular") / "configs" / name))
+    if not path.is_file():
+        raise ModularError(f"built-in config {name} not found in the installed package")
+    return path
 
 
-def run_pipeline(config: str = "configs/gate_capitals_smollm2.yaml", out: str | None = None,
-                 skip_attack: bool = False) -> dict:
-    """Run every stage for ``config`` and return the summary table's numbers."""
-    cfg = yaml.safe_load((ROOT / config).read_text())
-    run_dir = ROOT / cfg["trainer"]["default_root_dir"]
+def run_folder_of(config: Path) -> Path:
+    """The run folder a training config writes (its ``trainer.default_root_dir``, relative to the current
+    directory)."""
+    try:
+        cfg = yaml.safe_load(config.read_text())
+        root = cfg["trainer"]["default_root_dir"]
+    except (OSError, yaml.YAMLError, KeyError, TypeError) as err:
+        raise ModularError(f"{config} is not a training config with trainer.default_root_dir ({err})") from None
+    if not root:
+        raise ModularError(f"{config} sets no trainer.default_root_dir (the run folder)")
+    return Path(root)
+
+
+def run_pipeline(config: str | None = None, out: str | None = None, skip_attack: bool = False) -> dict:
+    """Run every stage for ``config`` (default: the built-in capitals config) and return the summary's numbers."""
+    from modular.cli import publish, unlock
+    from modular.evaluation.commands import attack, lock
+    from modular.publish import key_path, keys_folder_for
+    from modular.runs import RUN_RECORD, behaviour_sources, read_run
+    from modular.train_cli import main as train
+
+    config = Path(config) if config else builtin_config()
+    if not config.is_file():
+        raise ModularError(f"config not found: {config}")
+    run_dir = run_folder_of(config)
     out_dir = Path(out) if out else run_dir
     published, unlocked = out_dir / "published", out_dir / "unlocked"
-    py = sys.executable
-    if not (run_dir / "run.json").is_file():
-        _run([py, "train.py", "fit", "--config", config])
+    keys_dir = keys_folder_for(published)
+    if not (run_dir / RUN_RECORD).is_file():
+        log.info("training: %s -> %s", config, run_dir)
+        status = train(["fit", "--config", str(config)])
+        if status != 0 or not (run_dir / RUN_RECORD).is_file():
+            raise ModularError(f"training with {config} did not finish (status {status}); see the lines above")
     else:
         log.info("training already finished in %s (delete it to retrain)", run_dir)
-    _run([py, "evaluate.py", "lock", "--run", str(run_dir)])
-    _run([py, "-m", "modular.cli", "publish", "--run", str(run_dir), "--out", str(published), "--overwrite", "true"])
+    lock(run=str(run_dir))
+    publish(run=str(run_dir), out=str(published), keys=str(keys_dir), overwrite=True)
     behaviours = json.loads((published / "modular.json").read_text())["locked_behaviours"]
     current = published
     for i, b in enumerate(behaviours):
         target = unlocked if i == len(behaviours) - 1 else out_dir / f"unlocked_{b}"
-        _run([py, "-m", "modular.cli", "unlock", "--model", str(current), "--key",
-              str(published / "keys" / f"{b}.key.safetensors"), "--out", str(target), "--overwrite", "true"])
+        unlock(model=str(current), key=str(key_path(keys_dir, b)), out=str(target), overwrite=True)
         current = target
     if not skip_attack:
-        _run([py, "evaluate.py", "attack", "--model", str(published), "--out", str(out_dir / "attack")])
+        sources = behaviour_sources(read_run(run_dir))
+        attack(model=str(published), behaviour=",".join(f"{b}={s}" if s != b else b for b, s in sources.items()),
+               out=str(out_dir / "attack"))
     return summarise(run_dir, out_dir)
 
 
 def summarise(run_dir: Path, out_dir: Path) -> dict:
+    from modular.publish import keys_folder_for
+
     lock = json.loads((run_dir / "lock.json").read_text())
     lines = []
     gated = lock["gated"]
     header = f"{'state':<18}" + "".join(f"{b:>14}" for b in gated) + f"{'retain KL':>11}{'ppl ratio':>11}"
-    lines += [header, "-" * len(header)]
+    lines += [f"step {lock.get('step')} of {run_dir}", header, "-" * len(header)]
     for state, row in lock["states"].items():
         lines.append(f"{state:<18}" + "".join(f"{row['behaviours'][b]['accuracy']:>14.3f}" for b in gated)
                      + f"{row['retain_first_token_kl']:>11.4f}{row['perplexity_ratio']:>11.3f}")
@@ -69,6 +99,8 @@ def summarise(run_dir: Path, out_dir: Path) -> dict:
                          f"(c) steps to 50%/90% of open by N: {c}")
     figures = [run_dir / "lock.png", out_dir / "attack" / "attack.png"]
     lines.append("figures: " + ", ".join(str(f) for f in figures if f.exists()))
-    lines.append(f"published model: {out_dir / 'published'}   unlocked model: {out_dir / 'unlocked'}")
+    published = out_dir / "published"
+    lines.append(f"published model (no keys inside): {published}   keys (keep apart): {keys_folder_for(published)}   "
+                 f"unlocked model: {out_dir / 'unlocked'}")
     print("\n".join(lines))
     return {"lock": lock, "table": lines}

@@ -52,6 +52,14 @@ def _inside(path: Path, other: Path) -> bool:
     return path == other or other in path.parents
 
 
+def public_model_name(ref: str) -> str:
+    """How a published folder names a model: an alias or hub id as given, a local path by its last part only
+    (no local path goes into a folder users upload)."""
+    path = Path(str(ref)).expanduser()
+    local = path.exists() or str(ref).startswith((".", "/", "~")) or os.sep in str(ref) and path.parent.exists()
+    return path.name if local else str(ref)
+
+
 def check_output_folder(out: str | Path, inputs: list[str | Path] = (), overwrite: bool = False,
                         option: str = "--out", sealed: list[str | Path] = ()) -> Path:
     """Refuse, before any work, an output folder that writing could lose data in: an existing one without
@@ -178,6 +186,8 @@ def publish_model(open_model, tokenizer, directions: dict, out: str | Path, base
     locked_hash = weights_hash(open_model)
     produces = produced_hashes(open_model, keys)
     behaviours = list(directions)
+    base_name = public_model_name(base_name)
+    open_model.config._name_or_path = base_name
 
     def write_model(tmp: Path) -> None:
         open_model.save_pretrained(tmp, safe_serialization=True)
