@@ -69,9 +69,10 @@ def run_pipeline(config: str | None = None, out: str | None = None, skip_attack:
         unlock(model=str(current), key=str(key_path(keys_dir, b)), out=str(target), overwrite=True)
         current = target
     if not skip_attack:
-        sources = behaviour_sources(read_run(run_dir))
+        run = read_run(run_dir)
+        sources = behaviour_sources(run)
         attack(model=str(published), behaviour=",".join(f"{b}={s}" if s != b else b for b, s in sources.items()),
-               out=str(out_dir / "attack"))
+               out=str(out_dir / "attack"), base=run.model_name)
     return summarise(run_dir, out_dir)
 
 
