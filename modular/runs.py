@@ -46,7 +46,12 @@ def load_open_model(run: Run):
     ckpt_path = run.path / recorded.name if (run.path / recorded.name).is_file() else recorded
     if not ckpt_path.is_file():
         raise ModularError(f"checkpoint not found: {ckpt_path}")
-    ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False, mmap=True)
+    try:
+        ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False, mmap=True)
+    except Exception as err:  # noqa: BLE001 - truncated zip, bad pickle, not a torch file: all one answer
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ModularError(f"{ckpt_path} is not a readable checkpoint ({reason}): copy it again, or train the run "
+                           "again (train.py fit with its config and --ckpt_path null)") from err
     state = {k[len("model."):]: v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
     model = load_model(run.model_name)
     gated = any(".head_gate." in k for k in state)
