@@ -70,7 +70,8 @@ def _load_checkpoint(path: Path) -> dict:
         return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
     except Exception as err:  # noqa: BLE001 - a truncated or foreign file fails in torch's zip or pickle readers
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise ModularError(f"{path} is not a readable checkpoint ({reason}); train again to replace it") from None
+        raise ModularError(f"{path} is not a readable checkpoint ({reason}): copy it again, or train the run again "
+                           "(train.py fit with its config and --ckpt_path null)") from None
 
 
 def checkpoint_step(run: Run) -> int:

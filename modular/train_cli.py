@@ -2,19 +2,29 @@
 :class:`~modular.gating.data.GatingDataModule` (``python train.py fit --config ...``; ``modular main`` calls it
 in-process). ``fit --help`` documents every option. A killed run resumes from ``last.ckpt`` in its run folder when
 started again with the same command (``--ckpt_path null`` starts afresh).
+
+Before anything is instantiated, ``fit`` checks the trainer's length: ``trainer.max_steps`` must be at least 1, or -1
+(unlimited) with ``trainer.max_epochs`` at least 1; ``trainer.max_epochs``, when given, at least 1 or -1. Before
+training starts it checks that the checkpoint it would resume from can be read.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import uuid
 from pathlib import Path
 
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 
 from modular import ModularError
-from modular.gating.data import GatingDataModule
-from modular.gating.module import GatedLM
+from modular.data import load_jsonl, parse_behaviour
+from modular.gating.data import GatingDataModule, check_data_options, is_jsonl, training_data
+from modular.gating.module import GatedLM, check_model_options
+from modular.runs import LAST_CHECKPOINT, WANDB_RUN_ID
+from modular.tracking import write_text
 
 
 class GatingCLI(LightningCLI):
@@ -24,39 +34,78 @@ class GatingCLI(LightningCLI):
         parser.link_arguments("model.seed", "data.seed")
         parser.link_arguments("model.gate_scope", "data.task_counterfactuals", compute_fn=lambda s: s == "tasks")
 
-    # --- one W&B run per training run, continued when a killed run resumes --------------------------------------
-    def _wandb_loggers(self) -> list:
-        """The W&B logger entries of the fit config (class_path / init_args namespaces)."""
-        loggers = self.config[self.subcommand].trainer.logger
-        loggers = loggers if isinstance(loggers, list) else [loggers]
-        return [lg for lg in loggers if hasattr(lg, "class_path") and str(lg.class_path).endswith("WandbLogger")]
-
     def before_instantiate_classes(self) -> None:
         if self.subcommand != "fit":
             return
-        from modular.runs import LAST_CHECKPOINT, WANDB_RUN_ID
+        config = self.config["fit"]
+        check_trainer_length(config["trainer"])
+        # the model's and the data's own checks, before the model is loaded (they run again when instantiated)
+        check_model_options(config["model"])
+        check_data_options(config["data"])
+        for spec in (*config["data"]["behaviours"], *config["data"]["tasks"]):
+            name, source = parse_behaviour(spec)  # an unknown behaviour or a bad name: one line, before any work
+            if is_jsonl(source):
+                training_data(name, load_jsonl(source), config["data"]["batch_size"])
+        self._choose_wandb_run(config)
 
-        cfg = self.config.fit
-        run_dir = Path(cfg.trainer.default_root_dir or ".")
-        resuming = cfg.ckpt_path == "last" and (run_dir / LAST_CHECKPOINT).is_file() or (
-            cfg.ckpt_path not in (None, "last", "best", "hpc") and Path(str(cfg.ckpt_path)).is_file())
+    def before_fit(self) -> None:
+        path = self._resume_path(self.config_init["fit"].get("ckpt_path"))
+        if path is not None:
+            check_checkpoint(path)
+        if self._wandb_id and self.trainer.is_global_zero:
+            write_text(Path(self.trainer.default_root_dir) / WANDB_RUN_ID, self._wandb_id + "\n")
+
+    def _resume_path(self, ckpt_path: str | None) -> Path | None:
+        """The checkpoint ``fit`` would resume from (``last``: the newest last*.ckpt, as Lightning picks it)."""
+        if ckpt_path is None or ckpt_path in ("best", "hpc"):
+            return None
+        if ckpt_path != "last":
+            return Path(ckpt_path) if Path(ckpt_path).is_file() else None
+        found = {Path(p) for cb in self.trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)
+                 for p in cb._find_last_checkpoints(self.trainer)}
+        found = [p for p in found if p.is_file()]
+        return max(found, key=lambda p: p.stat().st_mtime) if found else None
+
+    # --- one W&B run per training run, continued when a killed run resumes --------------------------------------
+    def _choose_wandb_run(self, config) -> None:
+        """Give every W&B logger the run id kept in the run folder when resuming, a new one otherwise (the user's
+        own ``id`` is kept); Lightning passes ``resume="allow"``, so the same id continues the same run."""
+        run_dir = Path(config.trainer.default_root_dir or ".")
+        ckpt = config.ckpt_path
+        resuming = ckpt == "last" and (run_dir / LAST_CHECKPOINT).is_file() or (
+            ckpt not in (None, "last", "best", "hpc") and Path(str(ckpt)).is_file())
         saved = run_dir / WANDB_RUN_ID
+        loggers = config.trainer.logger if isinstance(config.trainer.logger, list) else [config.trainer.logger]
         self._wandb_id = None
-        for lg in self._wandb_loggers():
+        for lg in loggers:
+            if not (hasattr(lg, "class_path") and str(lg.class_path).endswith("WandbLogger")):
+                continue
             if lg.init_args.get("id") or lg.init_args.get("version"):
                 continue  # the user chose the run
             if self._wandb_id is None:
-                import uuid
-
                 self._wandb_id = saved.read_text().strip() if resuming and saved.is_file() else uuid.uuid4().hex[:8]
-            lg.init_args.id = self._wandb_id  # Lightning passes resume="allow": the same id continues the run
+            lg.init_args.id = self._wandb_id
 
-    def before_fit(self) -> None:
-        from modular.runs import WANDB_RUN_ID
-        from modular.tracking import write_text
 
-        if getattr(self, "_wandb_id", None) and self.trainer.is_global_zero:
-            write_text(Path(self.trainer.default_root_dir) / WANDB_RUN_ID, self._wandb_id + "\n")
+def check_trainer_length(trainer) -> None:
+    """One line unless the trainer would train at least one step and stop by itself."""
+    steps, epochs = trainer.get("max_steps", -1), trainer.get("max_epochs")
+    if epochs is not None and epochs != -1 and epochs < 1:
+        raise ModularError(f"trainer.max_epochs must be >= 1 (or -1: unlimited), got {epochs}")
+    if steps == -1 and epochs in (None, -1):
+        raise ModularError("trainer.max_steps must be >= 1, got -1 (unlimited steps need trainer.max_epochs >= 1)")
+    if steps != -1 and (steps is None or steps < 1):
+        raise ModularError(f"trainer.max_steps must be >= 1 (or -1 with trainer.max_epochs set), got {steps}")
+
+
+def check_checkpoint(path: Path) -> None:
+    """One line naming ``path`` unless it is a readable checkpoint (resuming would fail on it mid-start)."""
+    try:
+        torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    except Exception as err:  # noqa: BLE001 - truncated zip, bad pickle, not a torch file: all one answer
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ModularError(f"cannot resume from {path}: unreadable checkpoint ({reason}); delete it, or pass "
+                           "--ckpt_path null to start afresh") from None
 
 
 def main(argv: list[str] | None = None) -> int:

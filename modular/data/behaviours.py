@@ -10,7 +10,7 @@ import datasets
 
 from modular import ModularError
 from modular.data import generators as g
-from modular.data.schema import COLUMNS, SPLITS
+from modular.data.schema import COLUMNS, SPLITS, prompt_hash
 
 #: name -> generator(seed, tokenizer) -> {split: [record]}
 BEHAVIOURS: dict[str, Callable] = {
@@ -89,6 +89,24 @@ def parse_behaviour(spec: str) -> tuple[str, str]:
 def behaviour_name(spec: str) -> str:
     """The short, safe name of a behaviour spec (see :func:`parse_behaviour`)."""
     return parse_behaviour(spec)[0]
+
+
+#: share of the train split that becomes the validation split of a behaviour given without one
+VALIDATION_FRACTION = 0.1
+
+
+def carve_validation(data: datasets.DatasetDict) -> tuple[datasets.DatasetDict, int]:
+    """Give a behaviour without a validation split one, taken from its train split: the items whose prompts hash
+    lowest, 10% of them (at least one; the train split keeps at least one). Deterministic and independent of the
+    items' order. Returns the data and the number of items moved (0: nothing to do, or too few train items)."""
+    if len(data["validation"]) or len(data["train"]) < 2:
+        return data, 0
+    train = data["train"].to_list()
+    k = max(1, round(VALIDATION_FRACTION * len(train)))
+    moved = set(sorted(range(len(train)), key=lambda i: (prompt_hash(train[i]["prompt"]), i))[:k])
+    splits = {"train": [r for i, r in enumerate(train) if i not in moved],
+              "validation": [train[i] for i in sorted(moved)], "test": data["test"].to_list()}
+    return to_dataset_dict(splits), k
 
 
 def load_behaviour(name: str, seed: int = 0, tokenizer=None) -> datasets.DatasetDict:

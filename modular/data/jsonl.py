@@ -3,24 +3,37 @@
 Every line must be a JSON object; a malformed line raises :class:`ModularError`
 naming the file and the line number. Nothing is silently dropped (blank lines
 are not records and are skipped). Lines without ``split`` are assigned to
-train/validation/test deterministically (70/10/20) by a hash of the prompt.
+train/validation/test deterministically (70/10/20) by a hash of the prompt; when
+those thresholds would leave a split empty (a small file), the unsplit lines are
+assigned by the rank of their hash instead, so every split gets at least one.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
 from modular import ModularError
-from modular.data.schema import SPLITS, record
+from modular.data.schema import SPLITS, prompt_hash, record
 
 _ALLOWED = {"prompt", "target", "split", "answer", "chat"}
 
 
 def _auto_split(prompt: str) -> str:
-    x = int(hashlib.sha256(prompt.encode()).hexdigest()[:8], 16) / 16**8
+    x = prompt_hash(prompt)
     return "train" if x < 0.7 else "validation" if x < 0.8 else "test"
+
+
+def _split_by_rank(prompts: list[str]) -> list[str]:
+    """Splits of ``n >= 3`` unsplit lines by the rank of their prompt's hash: 70/10/20, at least one line each."""
+    n = len(prompts)
+    n_val, n_test = max(1, round(0.1 * n)), max(1, round(0.2 * n))
+    n_train = n - n_val - n_test
+    order = sorted(range(n), key=lambda i: (prompt_hash(prompts[i]), i))
+    splits = [""] * n
+    for rank, i in enumerate(order):
+        splits[i] = "train" if rank < n_train else "validation" if rank < n_train + n_val else "test"
+    return splits
 
 
 def parse_jsonl(path: str | Path) -> dict[str, list[dict]]:
@@ -28,7 +41,7 @@ def parse_jsonl(path: str | Path) -> dict[str, list[dict]]:
     path = Path(path)
     if not path.is_file():
         raise ModularError(f"behaviour file not found: {path}")
-    splits: dict[str, list[dict]] = {s: [] for s in SPLITS}
+    rows: list[tuple[str | None, dict]] = []  # (split given in the line or None, record), in file order
     with path.open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
@@ -52,12 +65,21 @@ def parse_jsonl(path: str | Path) -> dict[str, list[dict]]:
             chat = obj.get("chat", True)
             if not isinstance(chat, bool):
                 raise ModularError(f"{where}: 'chat' must be true or false")
-            split = obj.get("split") or _auto_split(obj["prompt"])
-            if split not in SPLITS:
+            split = obj.get("split") or None
+            if split is not None and split not in SPLITS:
                 raise ModularError(f"{where}: 'split' must be one of {list(SPLITS)}, got {split!r}")
-            splits[split].append(record(obj["prompt"], obj["target"], [answer] if answer else [], chat=chat))
-    if not any(splits.values()):
+            rows.append((split, record(obj["prompt"], obj["target"], [answer] if answer else [], chat=chat)))
+    if not rows:
         raise ModularError(f"{path}: no records")
+    unsplit = [r["prompt"] for s, r in rows if s is None]
+    auto = iter([_auto_split(p) for p in unsplit])
+    assigned = [s or next(auto) for s, _ in rows]
+    if len(unsplit) >= 3 and not set(SPLITS) <= set(assigned):  # the thresholds left a split empty
+        auto = iter(_split_by_rank(unsplit))
+        assigned = [s or next(auto) for s, _ in rows]
+    splits: dict[str, list[dict]] = {s: [] for s in SPLITS}
+    for split, (_, rec) in zip(assigned, rows):
+        splits[split].append(rec)
     return splits
 
 

@@ -19,6 +19,7 @@ chat:     True for instructions (wrapped in the chat template of chat models),
 
 from __future__ import annotations
 
+import hashlib
 import re
 
 COLUMNS = ("prompt", "target", "answers", "prefixes", "wrong", "counterfactual", "chat")
@@ -45,6 +46,11 @@ def record(
         "counterfactual": counterfactual,
         "chat": bool(chat),
     }
+
+
+def prompt_hash(prompt: str) -> float:
+    """A stable number in [0, 1) for a prompt: deterministic split assignment, independent of line order."""
+    return int(hashlib.sha256(prompt.encode()).hexdigest()[:8], 16) / 16**8
 
 
 def _normal(text: str) -> str:

@@ -4,13 +4,14 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import lightning as L
 import torch
 from lightning.pytorch.utilities import CombinedLoader
 from torch.utils.data import DataLoader, Dataset
 
-from modular.data import behaviour_name, load_behaviour, retain_data
+from modular.data import behaviour_name, load_behaviour, parse_behaviour, retain_data
 from modular.data.formatting import IGNORE, LeftPadCollator, encode_example
 from modular.data.schema import DEFAULT_LOCKED_RESPONSE
 
@@ -52,13 +53,16 @@ def _collate_part(base: LeftPadCollator, items: list[dict], which: str) -> dict:
 
 def split_collate(pad_token_id: int, pad_extra: dict[str, float] | None = None):
     """Collate a list of items into ``{"open": batch, "locked": batch}``: the first half of the items
-    is seen in the open state, the second half in the locked state (no example is duplicated).
+    is seen in the open state, the second half in the locked state (no example is duplicated, except a batch of
+    one item, which is seen in both).
 
     Items hold ``open`` / ``locked`` encodings (behaviours) or one encoding plus reference tensors (retain).
     """
     base = LeftPadCollator(pad_token_id)
 
     def collate(items: list[dict]) -> dict:
+        if len(items) == 1:  # a lone item (the last validation batch) is seen in both states
+            items = items * 2
         half = (len(items) + 1) // 2
         out = {"open": _collate_part(base, items[:half], "open"), "locked": _collate_part(base, items[half:], "locked")}
         if "open" in items[0]:  # behaviours: the locked half with its true targets (for unlikelihood)
@@ -120,6 +124,43 @@ def _named(specs, option: str) -> dict[str, str]:
 TASK_PREFIX = "task:"
 
 
+def is_jsonl(name: str) -> bool:
+    """A behaviour given as a user JSONL file (read without a tokenizer)."""
+    return Path(name).suffix == ".jsonl"
+
+
+def check_data_options(options) -> None:
+    """One line for a data option out of range (``batch_size`` needs an open and a locked half), before any work."""
+    from modular import ModularError
+
+    for option in ("batch_size", "max_length", "lm_max_length", "reference_max_new_tokens", "reference_top_k",
+                   "num_workers"):
+        low, value = (2 if option == "batch_size" else 0 if option == "num_workers" else 1), options[option]
+        if value < low:
+            why = " (each batch is split between the open and the locked state)" if option == "batch_size" else ""
+            raise ModularError(f"data.{option} must be >= {low}{why}, got {value}")
+
+
+def training_data(name: str, data, batch_size: int) -> tuple:
+    """A behaviour's (or task's) data checked for training: train items, at least ``batch_size`` of them, and a
+    validation split (where the data has none, one is carved from train:
+    :func:`~modular.data.behaviours.carve_validation`). Returns the data and the number of items carved."""
+    from modular import ModularError
+    from modular.data.behaviours import carve_validation
+
+    counts = ", ".join(f"{s} {len(data[s])}" for s in ("train", "validation", "test"))
+    if not len(data["train"]):
+        raise ModularError(f"behaviour '{name}' has no train items ({counts}): training needs some")
+    data, moved = carve_validation(data)
+    if not len(data["validation"]):
+        raise ModularError(f"behaviour '{name}' has no validation items and too few train items to take them "
+                           f"from ({counts}): give it more items")
+    if len(data["train"]) < batch_size:
+        raise ModularError(f"behaviour '{name}' has {len(data['train'])} train items (after validation), fewer "
+                           f"than data.batch_size {batch_size}: give it more items or lower --data.batch_size")
+    return data, moved
+
+
 class GatingDataModule(L.LightningDataModule):
     """Behaviour and retain data for gated training.
 
@@ -141,7 +182,7 @@ class GatingDataModule(L.LightningDataModule):
         locked_response: What the model should answer in the locked state: one response for every behaviour, or a
             mapping behaviour → response (behaviours not named answer "I don't know."). Text completions want a
             continuation that fits the text but does not carry the behaviour (IOI: ``" them."`` instead of a name).
-        batch_size: Examples per behaviour and per retain batch (half open, half locked).
+        batch_size: Examples per behaviour and per retain batch (half open, half locked): at least 2.
         max_length: Truncate encodings to this many tokens (from the left).
         reference_max_new_tokens: Length of the reference model's greedy retain answers.
         reference_top_k: Top-k of the reference distribution kept for the retain KL.
@@ -185,7 +226,24 @@ class GatingDataModule(L.LightningDataModule):
             from modular import ModularError
 
             raise ModularError("nothing to train: give at least one behaviour or one task")
+        check_data_options(self.hparams)
+        self._warned: set[str] = set()
+        for name, spec in {**self.behaviour_specs, **self.task_specs}.items():
+            source = parse_behaviour(spec)[1]
+            if is_jsonl(source):  # user data needs no tokenizer: its splits are checked before any work
+                from modular.data import load_jsonl
+
+                self._training_data(name, load_jsonl(source))
         self._ready = False
+
+    def _training_data(self, name: str, data):
+        """:func:`training_data`, with a warning (once per behaviour) where a validation split was carved."""
+        data, moved = training_data(name, data, self.hparams.batch_size)
+        if moved and name not in self._warned:
+            self._warned.add(name)
+            log.warning("behaviour '%s' has no validation split: %d of its train items moved to validation", name,
+                        moved)
+        return data
 
     # --- data --------------------------------------------------------------------------------
     def _load(self):
@@ -193,11 +251,13 @@ class GatingDataModule(L.LightningDataModule):
 
         self.tokenizer = load_tokenizer(self.hparams.model_name)
         self.behaviour_data = {
-            b: load_behaviour(spec, seed=self.hparams.seed, tokenizer=self.tokenizer)
+            b: self._training_data(b, load_behaviour(spec, seed=self.hparams.seed, tokenizer=self.tokenizer))
             for b, spec in self.behaviour_specs.items()
         }
-        self.task_data = {t: load_behaviour(spec, seed=self.hparams.seed, tokenizer=self.tokenizer)
-                          for t, spec in self.task_specs.items()}
+        self.task_data = {
+            t: self._training_data(t, load_behaviour(spec, seed=self.hparams.seed, tokenizer=self.tokenizer))
+            for t, spec in self.task_specs.items()
+        }
         self.retain = retain_data(seed=self.hparams.seed)
         if self.hparams.lm_text:
             from modular.data import neutral_text

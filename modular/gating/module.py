@@ -74,6 +74,31 @@ def _locked_objectives(spec: str | dict[str, str], behaviours: list[str]) -> dic
     return objectives
 
 
+#: numeric options of :class:`GatedLM` -> (lowest value, whether the lowest value itself is allowed)
+_RANGES = {
+    "lr": (0.0, False), "gate_lr": (0.0, False), "weight_decay": (0.0, True), "warmup_steps": (0, True),
+    "locked_weight": (0.0, True), "retain_weight": (0.0, True), "retain_ce_weight": (0.0, True),
+    "first_token_weight": (0.0, True), "task_weight": (0.0, True), "lora_rank": (1, True), "lora_alpha": (0, False),
+    "sparsity_weight": (0.0, True), "lm_loss_target": (0.0, True), "multiplier_lr": (0.0, False),
+    "locked_steering": (0.0, True), "steering_refresh": (1, True),
+    "gate_freeze_step": (0, True),
+}
+
+
+def check_model_options(options) -> None:
+    """One line for the first numeric option out of range (before anything is loaded)."""
+    from modular import ModularError
+
+    for option, (low, inclusive) in _RANGES.items():
+        value = options.get(option)
+        if value is not None and (value < low if inclusive else value <= low):
+            raise ModularError(f"model.{option} must be {'>=' if inclusive else '>'} {low:g}, got {value}")
+    if not 0.0 < options["direction_fraction"] <= 1.0:
+        raise ModularError(f"model.direction_fraction must be in (0, 1], got {options['direction_fraction']}")
+    if not 0.0 <= options["multiplier_ema"] < 1.0:
+        raise ModularError(f"model.multiplier_ema must be in [0, 1), got {options['multiplier_ema']}")
+
+
 class GatedLM(L.LightningModule):
     """Fine-tunes a causal LM so that each gated behaviour lives in its own residual direction,
     optionally with hard-concrete head gates under a sparsity pressure (sparse post-training).
@@ -209,6 +234,7 @@ class GatedLM(L.LightningModule):
 
         from modular.heads.sparsity import make_sparsity
 
+        check_model_options(self.hparams)
         if finetuning not in ("full", "lora", "none"):
             raise ModularError(f"finetuning must be 'full', 'lora' or 'none', got '{finetuning}'")
         if finetuning == "none" and not head_gates:

@@ -92,8 +92,14 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     log.info("converting %s to a cached safetensors folder (once) ...", gguf.name)
-    quantised = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    try:
+        quantised = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    except ImportError:  # a missing package is not the file's fault
+        raise
+    except Exception as err:  # noqa: BLE001 - bad magic, truncated header or tensors, missing keys: all one answer
+        message = f"{gguf} is not a readable GGUF file ({_reason(err)}): re-download or re-convert it"
+        raise ModularError(message) from err
     config = quantised.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
@@ -118,6 +124,32 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _reason(err: BaseException) -> str:
+    """The first line of an exception's message (its type when it has none)."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def _unreadable_weights(ref: str, source: str, err: BaseException) -> str:
+    """One line for weights that do not load: the unreadable safetensors file where one is, and what to do."""
+    folder = Path(source)
+    if not folder.is_dir():
+        return f"cannot load model '{ref}': {_reason(err)}"
+    what = f"{folder} holds no readable weights ({_reason(err)})"
+    from safetensors import safe_open
+
+    for file in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(file), "pt"):
+                pass
+        except Exception as bad:  # noqa: BLE001 - any unreadable file is the answer
+            what = f"{file} is not a readable safetensors file ({_reason(bad)})"
+            break
+    if (folder / "SOURCE").is_file():  # a cached conversion of a GGUF file
+        return f"{what}: delete the cached folder {folder}, it is converted again from the GGUF file"
+    return f"{what}: re-download or re-save the model"
 
 
 def _looks_like_path(ref: str) -> bool:
@@ -206,7 +238,12 @@ def load_model(ref: str | os.PathLike, dtype: torch.dtype = torch.float32, devic
     except (OSError, ValueError) as err:
         raise ModularError(f"cannot load model '{ref}': {str(err).splitlines()[0]}") from err
     check_supported(config)
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+    except ImportError:  # a missing package is not the weights' fault
+        raise
+    except Exception as err:  # noqa: BLE001 - junk or truncated safetensors, missing weights: one line naming them
+        raise ModularError(_unreadable_weights(str(ref), source, err)) from err
     return model.to(device).eval()
 
 

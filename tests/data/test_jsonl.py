@@ -51,3 +51,69 @@ def test_missing_file_and_unknown_behaviour(tmp_path):
         load_jsonl(tmp_path / "nope.jsonl")
     with pytest.raises(ModularError, match="unknown behaviour 'nope'"):
         load_behaviour("nope")
+
+
+def test_small_unsplit_file_gets_every_split(tmp_path):
+    """Five unsplit lines: the 70/10/20 hash thresholds alone put none in validation; the hash rank does."""
+    rows = [json.dumps({"prompt": f"item {i}", "target": "a"}) for i in range(5)]
+    ds = load_jsonl(_write(tmp_path, rows))
+    sizes = {s: len(ds[s]) for s in ds}
+    assert sizes == {"train": 3, "validation": 1, "test": 1}
+    again = load_jsonl(_write(tmp_path, rows[::-1]))  # stable: by hash, not by line order
+    assert {s: sorted(again[s]["prompt"]) for s in again} == {s: sorted(ds[s]["prompt"]) for s in ds}
+
+
+def test_explicit_splits_are_kept_when_unsplit_lines_fill_the_rest(tmp_path):
+    rows = [{"prompt": f"v{i}", "target": "t", "split": "validation"} for i in range(2)]
+    rows += [{"prompt": f"question {i}", "target": "a"} for i in range(30)]
+    ds = load_jsonl(_write(tmp_path, [json.dumps(r) for r in rows]))
+    assert ds["validation"]["prompt"][:2] == ["v0", "v1"] and all(len(ds[s]) for s in ds)
+
+
+def _data_module(path, **kw):
+    from modular.gating.data import GatingDataModule
+
+    return GatingDataModule(model_name="unused", behaviours=[str(path)], **kw)
+
+
+def test_validation_is_carved_from_train_with_a_warning(tmp_path, caplog):
+    from modular.data.behaviours import carve_validation
+
+    rows = [{"prompt": f"q{i}", "target": f"t{i}", "split": "train"} for i in range(20)]
+    rows += [{"prompt": f"x{i}", "target": "t", "split": "test"} for i in range(3)]
+    p = _write(tmp_path, [json.dumps(r) for r in rows])
+    data, moved = carve_validation(load_jsonl(p))
+    assert moved == 2 and len(data["validation"]) == 2 and len(data["train"]) == 18 and len(data["test"]) == 3
+    assert not set(data["validation"]["prompt"]) & set(data["train"]["prompt"])
+    assert carve_validation(load_jsonl(p))[0]["validation"]["prompt"] == data["validation"]["prompt"]  # stable
+    with caplog.at_level("WARNING", logger="modular"):
+        dm = _data_module(p, batch_size=4)
+    assert dm._training_data(p.stem, load_jsonl(p))["validation"]["prompt"] == data["validation"]["prompt"]
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and f"behaviour '{p.stem}'" in warnings[0]
+    assert "2 of its train items moved to validation" in warnings[0]
+
+
+@pytest.mark.parametrize(
+    "rows, kw, message",
+    [
+        ([{"prompt": f"q{i}", "target": "t", "split": "test"} for i in range(4)], {}, "has no train items"),
+        ([{"prompt": "q", "target": "t", "split": "train"}], {"batch_size": 2}, "no validation items"),
+        ([{"prompt": f"q{i}", "target": "t", "split": "train"} for i in range(5)], {"batch_size": 8},
+         "4 train items .* fewer than data.batch_size 8"),
+    ],
+)
+def test_unusable_splits_fail_before_any_work(tmp_path, rows, kw, message):
+    p = _write(tmp_path, [json.dumps(r) for r in rows])
+    with pytest.raises(ModularError, match=message):
+        _data_module(p, **kw)
+
+
+@pytest.mark.parametrize("option, value, message", [("batch_size", 1, "data.batch_size must be >= 2"),
+                                                    ("max_length", 0, "data.max_length must be >= 1"),
+                                                    ("reference_top_k", 0, "data.reference_top_k must be >= 1")])
+def test_data_options_out_of_range(option, value, message):
+    from modular.gating.data import GatingDataModule
+
+    with pytest.raises(ModularError, match=message):
+        GatingDataModule(model_name="unused", **{option: value})

@@ -29,6 +29,13 @@ def test_split_collate_halves_without_duplicating():
     assert retain["locked"]["topk_ids"].shape == (1, 7, 3)
 
 
+def test_split_collate_of_one_item_sees_it_in_both_states():
+    """A validation split of one item (or the last batch of an odd one) still makes an open and a locked batch."""
+    batch = split_collate(0)([{"open": _item(3, 2), "locked": _item(3, 1)}])
+    assert batch["open"]["input_ids"].shape[0] == batch["locked"]["input_ids"].shape[0] == 1
+    assert batch["locked_true"]["input_ids"].shape[0] == 1
+
+
 def test_concat_left_padded_keeps_alignment():
     collate = split_collate(0)
     a = collate([_item(2, 2), _item(2, 2)])["open"]

@@ -63,6 +63,13 @@ def test_gated_training_runs_checkpoints_and_resumes(tmp_path, tiny_env):
     assert (run / "wandb_run_id").read_text().strip() == wandb_id
     runs = sorted(p.name for p in (run / "wandb").glob("offline-run-*"))
     assert len(runs) == 2 and all(name.endswith(f"-{wandb_id}") for name in runs), runs
+    # a truncated last.ckpt (a run killed while saving): one line naming it and how to start afresh
+    ckpt = run / "last.ckpt"
+    ckpt.write_bytes(ckpt.read_bytes()[: ckpt.stat().st_size // 2])
+    out = _train(cfg, "--trainer.max_steps", "5", env=tiny_env)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    line = out.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: ") and str(ckpt) in line and "--ckpt_path null" in line
 
 
 def _ckpt_step(path) -> int:
@@ -140,6 +147,45 @@ def test_a_behaviour_named_by_a_path_publishes_under_its_short_name(tmp_path, ti
     assert torch.equal(load_model(unlocked).state_dict()[next(iter(restored))], next(iter(restored.values())))
 
 
+def _one_line_error(out, *words):
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    line = out.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: ") and all(w in line for w in words), line
+
+
+@pytest.mark.parametrize("args, words", [(["--model.lr", "-0.1"], ["model.lr must be > 0", "-0.1"]),
+                                         (["--trainer.max_steps", "0"], ["trainer.max_steps must be >= 1", "got 0"]),
+                                         (["--data.batch_size", "1"], ["data.batch_size must be >= 2"])])
+def test_bad_options_fail_before_any_side_effect(tmp_path, tiny_env, args, words):
+    """Out-of-range options: one line, status 2, and nothing written to the run folder (no W&B files, no
+    directions, no checkpoint)."""
+    model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
+    cfg, run = tiny_config(tmp_path, model_dir)
+    _one_line_error(_train(cfg, *args, env=tiny_env), *words)
+    assert not run.exists() or not any(run.rglob("*"))
+
+
+def test_jsonl_without_validation_split_trains(tmp_path, tiny_env):
+    """User data with train and test lines only: a validation split is carved from train (with a warning) and
+    validation runs, instead of failing after training; a file without train lines fails before any work."""
+    model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
+    data = tmp_path / "mine.jsonl"
+    rows = [{"prompt": f"What is the capital of country {i}?", "target": f"City {i}.", "answer": f"City {i}",
+             "split": "test" if i < 3 else "train"} for i in range(15)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg, run = tiny_config(tmp_path, model_dir, (str(data),))
+    out = _train(cfg, env=tiny_env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"behaviour 'mine' has no validation split: 1 of its train items moved to validation" in out.stderr
+    record = json.loads((run / "run.json").read_text())
+    assert record["global_step"] == 3 and "val/mine/accuracy_locked" in record["metrics"], record["metrics"]
+    data.write_text("".join(json.dumps({**r, "split": "test"}) + "\n" for r in rows))
+    (tmp_path / "again").mkdir()
+    cfg, run = tiny_config(tmp_path / "again", model_dir, (str(data),))
+    _one_line_error(_train(cfg, env=tiny_env), "has no train items")
+    assert not run.exists()
+
+
 @pytest.mark.parametrize("arch", ["gemma3_text", "gpt2"])
 def test_two_behaviours_with_lora(tmp_path, tiny_env, arch):
     model_dir = save_tiny_folder(tmp_path / "tiny", arch)
@@ -202,3 +248,18 @@ def test_ddp_on_two_cpu_processes(tmp_path, tiny_env):
                  env=tiny_env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads((run / "run.json").read_text())["global_step"] == 3
+
+
+@pytest.mark.parametrize("trainer, message", [({"max_steps": 3}, None), ({"max_steps": -1, "max_epochs": 2}, None),
+                                              ({"max_steps": 0}, "max_steps must be >= 1"),
+                                              ({"max_steps": -1, "max_epochs": None}, "unlimited steps need"),
+                                              ({"max_steps": 5, "max_epochs": 0}, "max_epochs must be >= 1")])
+def test_trainer_length_is_checked(trainer, message):
+    from modular import ModularError
+    from modular.train_cli import check_trainer_length
+
+    if message is None:
+        check_trainer_length(trainer)
+    else:
+        with pytest.raises(ModularError, match=message):
+            check_trainer_length(trainer)

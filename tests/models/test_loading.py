@@ -1,0 +1,64 @@
+"""Corrupt model inputs: one line naming the file and what to do, from the library and from the CLIs."""
+
+import os
+
+import pytest
+import torch
+
+from modular import ModularError
+from modular.cli import main
+from modular.models.loading import load_model, load_tokenizer
+from modular.runs import Run, load_open_model
+from tests.conftest import save_tiny_folder
+
+
+def _truncated_gguf(path):
+    """A real GGUF file (header, metadata, one tensor) cut inside its metadata."""
+    import gguf
+    import numpy as np
+
+    whole = path.with_name("whole.gguf")
+    writer = gguf.GGUFWriter(str(whole), "llama")
+    writer.add_block_count(2)
+    writer.add_embedding_length(64)
+    writer.add_tensor("token_embd.weight", np.zeros((32, 64), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    path.write_bytes(whole.read_bytes()[:100])
+    return path
+
+
+@pytest.mark.parametrize("kind", ["random", "truncated"])
+def test_corrupt_gguf_is_one_line(tmp_path, isolated_cache, kind):
+    path = tmp_path / "x.gguf"
+    if kind == "random":
+        path.write_bytes(os.urandom(4096))
+    else:
+        _truncated_gguf(path)
+    for load in (load_model, load_tokenizer):
+        with pytest.raises(ModularError, match=r"x\.gguf is not a readable GGUF file .*re-download or re-convert"):
+            load(str(path))
+    assert not (isolated_cache / "models").exists() or not any((isolated_cache / "models").iterdir())
+
+
+@pytest.mark.parametrize("kind", ["random", "truncated"])
+def test_junk_safetensors_name_the_file(tmp_path, capsys, kind):
+    folder = save_tiny_folder(tmp_path / "tiny", "llama")
+    weights = folder / "model.safetensors"
+    weights.write_bytes(os.urandom(5000) if kind == "random" else weights.read_bytes()[:2000])
+    with pytest.raises(ModularError, match=r"model\.safetensors is not a readable safetensors file .*re-download"):
+        load_model(str(folder))
+    assert main(["inspect", str(folder)]) == 2  # the CLI: one line, no traceback
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ") and "model.safetensors" in err[-1] and "Traceback" not in "\n".join(err)
+
+
+def test_truncated_run_checkpoint_is_one_line(tmp_path):
+    ckpt = tmp_path / "last.ckpt"
+    torch.save({"state_dict": {"model.w": torch.zeros(1000)}}, ckpt)
+    ckpt.write_bytes(ckpt.read_bytes()[:1500])
+    run = Run(tmp_path, "unused", [], {}, {"checkpoint": str(ckpt)})
+    with pytest.raises(ModularError, match=r"last\.ckpt is not a readable checkpoint .*--ckpt_path null"):
+        load_open_model(run)
