@@ -115,10 +115,20 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["fit"] and not any(a.startswith("--ckpt_path") for a in argv):
         argv += ["--ckpt_path", "last"]  # resume a killed run; a fresh run finds none and starts from step 0
+    saved = sys.argv
+    # LightningCLI reads the command line (given both it and ``args``, it warns), and multi-process launchers start
+    # the other processes from it: this module as the script, whoever called it (train.py, modular main); restored below
+    sys.argv = [__file__, *argv]
     try:
-        GatingCLI(GatedLM, GatingDataModule, args=argv, save_config_kwargs={"overwrite": True},
+        GatingCLI(GatedLM, GatingDataModule, save_config_kwargs={"overwrite": True},
                   parser_kwargs={"description": "modular: gate behaviours into residual directions."})
     except ModularError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    finally:
+        sys.argv = saved
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
