@@ -21,7 +21,8 @@ from lightning.pytorch.cli import LightningCLI
 
 from modular import ModularError
 from modular.data import load_jsonl, parse_behaviour
-from modular.gating.data import GatingDataModule, check_data_options, is_jsonl, training_data
+from modular.data.behaviours import is_jsonl
+from modular.gating.data import GatingDataModule, check_data_options, training_data
 from modular.gating.module import GatedLM, check_model_options
 from modular.runs import LAST_CHECKPOINT, WANDB_RUN_ID
 from modular.tracking import write_text

@@ -51,8 +51,9 @@ def to_dataset_dict(splits: dict[str, list[dict]]) -> datasets.DatasetDict:
 _NAMED = re.compile(r"^(?P<name>[A-Za-z0-9][A-Za-z0-9_.-]*)=(?P<source>.+)$")
 
 
-def _is_jsonl(source: str) -> bool:
-    return source.endswith(".jsonl") or Path(source).suffix == ".jsonl"
+def is_jsonl(source: str) -> bool:
+    """A behaviour's data given as a user JSONL file (read without a tokenizer)."""
+    return str(source).endswith(".jsonl")
 
 
 def parse_behaviour(spec: str) -> tuple[str, str]:
@@ -68,14 +69,14 @@ def parse_behaviour(spec: str) -> tuple[str, str]:
     named = _NAMED.match(spec)
     if named:
         name, source = named["name"], named["source"]
-    elif _is_jsonl(spec):
+    elif is_jsonl(spec):
         name, source = Path(spec).stem, spec
     elif spec.startswith("hf:"):
         name, source = spec[3:].rstrip("/").rsplit("/", 1)[-1], spec
     else:
         raise ModularError(f"unknown behaviour '{spec}': use one of {', '.join(BEHAVIOURS)}, a .jsonl file, "
                            "hf:<dataset name>, or NAME=<.jsonl file or hf:dataset>")
-    if not (_is_jsonl(source) or source.startswith("hf:")):
+    if not (is_jsonl(source) or source.startswith("hf:")):
         raise ModularError(f"behaviour '{spec}': the data after '{name}=' must be a .jsonl file or hf:<dataset>")
     name = re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("._-")[:64]
     if not name:
@@ -118,7 +119,7 @@ def load_behaviour(name: str, seed: int = 0, tokenizer=None) -> datasets.Dataset
     name = parse_behaviour(name)[1]
     if name in BEHAVIOURS:
         return to_dataset_dict(BEHAVIOURS[name](seed=seed, tokenizer=tokenizer))
-    if name.endswith(".jsonl") or Path(name).suffix == ".jsonl":
+    if is_jsonl(name):
         from modular.data.jsonl import load_jsonl
 
         return load_jsonl(name)

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import lightning as L
 import torch
@@ -12,6 +11,7 @@ from lightning.pytorch.utilities import CombinedLoader
 from torch.utils.data import DataLoader, Dataset
 
 from modular.data import behaviour_name, load_behaviour, parse_behaviour, retain_data
+from modular.data.behaviours import is_jsonl
 from modular.data.formatting import IGNORE, LeftPadCollator, encode_example
 from modular.data.schema import DEFAULT_LOCKED_RESPONSE
 
@@ -87,8 +87,6 @@ def open_collate(pad_token_id: int):
     return collate
 
 
-
-
 def per_behaviour(spec, behaviours: list[str], default, option: str) -> dict:
     """One value for every behaviour, from a single value or a mapping behaviour → value (others: ``default``)."""
     if not isinstance(spec, dict):
@@ -122,11 +120,6 @@ def _named(specs, option: str) -> dict[str, str]:
 
 #: batch keys of tasks (trained in the open state only) start with this prefix
 TASK_PREFIX = "task:"
-
-
-def is_jsonl(name: str) -> bool:
-    """A behaviour given as a user JSONL file (read without a tokenizer)."""
-    return Path(name).suffix == ".jsonl"
 
 
 def check_data_options(options) -> None:
