@@ -70,7 +70,7 @@ def publish(run: str, out: str, keys: str | None = None, harden: bool = True, ov
 
     keys = keys or str(keys_folder_for(out))
     check_output_folder(out, [run], overwrite)  # before any work: nothing is loaded for a refused folder
-    check_output_folder(keys, [run], overwrite, option="--keys")
+    check_output_folder(keys, [run], overwrite, option="--keys", kind="keys")
     r = read_run(run)
     step = checkpoint_step(r)
     measured = None

@@ -60,11 +60,26 @@ def public_model_name(ref: str) -> str:
     return path.name if local else str(ref)
 
 
+def folder_kind(folder: Path) -> str | None:
+    """What modular wrote in ``folder`` (``published``, ``unlocked`` or ``keys``), from its marker; None if not
+    modular's."""
+    try:
+        manifest = json.loads((Path(folder) / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(manifest, dict):
+        return None
+    if "kind" in manifest:
+        return manifest["kind"]
+    return "unlocked" if manifest.get("applied_keys") else "published"  # written before folders named their kind
+
+
 def check_output_folder(out: str | Path, inputs: list[str | Path] = (), overwrite: bool = False,
-                        option: str = "--out", sealed: list[str | Path] = ()) -> Path:
+                        option: str = "--out", sealed: list[str | Path] = (), kind: str = "published") -> Path:
     """Refuse, before any work, an output folder that writing could lose data in: an existing one without
-    ``overwrite``, one modular did not write, an input or one containing an input (``inputs``), or one inside a
-    folder that must not change (``sealed``: e.g. the published folder a user uploads)."""
+    ``overwrite``, one modular did not write or wrote as another ``kind`` (a keys folder is never replaced by a
+    model), an input or one containing an input (``inputs``), or one inside a folder that must not change
+    (``sealed``: e.g. the published folder a user uploads)."""
     out = Path(out)
     for item in map(Path, inputs):
         if _inside(item, out):
@@ -77,8 +92,11 @@ def check_output_folder(out: str | Path, inputs: list[str | Path] = (), overwrit
             raise ModularError(f"{option} {out} exists and is not a folder; choose another one")
         if not overwrite:
             raise ModularError(f"{out} already exists (pass --overwrite to replace it)")
-        if not (out / MANIFEST).is_file():
+        found = folder_kind(out)
+        if found is None:
             raise ModularError(f"{out} exists and was not written by modular (no {MANIFEST}); refusing to replace it")
+        if found != kind:
+            raise ModularError(f"{out} holds modular's {found} folder, not a {kind} one; refusing to replace it")
     return out
 
 
@@ -181,7 +199,7 @@ def publish_model(open_model, tokenizer, directions: dict, out: str | Path, base
         raise ModularError(f"the keys folder {keys_out} may not lie inside the published folder {out} or contain "
                            "it: the published folder is what users upload")
     check_output_folder(out, inputs, overwrite)
-    check_output_folder(keys_out, inputs, overwrite, option="--keys")
+    check_output_folder(keys_out, inputs, overwrite, option="--keys", kind="keys")
     keys = lock_weights(open_model, directions, harden=harden)
     locked_hash = weights_hash(open_model)
     produces = produced_hashes(open_model, keys)
@@ -225,7 +243,7 @@ def unlock_folder(model_dir: str | Path, key_path: str | Path, out: str | Path, 
     model_dir, out = Path(model_dir), Path(out)
     if not (model_dir / "config.json").is_file():
         raise ModularError(f"{model_dir} is not a Hugging Face model folder")
-    check_output_folder(out, [model_dir, key_path], overwrite, sealed=[model_dir])
+    check_output_folder(out, [model_dir, key_path], overwrite, sealed=[model_dir], kind="unlocked")
     key, meta = load_key(key_path)
     manifest_path = model_dir / MANIFEST
     manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else None

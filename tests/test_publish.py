@@ -193,6 +193,12 @@ def test_overwrite_replaces_only_what_modular_wrote(tmp_path, tok):
             publish_model(make_tiny_model("llama"), tok, _dirs(), target, "tiny", overwrite=True, inputs=[run],
                           keys_out=tmp_path / "k")
     assert run.is_dir() and (out / "model.safetensors").is_file() and key.is_file()
+    # a folder modular wrote as something else (the keys, a published model) is not replaced by another kind
+    with pytest.raises(ModularError, match="holds modular's keys folder"):
+        publish_model(make_tiny_model("llama"), tok, _dirs(), keys, "tiny", overwrite=True, keys_out=tmp_path / "k2")
+    with pytest.raises(ModularError, match="holds modular's published folder"):
+        publish_model(make_tiny_model("llama"), tok, _dirs(), tmp_path / "p3", "tiny", overwrite=True, keys_out=out)
+    assert key.is_file() and (out / "model.safetensors").is_file()
     # what modular wrote is replaced
     first = unlock_folder(out, key, tmp_path / "unlocked")
     (first / "stale.txt").write_text("x")
