@@ -301,7 +301,8 @@ def produced_hashes(model: nn.Module, keys: list[Key]) -> dict[str, dict[tuple[s
     hash}}`` for every order the keys carry corrections for. The model is left as it was (locked)."""
     names = [k.behaviour for k in keys]
     by_name = {k.behaviour: k for k in keys}
-    params = dict(model.named_parameters())
+    touched = {c.param for key in keys for c in key.components}  # the rest is never changed by a key
+    params = {n: p for n, p in model.named_parameters() if n in touched}
     locked = {n: p.detach().clone() for n, p in params.items()}
     out: dict[str, dict[tuple[str, ...], str]] = {n: {} for n in names}
     try:

@@ -55,9 +55,10 @@ def _inside(path: Path, other: Path) -> bool:
 def public_model_name(ref: str) -> str:
     """How a published folder names a model: an alias or hub id as given, a local path by its last part only
     (no local path goes into a folder users upload)."""
+    from modular.models.loading import looks_like_path
+
     path = Path(str(ref)).expanduser()
-    local = path.exists() or str(ref).startswith((".", "/", "~")) or os.sep in str(ref) and path.parent.exists()
-    return path.name if local else str(ref)
+    return path.name if path.exists() or looks_like_path(str(ref)) else str(ref)
 
 
 def folder_kind(folder: Path) -> str | None:

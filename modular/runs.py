@@ -65,18 +65,20 @@ def checkpoint_path(run: Run) -> Path:
     return path
 
 
-def _load_checkpoint(path: Path) -> dict:
+def read_checkpoint(path: str | Path,
+                    remedy: str = "copy it again, or train the run again (train.py fit with its config and "
+                                  "--ckpt_path null)") -> dict:
+    """A checkpoint, memory-mapped; a truncated or foreign file is one line naming it and ``remedy``."""
     try:
         return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
     except Exception as err:  # noqa: BLE001 - a truncated or foreign file fails in torch's zip or pickle readers
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise ModularError(f"{path} is not a readable checkpoint ({reason}): copy it again, or train the run again "
-                           "(train.py fit with its config and --ckpt_path null)") from None
+        raise ModularError(f"{path} is not a readable checkpoint ({reason}): {remedy}") from None
 
 
 def checkpoint_step(run: Run) -> int:
     """The optimisation step the run's checkpoint holds (what publish and the evaluations describe)."""
-    return int(_load_checkpoint(checkpoint_path(run))["global_step"])
+    return int(read_checkpoint(checkpoint_path(run))["global_step"])
 
 
 def load_open_model(run: Run):
@@ -86,7 +88,7 @@ def load_open_model(run: Run):
     gates scoped to the tasks (``gate_scope: tasks``) only guided training and are dropped."""
     from modular.models import load_model
 
-    ckpt = _load_checkpoint(checkpoint_path(run))
+    ckpt = read_checkpoint(checkpoint_path(run))
     state = {k[len("model."):]: v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
     model = load_model(run.model_name)
     gated = any(".head_gate." in k for k in state)

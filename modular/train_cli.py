@@ -15,7 +15,6 @@ import sys
 import uuid
 from pathlib import Path
 
-import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 
@@ -24,7 +23,7 @@ from modular.data import load_jsonl, parse_behaviour
 from modular.data.behaviours import is_jsonl
 from modular.gating.data import GatingDataModule, check_data_options, training_data
 from modular.gating.module import GatedLM, check_model_options
-from modular.runs import LAST_CHECKPOINT, WANDB_RUN_ID
+from modular.runs import LAST_CHECKPOINT, WANDB_RUN_ID, read_checkpoint
 from modular.tracking import write_text
 
 
@@ -101,12 +100,7 @@ def check_trainer_length(trainer) -> None:
 
 def check_checkpoint(path: Path) -> None:
     """One line naming ``path`` unless it is a readable checkpoint (resuming would fail on it mid-start)."""
-    try:
-        torch.load(path, map_location="cpu", mmap=True, weights_only=False)
-    except Exception as err:  # noqa: BLE001 - truncated zip, bad pickle, not a torch file: all one answer
-        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise ModularError(f"cannot resume from {path}: unreadable checkpoint ({reason}); delete it, or pass "
-                           "--ckpt_path null to start afresh") from None
+    read_checkpoint(path, remedy="delete it, or pass --ckpt_path null to start afresh")
 
 
 def main(argv: list[str] | None = None) -> int:

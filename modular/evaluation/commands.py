@@ -149,10 +149,8 @@ def attack(model: str, behaviour: str | None = None, alphas: list[float] = (-1, 
         raise ModularError(f"{folder} is not a published modular model (its modular.json lists no locked behaviours)")
     specs = [b.strip() for b in behaviour.split(",") if b.strip()] if behaviour else manifest["locked_behaviours"]
     sources = {}
-    for spec in specs:
-        if spec not in manifest["locked_behaviours"] and "=" not in spec and spec not in BEHAVIOURS:
-            spec = parse_behaviour(spec)[0] + "=" + spec  # a data file named by its stem
-        name, source = parse_behaviour(spec) if spec not in manifest["locked_behaviours"] else (spec, spec)
+    for spec in specs:  # a locked behaviour's name, or a spec naming its data (a data file is named by its stem)
+        name, source = (spec, spec) if spec in manifest["locked_behaviours"] else parse_behaviour(spec)
         if name not in manifest["locked_behaviours"]:
             raise ModularError(f"behaviour '{name}' is not locked in {folder} (locked: "
                                f"{', '.join(manifest['locked_behaviours'])})")

@@ -123,13 +123,12 @@ class RunRecordCallback(Callback):
             return
         from pathlib import Path
 
-        from modular.runs import RUN_RECORD
+        from modular.runs import RUN_RECORD, read_checkpoint
         from modular.tracking import write_json
 
         run_dir = Path(trainer.default_root_dir)
         ckpt = next((c.last_model_path for c in trainer.checkpoint_callbacks if c.last_model_path), None)
-        ckpt_step = int(torch.load(ckpt, map_location="cpu", weights_only=False, mmap=True)["global_step"]) \
-            if ckpt else None
+        ckpt_step = int(read_checkpoint(ckpt)["global_step"]) if ckpt else None
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
         gates = {}
         if pl_module.hparams.get("head_gates", False):

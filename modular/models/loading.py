@@ -152,7 +152,8 @@ def _unreadable_weights(ref: str, source: str, err: BaseException) -> str:
     return f"{what}: re-download or re-save the model"
 
 
-def _looks_like_path(ref: str) -> bool:
+def looks_like_path(ref: str) -> bool:
+    """A reference written as a file path (not an alias or a hub id)."""
     return ref.startswith((".", "/", "~")) or ref.endswith(".gguf") or os.sep in ref and Path(ref).parent.exists()
 
 
@@ -184,7 +185,7 @@ def resolve_model(ref: str | os.PathLike) -> str:
         raise ModularError(f"{path} is a folder but holds no config.json (nor exactly one .gguf file)")
     if path.exists():
         raise ModularError(f"{path} is neither a Hugging Face folder nor a .gguf file")
-    if _looks_like_path(ref):
+    if looks_like_path(ref):
         raise ModularError(f"model file or folder not found: {ref}")
     if "/" not in ref:
         raise ModularError(
