@@ -286,8 +286,13 @@ def unlock_folder(model_dir: str | Path, key_path: str | Path, out: str | Path, 
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-        if (model_dir / "README.md").is_file():
-            shutil.copy(model_dir / "README.md", tmp / "README.md")
+        if (model_dir / "README.md").is_file():  # the published card, headed by what these weights are now
+            card = (model_dir / "README.md").read_text()
+            still = [b for b in manifest.get("locked_behaviours", []) if b not in manifest["applied_keys"]]
+            note = (f"> **Unlocked copy**: keys applied for {', '.join(manifest['applied_keys'])}; still locked: "
+                    f"{', '.join(still) or 'none'}. The card below describes the published locked weights.\n\n")
+            head, sep, body = card.partition("---\n\n") if card.startswith("---") else ("", "", card)
+            (tmp / "README.md").write_text(head + sep + note + body)
 
     _write_folders({out: write})
     return out

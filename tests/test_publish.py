@@ -53,6 +53,8 @@ def test_publish_loads_without_modular_and_unlocks_exactly(tmp_path, tok, arch, 
     assert diff <= 1e-6
     manifest = json.loads((unlocked / "modular.json").read_text())
     assert manifest["applied_keys"] == ["b0"]
+    card = (unlocked / "README.md").read_text()  # the card says what these weights are, not only that they were locked
+    assert card.startswith("---") and "**Unlocked copy**: keys applied for b0; still locked: none" in card
     with pytest.raises(ModularError, match="already unlocked"):
         unlock_folder(unlocked, keys / "b0.key.safetensors", tmp_path / "again")
 
