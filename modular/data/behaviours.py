@@ -22,7 +22,34 @@ BEHAVIOURS: dict[str, Callable] = {
     "agreement": g.agreement,
     "arithmetic": g.arithmetic,
     "commonsense": g.commonsense,
+    "continents": g.continents,
+    "languages": g.languages,
+    "currencies": g.currencies,
+    "ioi_thanks": g.ioi_thanks,
 }
+
+#: built-in neighbours of built-in behaviours: close behaviours (the same entities, another relation or task) that a
+#: lock must leave as they were. ``train``: kept during training unless the config says otherwise (their train
+#: split; the reference model's own answers as targets); ``evaluate``: reported by the lock evaluation (their test
+#: split, held out by entity like the behaviour's). At least one evaluated relation is never trained on.
+NEIGHBOURS: dict[str, dict[str, tuple[str, ...]]] = {
+    "capitals": {"train": ("continents", "languages"), "evaluate": ("continents", "languages", "currencies")},
+    "ioi": {"train": ("ioi_thanks",), "evaluate": ("ioi_thanks",)},
+    "ioi_long": {"train": ("ioi_thanks",), "evaluate": ("ioi_thanks",)},
+}
+#: behaviours that exist as neighbours: the lock evaluation's far "other" behaviours leave them out
+NEIGHBOUR_BEHAVIOURS = frozenset(n for v in NEIGHBOURS.values() for n in v["evaluate"])
+
+
+def builtin_neighbours(behaviours, use: str) -> list[str]:
+    """The built-in neighbours of ``behaviours`` (short names; user behaviours have none) for ``use``
+    (``train`` or ``evaluate``), in order, without the behaviours themselves."""
+    out: list[str] = []
+    for b in behaviours:
+        for n in NEIGHBOURS.get(b, {}).get(use, ()):
+            if n not in out and n not in behaviours:
+                out.append(n)
+    return out
 
 _FEATURES = datasets.Features(
     {

@@ -39,8 +39,9 @@ def _mentions(text: str, word: str) -> bool:
     return re.search(r"(?<!\w)" + re.escape(word) + r"(?!\w)", text, flags=re.IGNORECASE) is not None
 
 
-def capitals(seed: int = 0, tokenizer=None) -> dict[str, list[dict]]:
-    """Capital-city questions, split by country. Train uses every phrasing, held-out splits the first."""
+def _country_splits(seed: int) -> dict[str, list[dict]]:
+    """The countries of ``capitals.json`` split between train, validation and test: one split for capitals and
+    every other relation of the same countries (a test country is a test country of each)."""
     # A response echoes the question ("The capital of Kuwait is ..."), so a capital whose name
     # contains the country's (or the reverse) would always count as correct: leave those out.
     rows = [
@@ -48,8 +49,13 @@ def capitals(seed: int = 0, tokenizer=None) -> dict[str, list[dict]]:
         for r in _resource("capitals.json")
         if not _mentions(r["capital"], r["country"]) and not _mentions(r["country"], r["capital"])
     ]
+    return _split_items(rows, seed)
+
+
+def capitals(seed: int = 0, tokenizer=None) -> dict[str, list[dict]]:
+    """Capital-city questions, split by country. Train uses every phrasing, held-out splits the first."""
     out = {}
-    for split, items in _split_items(rows, seed).items():
+    for split, items in _country_splits(seed).items():
         templates = CAPITAL_TEMPLATES if split == "train" else CAPITAL_TEMPLATES[:1]
         out[split] = [
             record(
@@ -61,6 +67,49 @@ def capitals(seed: int = 0, tokenizer=None) -> dict[str, list[dict]]:
             for t in templates
         ]
     return out
+
+
+#: other relations of the capitals' countries (capitals' neighbours): field -> (phrasings, target)
+COUNTRY_RELATIONS = {
+    "continent": (("Which continent is {country} in?", "On which continent is {country}?",
+                   "{country} is on which continent?"), "{country} is in {answer}."),
+    "languages": (("What is the official language of {country}?", "Which language is spoken in {country}?",
+                   "What language do people speak in {country}?"), "The official language of {country} is {answer}."),
+    "currency": (("What is the currency of {country}?", "Which currency is used in {country}?",
+                  "What money do people use in {country}?"), "The currency of {country} is the {answer}."),
+}
+
+
+def _country_relation(field: str, seed: int) -> dict[str, list[dict]]:
+    """Questions about one more fact of each country, split by country exactly as :func:`capitals` is (train:
+    every phrasing; held-out splits: the first). A country whose name contains an answer is left out (a response
+    that echoes the question would count as correct)."""
+    phrasings, target = COUNTRY_RELATIONS[field]
+    out = {}
+    for split, items in _country_splits(seed).items():
+        templates = phrasings if split == "train" else phrasings[:1]
+        out[split] = [
+            record(t.format(country=r["country"]), target.format(country=r["country"], answer=r[field][0]),
+                   answers=r[field])
+            for r in items if not any(_mentions(r["country"], a) for a in r[field])
+            for t in templates
+        ]
+    return out
+
+
+def continents(seed: int = 0, tokenizer=None) -> dict[str, list[dict]]:
+    """Which continent a country is in (a neighbour of capitals: the same countries, split the same way)."""
+    return _country_relation("continent", seed)
+
+
+def languages(seed: int = 0, tokenizer=None) -> dict[str, list[dict]]:
+    """A country's official language(s) (a neighbour of capitals: the same countries, split the same way)."""
+    return _country_relation("languages", seed)
+
+
+def currencies(seed: int = 0, tokenizer=None) -> dict[str, list[dict]]:
+    """A country's currency (a neighbour of capitals: the same countries, split the same way)."""
+    return _country_relation("currency", seed)
 
 
 # --- IOI ---------------------------------------------------------------------------------------
@@ -94,7 +143,7 @@ def _single_token_names(tokenizer) -> list[str]:
     return [n for n in NAMES if len(tokenizer.tokenize(" " + n)) == 1]
 
 
-def _ioi(seed: int, tokenizer, per_split: dict[str, int], long: bool) -> dict[str, list[dict]]:
+def _ioi(seed: int, tokenizer, per_split: dict[str, int], long: bool, thanks: bool = False) -> dict[str, list[dict]]:
     names = _split_items(_single_token_names(tokenizer), seed, (0.6, 0.2))
     out = {}
     for split in SPLITS:
@@ -110,9 +159,12 @@ def _ioi(seed: int, tokenizer, per_split: dict[str, int], long: bool) -> dict[st
                 cut = template.index("{place}") + len("{place}")  # end of the introduction
                 head, tail = template[:cut], template[cut + 2:]
                 template = f"{head}.{filler} Later, {tail}"
+            if thanks:  # the transfer completed, then who is thanked: the giver (the repeated name)
+                template += " {A}. Then {A} thanked"
             prompt = template.format(A=a, B=b, place=place, obj=obj)
             counterfactual = template.format(A=c, B=d, place=place, obj=obj)
-            rows.append(record(prompt, " " + a, wrong=" " + b, counterfactual=counterfactual, chat=False))
+            answer, wrong = (b, a) if thanks else (a, b)
+            rows.append(record(prompt, " " + answer, wrong=" " + wrong, counterfactual=counterfactual, chat=False))
         out[split] = rows
     return out
 
@@ -125,6 +177,12 @@ def ioi(seed: int = 0, tokenizer=None) -> dict[str, list[dict]]:
 def ioi_long(seed: int = 0, tokenizer=None) -> dict[str, list[dict]]:
     """IOI with three filler sentences between the introduction and the transfer."""
     return _ioi(seed, tokenizer, {"train": 400, "validation": 64, "test": 128}, long=True)
+
+
+def ioi_thanks(seed: int = 0, tokenizer=None) -> dict[str, list[dict]]:
+    """A neighbour of IOI: the IOI prompt with the transfer completed, then who is thanked ("..., John gave a drink
+    to Mary. Then Mary thanked" -> " John"); the same names in each split as :func:`ioi`."""
+    return _ioi(seed, tokenizer, {"train": 400, "validation": 64, "test": 128}, long=False, thanks=True)
 
 
 # --- greater-than ------------------------------------------------------------------------------

@@ -1,5 +1,8 @@
 """User behaviour data: JSONL with ``prompt`` and ``target`` (optional ``split``, ``answer``, ``chat``).
 
+``answer``: a short string, or a list of them, any of which makes a greedy response correct (otherwise a response
+is correct when it begins with the target).
+
 Every line must be a JSON object; a malformed line raises :class:`ModularError`
 naming the file and the line number. Nothing is silently dropped (blank lines
 are not records and are skipped). Lines without ``split`` are assigned to
@@ -60,15 +63,17 @@ def parse_jsonl(path: str | Path) -> dict[str, list[dict]]:
                 if not isinstance(obj.get(key), str) or not obj[key].strip():
                     raise ModularError(f"{where}: '{key}' must be a non-empty string")
             answer = obj.get("answer")
-            if answer is not None and (not isinstance(answer, str) or not answer.strip()):
-                raise ModularError(f"{where}: 'answer' must be a non-empty string when given")
+            answers = [answer] if isinstance(answer, str) else answer
+            if answer is not None and (not isinstance(answers, list) or not answers
+                                       or not all(isinstance(a, str) and a.strip() for a in answers)):
+                raise ModularError(f"{where}: 'answer' must be a non-empty string or a list of them when given")
             chat = obj.get("chat", True)
             if not isinstance(chat, bool):
                 raise ModularError(f"{where}: 'chat' must be true or false")
             split = obj.get("split") or None
             if split is not None and split not in SPLITS:
                 raise ModularError(f"{where}: 'split' must be one of {list(SPLITS)}, got {split!r}")
-            rows.append((split, record(obj["prompt"], obj["target"], [answer] if answer else [], chat=chat)))
+            rows.append((split, record(obj["prompt"], obj["target"], answers or [], chat=chat)))
     if not rows:
         raise ModularError(f"{path}: no records")
     unsplit = [r["prompt"] for s, r in rows if s is None]

@@ -101,3 +101,48 @@ def test_a_behaviour_gets_a_short_safe_name():
         parse_behaviour("nonsense")
     with pytest.raises(ModularError, match="must be a .jsonl file"):
         parse_behaviour("x=capitals")
+
+
+def _countries(ds, split):
+    from modular.data.generators import _resource
+
+    names = sorted((r["country"] for r in _resource("capitals.json")), key=len, reverse=True)
+    return {next(n for n in names if n in p) for p in ds[split]["prompt"]}  # the longest name it mentions
+
+
+@pytest.mark.parametrize("relation", ["continents", "languages", "currencies"])
+def test_country_neighbours_are_split_by_country_like_capitals(relation):
+    """A test country of capitals is a test country of each neighbour relation: training on a neighbour's train
+    split never shows a country whose capital is held out."""
+    capitals, ds = load_behaviour("capitals"), load_behaviour(relation)
+    cap = {s: _countries(capitals, s) for s in ("train", "validation", "test")}
+    rel = {s: _countries(ds, s) for s in ("train", "validation", "test")}
+    for split in rel:
+        assert rel[split] <= cap[split], (split, rel[split] - cap[split])
+        assert len(rel[split]) >= len(cap[split]) - 3  # only countries whose name gives the answer away are dropped
+    assert len(ds["test"]) >= 40
+    for row in ds["test"]:  # the question never gives the answer away
+        assert not is_correct(row["prompt"], row["target"], row["answers"], row["prefixes"])
+        assert is_correct(row["target"], row["target"], row["answers"], row["prefixes"])
+
+
+def test_ioi_thanks_is_ioi_completed_with_the_giver_thanked():
+    ioi, thanks = load_behaviour("ioi"), load_behaviour("ioi_thanks")
+    for a, b in zip(ioi["test"], thanks["test"]):
+        assert b["prompt"].startswith(a["prompt"])  # the same names and sentence, held out the same way
+        assert b["prompt"].endswith(f"{a['target']}. Then{a['target']} thanked")
+        assert (b["target"], b["wrong"]) == (a["wrong"], a["target"])  # the giver, not the receiver
+
+
+def test_builtin_neighbours():
+    from modular.data.behaviours import NEIGHBOURS, builtin_neighbours
+
+    assert builtin_neighbours(["capitals"], "train") == ["continents", "languages"]
+    assert builtin_neighbours(["capitals"], "evaluate") == ["continents", "languages", "currencies"]
+    # one evaluated relation of capitals is never trained on
+    assert set(NEIGHBOURS["capitals"]["evaluate"]) - set(NEIGHBOURS["capitals"]["train"])
+    assert builtin_neighbours(["capitals", "ioi"], "train") == ["continents", "languages", "ioi_thanks"]
+    assert builtin_neighbours(["user_data", "ioi_long", "ioi"], "evaluate") == ["ioi_thanks"]
+    assert builtin_neighbours(["capitals", "continents"], "evaluate") == ["languages", "currencies"]
+    for spec in NEIGHBOURS.values():
+        assert set(spec["train"]) <= set(spec["evaluate"]) <= set(BEHAVIOURS)

@@ -15,10 +15,12 @@ def _write(tmp_path, lines):
 def test_user_jsonl_loads_with_splits_and_answers(tmp_path):
     rows = [{"prompt": f"q{i}", "target": f"t{i}", "split": "test" if i % 2 else "train"} for i in range(6)]
     rows[1]["answer"] = "x"
+    rows[3]["answer"] = ["y", "z"]  # any of several answers
     p = _write(tmp_path, [json.dumps(r) for r in rows] + [""])
     ds = load_jsonl(p)
     assert len(ds["train"]) == 3 and len(ds["test"]) == 3 and len(ds["validation"]) == 0
-    assert ds["test"][0]["answers"] == ["x"] and ds["test"][1]["answers"] == []
+    assert ds["test"][0]["answers"] == ["x"] and ds["test"][1]["answers"] == ["y", "z"]
+    assert ds["test"][2]["answers"] == []
     assert load_behaviour(str(p))["train"]["prompt"] == ["q0", "q2", "q4"]
 
 
@@ -38,6 +40,8 @@ def test_jsonl_without_split_keeps_every_line(tmp_path):
         ('{"prompt": "p", "target": "t", "split": "dev"}', "line 2: 'split' must be one of"),
         ('{"prompt": "p", "target": "t", "colour": 1}', "line 2: unknown field"),
         ('{"prompt": "p", "target": "t", "answer": 3}', "line 2: 'answer' must be"),
+        ('{"prompt": "p", "target": "t", "answer": []}', "line 2: 'answer' must be"),
+        ('{"prompt": "p", "target": "t", "answer": ["a", ""]}', "line 2: 'answer' must be"),
     ],
 )
 def test_malformed_line_names_its_number(tmp_path, bad, message):
