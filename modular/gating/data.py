@@ -4,14 +4,16 @@
 from __future__ import annotations
 
 import logging
+import random
 
+import datasets
 import lightning as L
 import torch
 from lightning.pytorch.utilities import CombinedLoader
 from torch.utils.data import DataLoader, Dataset
 
 from modular.data import behaviour_name, load_behaviour, parse_behaviour, retain_data
-from modular.data.behaviours import is_jsonl
+from modular.data.behaviours import builtin_neighbours, is_jsonl
 from modular.data.formatting import IGNORE, LeftPadCollator, encode_example
 from modular.data.schema import DEFAULT_LOCKED_RESPONSE
 
@@ -120,6 +122,40 @@ def _named(specs, option: str) -> dict[str, str]:
 
 #: batch keys of tasks (trained in the open state only) start with this prefix
 TASK_PREFIX = "task:"
+#: batch key of the neighbours' items (kept like retain data)
+NEIGHBOURS_KEY = "neighbours"
+
+
+def neighbour_specs(spec, behaviours: list[str]) -> dict[str, str]:
+    """{short name: spec} of the neighbours kept during training: ``auto`` (the built-in neighbours of the gated
+    built-in behaviours), a list of specs, or ``None``/``[]`` (none). A gated behaviour is not its own neighbour."""
+    from modular import ModularError
+
+    if spec is None:
+        return {}
+    if isinstance(spec, str):
+        if spec != "auto":
+            raise ModularError(f"data.neighbours must be 'auto' or a list of behaviours, got '{spec}'")
+        return {n: n for n in builtin_neighbours(behaviours, "train")}
+    named = _named(spec, "neighbours")
+    clash = sorted(set(named) & set(behaviours))
+    if clash:
+        raise ModularError(f"data.neighbours names gated behaviours: {', '.join(clash)}; a neighbour must stay open")
+    return named
+
+
+def neighbour_data(name: str, data, limit: int | None = None, seed: int = 0):
+    """A neighbour's data checked for training (train items needed), its train split cut to ``limit`` items (an
+    even sample by ``seed``)."""
+    from modular import ModularError
+
+    if not len(data["train"]):
+        counts = ", ".join(f"{s} {len(data[s])}" for s in ("train", "validation", "test"))
+        raise ModularError(f"neighbour '{name}' has no train items ({counts}): training keeps its train items")
+    if limit is not None and len(data["train"]) > limit:
+        keep = sorted(random.Random(f"{seed}-{name}").sample(range(len(data["train"])), limit))
+        data = datasets.DatasetDict({**data, "train": data["train"].select(keep)})
+    return data
 
 
 def check_data_options(options) -> None:
@@ -127,7 +163,7 @@ def check_data_options(options) -> None:
     from modular import ModularError
 
     for option in ("batch_size", "max_length", "lm_max_length", "reference_max_new_tokens", "reference_top_k",
-                   "num_workers"):
+                   "num_workers", "neighbour_items"):
         low, value = (2 if option == "batch_size" else 0 if option == "num_workers" else 1), options[option]
         if value < low:
             why = " (each batch is split between the open and the locked state)" if option == "batch_size" else ""
@@ -169,6 +205,14 @@ class GatingDataModule(L.LightningDataModule):
         behaviours: Behaviours to gate: built-in names, .jsonl files (named by their stem), hf:<dataset>, or
             NAME=<.jsonl file or hf:dataset>; may be empty.
         tasks: Behaviours trained in the open state only, never locked (e.g. for sparse post-training).
+        neighbours: Behaviours close to the gated ones that must work as before in both states (the rest of the
+            domain: for capitals, other facts about the same countries). Their train prompts, with the reference
+            model's own answers as targets, are kept by the same KL terms as retain data, half open, half locked.
+            ``auto``: the built-in neighbours of the built-in gated behaviours (capitals: continents and
+            languages; ioi: ioi_thanks; user behaviours have none); or a list of built-in names, .jsonl files,
+            hf:<dataset> or NAME=<source>; ``[]``: none. The lock evaluation scores held-out neighbours (test
+            splits, other entities) besides these.
+        neighbour_items: At most this many train items of each neighbour are kept (an even sample by seed).
         lm_text: ``neutral`` adds LM batches of the built-in neutral text (train split; split between the states
             when behaviours are gated); ``null``: none.
         lm_max_length: Truncate each LM text to this many tokens.
@@ -192,6 +236,8 @@ class GatingDataModule(L.LightningDataModule):
         model_name: str = "smollm2-135m-instruct",
         behaviours: list[str] = ("capitals",),
         tasks: list[str] = (),
+        neighbours: str | list[str] = "auto",
+        neighbour_items: int = 128,
         lm_text: str | None = None,
         lm_max_length: int = 128,
         locked_response: str | dict[str, str] = DEFAULT_LOCKED_RESPONSE,
@@ -211,6 +257,7 @@ class GatingDataModule(L.LightningDataModule):
         self.behaviours = list(self.behaviour_specs)
         self.tasks = list(self.task_specs)
         self.locked_responses = locked_responses(locked_response, self.behaviours)
+        self.neighbour_specs = neighbour_specs(neighbours, self.behaviours)
         if lm_text not in (None, "neutral"):
             from modular import ModularError
 
@@ -227,6 +274,12 @@ class GatingDataModule(L.LightningDataModule):
                 from modular.data import load_jsonl
 
                 self._training_data(name, load_jsonl(source))
+        for name, spec in self.neighbour_specs.items():
+            source = parse_behaviour(spec)[1]
+            if is_jsonl(source):
+                from modular.data import load_jsonl
+
+                neighbour_data(name, load_jsonl(source))
         self._ready = False
 
     def _training_data(self, name: str, data):
@@ -251,6 +304,11 @@ class GatingDataModule(L.LightningDataModule):
             t: self._training_data(t, load_behaviour(spec, seed=self.hparams.seed, tokenizer=self.tokenizer))
             for t, spec in self.task_specs.items()
         }
+        self.neighbour_data = {
+            n: neighbour_data(n, load_behaviour(spec, seed=self.hparams.seed, tokenizer=self.tokenizer),
+                              self.hparams.neighbour_items, self.hparams.seed)
+            for n, spec in self.neighbour_specs.items()
+        }
         self.retain = retain_data(seed=self.hparams.seed)
         if self.hparams.lm_text:
             from modular.data import neutral_text
@@ -259,12 +317,26 @@ class GatingDataModule(L.LightningDataModule):
 
     def reference(self, model=None) -> dict:
         """Cached reference outputs for every retain prompt (train, validation and test)."""
+        prompts = [p for s in ("train", "validation", "test") for p in self.retain[s]["prompt"]]
+        chats = [c for s in ("train", "validation", "test") for c in self.retain[s]["chat"]]
+        return self._reference(prompts, chats, model)
+
+    def neighbour_reference(self, model=None) -> dict | None:
+        """Cached reference outputs for the neighbours' train and validation prompts (None: no neighbours)."""
+        rows = self._neighbour_rows_raw()
+        if not rows:
+            return None
+        return self._reference([r["prompt"] for _, _, r in rows], [r["chat"] for _, _, r in rows], model)
+
+    def _neighbour_rows_raw(self) -> list[tuple[str, str, dict]]:
+        """(neighbour, split, record) of every neighbour train and validation item, in a fixed order."""
+        return [(n, s, r) for n, ds in self.neighbour_data.items() for s in ("train", "validation") for r in ds[s]]
+
+    def _reference(self, prompts: list[str], chats: list[bool], model=None) -> dict:
         from modular.gating.reference import cache_path, load_or_compute
         from modular.models import load_model
         from modular.models.loading import resolve_model
 
-        prompts = [p for s in ("train", "validation", "test") for p in self.retain[s]["prompt"]]
-        chats = [c for s in ("train", "validation", "test") for c in self.retain[s]["chat"]]
         source = resolve_model(self.hparams.model_name)
         hp = self.hparams
         if model is None and not cache_path(source, prompts, hp.reference_max_new_tokens, hp.reference_top_k).exists():
@@ -290,6 +362,7 @@ class GatingDataModule(L.LightningDataModule):
         """Runs on one process: computes the reference cache so other processes only read it."""
         self._load()
         self.reference()
+        self.neighbour_reference()
         if self.hparams.lm_text:
             self.lm_reference()
 
@@ -307,6 +380,10 @@ class GatingDataModule(L.LightningDataModule):
             s: [self._retain_item(ref["records"][offsets[s] + i]) for i in range(len(self.retain[s]))]
             for s in ("train", "validation", "test")
         }
+        self.neighbour_rows = {"train": [], "validation": []}
+        neighbour_ref = self.neighbour_reference()
+        for (_, split, _), rec in zip(self._neighbour_rows_raw(), neighbour_ref["records"] if neighbour_ref else []):
+            self.neighbour_rows[split].append(self._retain_item(rec))
         self.reference_first_logp = {
             s: torch.stack([ref["records"][offsets[s] + i]["first_logp"].float() for i in range(len(self.retain[s]))])
             for s in ("validation", "test")
@@ -376,6 +453,8 @@ class GatingDataModule(L.LightningDataModule):
                   drop_last=shuffle)
         loaders = {b: DataLoader(_Rows(rows[split]), shuffle=shuffle, **kw) for b, rows in self.behaviour_rows.items()}
         loaders["retain"] = DataLoader(_Rows(self.retain_rows[split]), shuffle=shuffle, **kw)
+        if self.neighbour_rows[split]:  # kept like retain data, half open, half locked
+            loaders[NEIGHBOURS_KEY] = DataLoader(_Rows(self.neighbour_rows[split]), shuffle=shuffle, **kw)
         kw["collate_fn"] = open_collate(self.tokenizer.pad_token_id)
         for t, rows in self.task_rows.items():
             loaders[f"{TASK_PREFIX}{t}"] = DataLoader(_Rows(rows[split]), shuffle=shuffle, **kw)

@@ -13,6 +13,23 @@ def token_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE)
 
 
+def first_token_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of each row's first response token (the token greedy decoding commits to first)."""
+    rows = torch.arange(labels.shape[0], device=labels.device)
+    idx = first_response_positions(labels)
+    keep = (labels[:, 1:] != IGNORE).any(dim=1)
+    if not keep.any():
+        return logits.sum() * 0.0
+    return F.cross_entropy(logits[rows, idx][keep].float(), labels[rows, idx + 1][keep])
+
+
+def refusal_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The locked response's cross-entropy: the mean over its tokens plus its first token's once more. The mean
+    alone is low once the response's later tokens are easy ("I" -> " don't know."), while the first token, which
+    decides whether greedy decoding answers or refuses, can still lose to the answer's first token."""
+    return token_ce(logits, labels) + first_token_ce(logits, labels)
+
+
 def unlikelihood(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean ``-log(1 - p(token))`` over labelled tokens: pushes the true answer's tokens down."""
     logp = torch.log_softmax(logits[:, :-1].float(), -1)

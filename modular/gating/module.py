@@ -12,9 +12,9 @@ import lightning as L
 import torch
 
 from modular.data.formatting import IGNORE
-from modular.gating.data import TASK_PREFIX, per_behaviour
-from modular.gating.losses import (first_token_kl, interchange_kl, response_logit_mse, response_margin_mse,
-                                   response_margins, token_ce, topk_kl, unlikelihood)
+from modular.gating.data import NEIGHBOURS_KEY, TASK_PREFIX, per_behaviour
+from modular.gating.losses import (first_token_kl, interchange_kl, refusal_ce, response_logit_mse,
+                                   response_margin_mse, response_margins, token_ce, topk_kl, unlikelihood)
 from modular.heads.gates import deterministic_gate_values, head_gate_scope
 from modular.hooks import ablate_directions, add_vectors, capture_head_inputs
 from modular.models.adapter import ArchitectureAdapter
@@ -121,12 +121,12 @@ class GatedLM(L.LightningModule):
         avoid_directions: Run folders or directions files whose directions the chosen ones must be orthogonal
             to: a run gating another behaviour of the same base, so that the two runs merge and keep both locks.
         locked_weight: λ, weight of the locked-state terms.
-        retain_weight: Weight of the retain KL terms (both states).
+        retain_weight: Weight of the retain KL terms (both states), and of the neighbours' (``data.neighbours``).
         retain_ce_weight: Weight of an extra CE on the reference's greedy retain answers.
         first_token_weight: Weight of a full-vocabulary KL at the first retain response token (the top-k KL
             covers every response token coarsely; the first token's distribution is the flattest).
-        locked_objective: ``refusal`` (CE to the data's locked response) or ``unlikelihood`` (push the true answer
-            down), for every behaviour, or a mapping behaviour → objective (e.g. ``{capitals: refusal, ioi:
+        locked_objective: ``refusal`` (CE to the data's locked response, its first token counted once more: it
+            decides whether greedy decoding refuses) or ``unlikelihood`` (push the true answer down), for every behaviour, or a mapping behaviour → objective (e.g. ``{capitals: refusal, ioi:
             unlikelihood}``; behaviours not named use refusal).
         finetuning: ``full``, ``lora`` or ``none`` (model frozen: only head gates train).
         lora_rank: LoRA rank (finetuning=lora).
@@ -336,12 +336,15 @@ class GatedLM(L.LightningModule):
             # with several behaviours, the others are ablated or not at random: B_i depends on u_i only
             extra = others if (k > 1 and (self._rng.random() < 0.5 if train else i % 2 == 0)) else frozenset()
             pieces.append((extra, batch[b]["open"], "ce", f"{b}/open_ce", None))
-            locked_kind = "ce" if self.locked_objectives[b] == "refusal" else "unlikelihood"
-            locked = batch[b]["locked"] if locked_kind == "ce" else batch[b]["locked_true"]
+            locked_kind = self.locked_objectives[b]  # refusal | unlikelihood: the loss kind of the locked piece
+            locked = batch[b]["locked"] if locked_kind == "refusal" else batch[b]["locked_true"]
             steer = self.steering.draw(b) if (train and self.steering is not None) else None
             pieces.append((extra | {i}, locked, locked_kind, f"{b}/locked_{locked_kind}", steer))
         pieces.append((frozenset(), batch["retain"]["open"], "kl", "retain/open_kl", None))
         pieces.append((all_idx, batch["retain"]["locked"], "kl", "retain/locked_kl", None))
+        if NEIGHBOURS_KEY in batch:  # close behaviours, kept as the reference answers them in both states
+            pieces.append((frozenset(), batch[NEIGHBOURS_KEY]["open"], "kl", "neighbours/open_kl", None))
+            pieces.append((all_idx, batch[NEIGHBOURS_KEY]["locked"], "kl", "neighbours/locked_kl", None))
         for key in batch:
             if key.startswith(TASK_PREFIX):
                 piece = batch[key]["open"]
@@ -365,6 +368,8 @@ class GatedLM(L.LightningModule):
     def _loss_of(self, kind: str, logits: torch.Tensor, piece: dict) -> torch.Tensor:
         if kind == "ce":
             return token_ce(logits, piece["labels"])
+        if kind == "refusal":
+            return refusal_ce(logits, piece["labels"])
         if kind == "unlikelihood":
             return unlikelihood(logits, piece["labels"])
         if kind == "lm_kl":
@@ -430,7 +435,7 @@ class GatedLM(L.LightningModule):
         total = torch.zeros((), device=self.device)
         lm_loss = torch.zeros((), device=self.device)
         for name, value in terms.items():
-            keeps_lm = name.startswith(("retain/", "lm/"))
+            keeps_lm = name.startswith(("retain/", "neighbours/", "lm/"))
             weight = (hp.retain_weight if keeps_lm else hp.task_weight if name.endswith("/task_ce")
                       else hp[TASK_TERM_WEIGHTS[name]] if name in TASK_TERM_WEIGHTS else 1.0)
             if "/locked" in name:

@@ -70,7 +70,7 @@ def load_or_compute(model_source: str, model, tokenizer, prompts: list[str], cha
     path = cache_path(model_source, prompts, max_new_tokens, top_k)
     if path.exists():
         return torch.load(path, weights_only=False)
-    log.info("computing reference outputs for %d retain prompts (cached in %s)", len(prompts), path)
+    log.info("computing reference outputs for %d prompts (cached in %s)", len(prompts), path)
     ref = compute_reference(model, tokenizer, prompts, chats, max_new_tokens, top_k)
     return _save_atomic(ref, path)
 

@@ -1,0 +1,119 @@
+"""Neighbour behaviours in training (kept like retain data, in both states) and the lock target of the validation
+callback."""
+
+import json
+
+import pytest
+import torch
+
+from modular import ModularError
+from modular.gating.callbacks import LockMetricsCallback
+from modular.gating.data import NEIGHBOURS_KEY, GatingDataModule, neighbour_data, neighbour_specs
+from tests.conftest import save_tiny_folder
+
+
+def test_neighbour_specs():
+    assert neighbour_specs("auto", ["capitals"]) == {"continents": "continents", "languages": "languages"}
+    assert neighbour_specs("auto", ["mine"]) == {}  # user behaviours have no built-in neighbours
+    assert neighbour_specs(None, ["capitals"]) == {} and neighbour_specs([], ["capitals"]) == {}
+    assert neighbour_specs(["near=data/x.jsonl", "currencies"], ["capitals"]) == {
+        "near": "near=data/x.jsonl", "currencies": "currencies"}
+    with pytest.raises(ModularError, match="must be 'auto' or a list"):
+        neighbour_specs("all", ["capitals"])
+    with pytest.raises(ModularError, match="names gated behaviours: capitals"):
+        neighbour_specs(["capitals"], ["capitals"])
+
+
+def test_neighbour_data_is_cut_evenly_and_needs_train_items():
+    from modular.data import load_behaviour
+
+    data = load_behaviour("continents")
+    cut = neighbour_data("continents", data, limit=20, seed=0)
+    assert len(cut["train"]) == 20 and len(cut["test"]) == len(data["test"])
+    assert set(cut["train"]["prompt"]) < set(data["train"]["prompt"])
+    assert cut["train"]["prompt"] != data["train"]["prompt"][:20]  # a sample, not the first items
+    assert neighbour_data("continents", data, limit=20, seed=0)["train"]["prompt"] == cut["train"]["prompt"]
+    empty = data.map(lambda r: r).filter(lambda r: False)
+    with pytest.raises(ModularError, match="neighbour 'x' has no train items"):
+        neighbour_data("x", empty)
+
+
+@pytest.fixture
+def tiny_dm(tmp_path, isolated_cache):
+    model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
+    near = tmp_path / "near.jsonl"
+    near.write_text("".join(json.dumps({"prompt": f"Say the word number {i}.", "target": f"word {i}",
+                                        "split": "train" if i < 6 else "validation"}) + "\n" for i in range(8)))
+    dm = GatingDataModule(model_name=str(model_dir), behaviours=["capitals"], neighbours=["continents", str(near)],
+                          neighbour_items=10, batch_size=4, reference_max_new_tokens=3, max_length=64)
+    dm.setup("fit")
+    return dm, model_dir
+
+
+def test_neighbour_batches_carry_reference_answers_in_both_states(tiny_dm):
+    dm, _ = tiny_dm
+    assert dm.neighbour_specs == {"continents": "continents", "near": str(dm.neighbour_specs["near"])}
+    assert len(dm.neighbour_rows["train"]) == 10 + 6 and len(dm.neighbour_rows["validation"]) == 26 + 2
+    batch = next(iter(dm.train_dataloader()))[0]
+    part = batch[NEIGHBOURS_KEY]
+    assert part["open"]["input_ids"].shape[0] == 2 and part["locked"]["input_ids"].shape[0] == 2
+    for half in ("open", "locked"):  # reference top-k at every answer position: kept by the retain KL
+        labels = part[half]["labels"][:, 1:]
+        assert (labels != -100).any()
+        assert (part[half]["topk_logp"][labels != -100] != 0).any(dim=-1).all()
+        assert part[half]["first_logp"].shape[-1] > 1
+
+
+def test_neighbours_are_trained_in_both_states_with_the_retain_weight(tiny_dm):
+    from modular.gating.module import GatedLM
+
+    dm, model_dir = tiny_dm
+    lm = GatedLM(model_name=str(model_dir), behaviours=["capitals"], locked_steering=0.0, retain_weight=0.5)
+    batch = next(iter(dm.train_dataloader()))[0]
+    pieces = {name: ablated for ablated, _, kind, name, _ in lm._pieces(batch, train=True) if kind == "kl"}
+    assert pieces["neighbours/open_kl"] == frozenset() and pieces["neighbours/locked_kl"] == frozenset({0})
+    lm.directions.copy_(torch.nn.functional.normalize(torch.randn_like(lm.directions), dim=-1))
+
+    class _Trainer:  # model_step reads the tokenizer's pad id from the trainer's data module
+        datamodule = dm
+
+    lm._trainer = _Trainer()
+    total, terms = lm.model_step(batch, train=True)
+    assert terms["neighbours/open_kl"] > 0 and terms["neighbours/locked_kl"] > 0
+    without = sum(v for k, v in terms.items() if not k.startswith("neighbours/") and "/locked" not in k
+                  and not k.startswith(("retain/", "lm/")))
+    without = without + sum(lm.hparams.locked_weight * v for k, v in terms.items()
+                            if "/locked" in k and not k.startswith(("retain/", "lm/", "neighbours/")))
+    kept = sum(0.5 * (lm.hparams.locked_weight if "/locked" in k else 1.0) * v for k, v in terms.items()
+               if k.startswith(("retain/", "lm/", "neighbours/")))
+    assert torch.allclose(total, without + kept)
+
+
+def _metrics(locked=0.0, opened=0.8, kl_open=0.01, kl_locked=0.02):
+    return {"val/b/accuracy_locked": locked, "val/b/accuracy_open": opened,
+            "val/retain/first_token_kl_open": kl_open, "val/retain/first_token_kl_locked": kl_locked}
+
+
+@pytest.mark.parametrize("metrics, failing", [
+    (_metrics(), []),
+    (_metrics(locked=0.2), ["b locked accuracy 0.20 > 0.05"]),
+    (_metrics(opened=0.7), ["b open accuracy 0.70 < base 0.75 - 0"]),
+    (_metrics(kl_locked=0.3, locked=0.06), ["b locked accuracy 0.06 > 0.05", "retain KL locked 0.300 > 0.05"]),
+])
+def test_lock_verdict(metrics, failing):
+    cb = LockMetricsCallback()
+    cb.base_accuracy = {"b": 0.75}
+    verdict = cb.verdict(metrics, ["b"], step=40)
+    assert verdict["failing"] == failing and verdict["reached"] is (not failing) and verdict["step"] == 40
+    assert verdict["base_accuracy"] == {"b": 0.75} and verdict["validation"] == metrics
+
+
+def test_lock_target_options_are_checked():
+    with pytest.raises(ModularError, match="locked_accuracy must be >= 0"):
+        LockMetricsCallback(locked_accuracy=-0.1)
+    cb = LockMetricsCallback(open_drop=0.1)
+    cb.base_accuracy = {"b": 0.75}
+    assert cb.verdict(_metrics(opened=0.7), ["b"], 1)["reached"]
+    restored = LockMetricsCallback()
+    restored.load_state_dict(cb.state_dict())  # a resumed run keeps the base accuracy measured at step 0
+    assert restored.base_accuracy == {"b": 0.75}
