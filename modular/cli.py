@@ -51,7 +51,8 @@ def convert(model: str) -> str:
     return folder
 
 
-def publish(run: str, out: str, keys: str | None = None, harden: bool = True, overwrite: bool = False) -> str:
+def publish(run: str, out: str, keys: str | None = None, harden: bool = True, overwrite: bool = False,
+            allow_failed_lock: bool = False) -> str:
     """Write a gated run's locked weights as a plain Hugging Face folder (what users upload; it holds no key), and
     the keys, one file per behaviour, in a folder of their own (kept by the publisher and handed out apart).
 
@@ -61,18 +62,26 @@ def publish(run: str, out: str, keys: str | None = None, harden: bool = True, ov
         keys: Output folder for the keys (default: <out>-keys beside the published folder; never inside it).
         harden: Also make the readers ignore the directions, so that adding them back does nothing.
         overwrite: Replace ``out`` and ``keys`` if they exist and modular wrote them (never an input folder).
+        allow_failed_lock: Publish a run whose training did not verify the lock (run.json ``lock``); its model
+            card and modular.json then say that the behaviours may not be locked. Without it such a run is refused.
     """
     from pathlib import Path
 
     from modular.models import load_tokenizer
     from modular.publish import check_output_folder, keys_folder_for, publish_model
-    from modular.runs import LOCK_REPORT, checkpoint_step, load_open_model, read_run
+    from modular.runs import LOCK_REPORT, checkpoint_step, load_open_model, lock_verdict, read_run
 
     keys = keys or str(keys_folder_for(out))
     check_output_folder(out, [run], overwrite)  # before any work: nothing is loaded for a refused folder
     check_output_folder(keys, [run], overwrite, option="--keys", kind="keys")
     r = read_run(run)
     step = checkpoint_step(r)
+    verified, why = lock_verdict(r, step)
+    if not verified and not allow_failed_lock:
+        raise ModularError(f"{run}: {why}; refusing to publish it as locked (train longer, or pass "
+                           "--allow_failed_lock to publish it with a card that says so)")
+    if not verified:
+        logging.getLogger("modular").warning("publishing %s although %s", run, why)
     measured = None
     lock_path = Path(run) / LOCK_REPORT
     if lock_path.is_file():
@@ -85,7 +94,8 @@ def publish(run: str, out: str, keys: str | None = None, harden: bool = True, ov
                 "(run evaluate.py lock --run %s again)", lock_path, report.get("step"), step, run)
     folder, keys_dir = publish_model(load_open_model(r), load_tokenizer(r.model_name), r.directions, out,
                                      r.model_name, measured, harden=harden, overwrite=overwrite, keys_out=keys,
-                                     step=step, locked_responses=r.record.get("locked_responses"), inputs=[run])
+                                     step=step, locked_responses=r.record.get("locked_responses"), inputs=[run],
+                                     lock_check={"verified": verified, "detail": why})
     print(folder)
     print(f"keys: {keys_dir}  (secret: hand them out apart from the published folder)")
     return str(folder)

@@ -43,7 +43,7 @@ def run_pipeline(config: str | None = None, out: str | None = None, skip_attack:
     from modular.cli import publish, unlock
     from modular.evaluation.commands import attack, lock
     from modular.publish import key_path, keys_folder_for
-    from modular.runs import RUN_RECORD, behaviour_sources, read_run
+    from modular.runs import RUN_RECORD, behaviour_sources, checkpoint_step, lock_verdict, read_run
     from modular.train_cli import main as train
 
     config = Path(config) if config else builtin_config()
@@ -61,6 +61,12 @@ def run_pipeline(config: str | None = None, out: str | None = None, skip_attack:
     else:
         log.info("training already finished in %s (delete it to retrain)", run_dir)
     lock(run=str(run_dir))
+    run = read_run(run_dir)
+    verified, why = lock_verdict(run, checkpoint_step(run))
+    if not verified:  # the numbers are shown, nothing is published as locked
+        summarise(run_dir, out_dir)
+        raise ModularError(f"{run_dir}: {why}; nothing was published (modular publish --allow_failed_lock publishes "
+                           "it with a card that says so)")
     publish(run=str(run_dir), out=str(published), keys=str(keys_dir), overwrite=True)
     behaviours = json.loads((published / "modular.json").read_text())["locked_behaviours"]
     current = published
@@ -69,7 +75,6 @@ def run_pipeline(config: str | None = None, out: str | None = None, skip_attack:
         unlock(model=str(current), key=str(key_path(keys_dir, b)), out=str(target), overwrite=True)
         current = target
     if not skip_attack:
-        run = read_run(run_dir)
         sources = behaviour_sources(run)
         attack(model=str(published), behaviour=",".join(f"{b}={s}" if s != b else b for b, s in sources.items()),
                out=str(out_dir / "attack"), base=run.model_name)
@@ -87,6 +92,17 @@ def summarise(run_dir: Path, out_dir: Path) -> dict:
     for state, row in lock["states"].items():
         lines.append(f"{state:<18}" + "".join(f"{row['behaviours'][b]['accuracy']:>14.3f}" for b in gated)
                      + f"{row['retain_first_token_kl']:>11.4f}{row['perplexity_ratio']:>11.3f}")
+    neighbours = lock.get("neighbours", [])
+    if neighbours:
+        header = (f"{'neighbours':<18}" + "".join(f"{n[:13]:>14}" for n in neighbours)
+                  + f"{'max refusal':>12}{'retain refusal':>15}")
+        lines += [header, "-" * len(header)]
+        for state, row in lock["states"].items():
+            lines.append(f"{state:<18}" + "".join(f"{row['neighbours'][n]['accuracy']:>14.3f}" for n in neighbours)
+                         + f"{lock['neighbours_max_refusal_rate'][state]:>12.3f}{row['retain_refusal_rate']:>15.3f}")
+        untrained = [n for n in neighbours if n not in lock.get("neighbours_trained", [])]
+        if untrained:
+            lines.append(f"neighbours never trained on: {', '.join(untrained)}")
     ex = lock["exactness"]
     lines.append(f"published vs hook-locked max |Δlogit|: {ex['published_vs_hook_locked_max_abs_logit_diff']:.2e}; "
                  f"unlocked vs open max |Δw|: {ex['unlocked_vs_open_max_abs_weight_diff']:.2e}")

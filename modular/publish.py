@@ -157,17 +157,24 @@ def _write_folders(writers: dict[Path, callable]) -> None:
 
 
 def model_card(behaviours: list[str], base: str, measured: dict | None, hardened: bool,
-               step: int | None = None) -> str:
+               step: int | None = None, lock_check: dict | None = None) -> str:
+    failed = lock_check is not None and not lock_check.get("verified", False)
     lines = [
         "---", "library_name: transformers", "tags: [modular, locked-behaviour]", "---", "",
         f"# Locked model (base: {base})", "",
+    ]
+    if failed:
+        lines += ["> **Warning: the lock was not verified.** Training did not reach the lock on held-out",
+                  f"> validation data ({lock_check.get('detail', 'unknown')}). The behaviours below were projected",
+                  "> out of the weights, but the model may still show them.", ""]
+    lines += [
         "These weights load with plain `transformers` (`AutoModelForCausalLM.from_pretrained`).",
         "The following behaviours are **locked**: each lives in one residual-stream direction that was",
         "projected out of every weight matrix writing the residual stream"
         + (" (and out of every reader, so adding it back does nothing)." if hardened else "."), "",
         "| behaviour | locked | key file |", "|---|---|---|",
     ]
-    lines += [f"| {b} | yes | `{b}{KEY_SUFFIX}` |" for b in behaviours]
+    lines += [f"| {b} | {'not verified' if failed else 'yes'} | `{b}{KEY_SUFFIX}` |" for b in behaviours]
     lines += ["", "**The keys are not part of this folder.** They are distributed apart from these weights, by the",
               "publisher, to whoever may unlock a behaviour. With a key:",
               "`modular unlock --model <this folder> --key <key file> --out <folder>`.", ""]
@@ -181,18 +188,31 @@ def model_card(behaviours: list[str], base: str, measured: dict | None, hardened
             accs = " | ".join(f"{row['behaviours'][b]['accuracy']:.3f}" for b in behaviours)
             lines.append(f"| {state} | {accs} | {row['retain_first_token_kl']:.4f} | {row['perplexity_ratio']:.3f} |")
         lines.append("")
+        neighbours = measured.get("neighbours", [])
+        if neighbours:
+            lines += ["Neighbour behaviours (close to the locked ones; they should work as in the base model in every "
+                      "state): accuracy (share of answers that are the locked response).", "",
+                      "| state | " + " | ".join(neighbours) + " | retain prompts: locked response |",
+                      "|---|" + "---|" * (len(neighbours) + 1)]
+            for state, row in measured.get("states", {}).items():
+                cells = " | ".join(f"{row['neighbours'][n]['accuracy']:.3f} ({row['neighbours'][n]['refusal_rate']:.2f})"
+                                   for n in neighbours)
+                lines.append(f"| {state} | {cells} | {row.get('retain_refusal_rate', float('nan')):.3f} |")
+            lines.append("")
     return "\n".join(lines)
 
 
 def publish_model(open_model, tokenizer, directions: dict, out: str | Path, base_name: str,
                   measured: dict | None = None, harden: bool = True, overwrite: bool = False,
                   keys_out: str | Path | None = None, step: int | None = None,
-                  locked_responses: dict[str, str] | None = None, inputs: list[str | Path] = ()) -> tuple[Path, Path]:
+                  locked_responses: dict[str, str] | None = None, inputs: list[str | Path] = (),
+                  lock_check: dict | None = None) -> tuple[Path, Path]:
     """Lock ``open_model`` in place and write the published folder and, apart from it, its keys folder.
 
     ``keys_out``: the keys folder (default :func:`keys_folder_for`); it may not lie inside ``out`` or contain it.
     ``measured``: a lock report of the same trained weights (``step``) for the model card. ``inputs``: folders the
-    caller reads from (never replaced). Returns ``(published folder, keys folder)``.
+    caller reads from (never replaced). ``lock_check``: ``{"verified": bool, "detail": str}``, whether training
+    verified the lock (the card and manifest say so when it did not). Returns ``(published folder, keys folder)``.
     """
     out = Path(out)
     keys_out = Path(keys_out) if keys_out is not None else keys_folder_for(out)
@@ -214,6 +234,9 @@ def publish_model(open_model, tokenizer, directions: dict, out: str | Path, base
         manifest = {"kind": "published", "base_model": base_name, "locked_behaviours": behaviours,
                     "locked_hash": locked_hash, "weights_hash": locked_hash, "applied_keys": [], "hardened": harden,
                     "keys": "distributed apart from this folder", "step": step}
+        if lock_check is not None:
+            manifest["lock_verified"] = bool(lock_check.get("verified"))
+            manifest["lock_check"] = lock_check.get("detail")
         if locked_responses:
             manifest["locked_responses"] = {b: locked_responses[b] for b in behaviours if b in locked_responses}
         if measured:
@@ -222,7 +245,7 @@ def publish_model(open_model, tokenizer, directions: dict, out: str | Path, base
                 for state, row in measured.get("states", {}).items()
             }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-        (tmp / "README.md").write_text(model_card(behaviours, base_name, measured, harden, step))
+        (tmp / "README.md").write_text(model_card(behaviours, base_name, measured, harden, step, lock_check))
 
     def write_keys(tmp: Path) -> None:
         for key in keys:

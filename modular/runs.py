@@ -3,7 +3,8 @@
 Layout of a run folder (``trainer.default_root_dir``)::
 
     run.json                 the run record, written when fitting ends (behaviours and their data sources, the
-                             checkpoint and its step, the last logged metrics)
+                             checkpoint and its step, the last logged metrics, whether the lock held on
+                             validation at that step: ``lock``)
     directions.safetensors   one designated direction per gated behaviour
     last.ckpt                the checkpoint of the last step (what publish and the evaluations read)
     wandb_run_id             the W&B run's id, so a resumed run continues it
@@ -79,6 +80,28 @@ def read_checkpoint(path: str | Path,
 def checkpoint_step(run: Run) -> int:
     """The optimisation step the run's checkpoint holds (what publish and the evaluations describe)."""
     return int(read_checkpoint(checkpoint_path(run))["global_step"])
+
+
+def recorded_lock(run_dir: str | Path) -> dict:
+    """The ``lock`` entry of a run folder's record ({} when there is none or it cannot be read)."""
+    try:
+        return json.loads((Path(run_dir) / RUN_RECORD).read_text()).get("lock") or {}
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
+def lock_verdict(run: Run, step: int | None = None) -> tuple[bool, str]:
+    """Whether the run's training verified the lock at its checkpoint's step (``step``), and why not: the run
+    record's ``lock`` (see :class:`~modular.gating.callbacks.LockMetricsCallback`)."""
+    lock = run.record.get("lock")
+    if not lock:
+        return False, "the lock was never checked in training (no LockMetricsCallback in its config)"
+    if step is not None and lock.get("step") != step:
+        return False, f"the lock was checked at step {lock.get('step')}, the checkpoint holds step {step}"
+    if not lock.get("reached"):
+        return False, f"the lock did not hold on validation at step {lock.get('step')}: " + "; ".join(
+            lock.get("failing", []))
+    return True, f"the lock held on validation at step {lock.get('step')}"
 
 
 def load_open_model(run: Run):

@@ -10,6 +10,7 @@ training starts it checks that the checkpoint it would resume from can be read.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import uuid
@@ -103,10 +104,23 @@ def check_checkpoint(path: Path) -> None:
     read_checkpoint(path, remedy="delete it, or pass --ckpt_path null to start afresh")
 
 
+def _show_modular_lines() -> None:
+    """modular's own lines (directions chosen, the step budget, the lock reached or not) on stderr, once, unless
+    the caller set up logging already (``modular main`` does)."""
+    logger = logging.getLogger("modular")
+    if logger.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("[modular] %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the training CLI on ``argv`` (default: the process's arguments); input errors: one line, status 2."""
     os.environ.setdefault("WANDB_MODE", "offline")
     os.environ.setdefault("WANDB_SILENT", "true")
+    _show_modular_lines()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["fit"] and not any(a.startswith("--ckpt_path") for a in argv):
         argv += ["--ckpt_path", "last"]  # resume a killed run; a fresh run finds none and starts from step 0

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import logging
+import math
+
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.trainer.states import TrainerFn
 
 from modular.evaluation.behaviour import evaluate_behaviour, last_logits
 from modular.hooks import ablate_directions
+
+log = logging.getLogger("modular")
 
 
 def first_token_kl(model, tokenizer, prompts, chats, reference_logp: torch.Tensor) -> float:
@@ -17,33 +23,121 @@ def first_token_kl(model, tokenizer, prompts, chats, reference_logp: torch.Tenso
 
 
 class LockMetricsCallback(Callback):
-    """After each validation: behaviour accuracy open / locked (greedy responses) and first-token KL
-    of the retain validation prompts to the reference model, open / locked.
+    """After each validation: behaviour accuracy open / locked (greedy responses), first-token KL of the retain
+    validation prompts to the reference model, open / locked, and the neighbours' accuracy and refusal share, open /
+    locked; then whether the lock holds on the validation split:
+
+    * every gated behaviour's locked accuracy is at most ``locked_accuracy``,
+    * its open accuracy is at least its base accuracy (the model before training, scored once when training starts)
+      minus ``open_drop``,
+    * the retain first-token KL is at most ``retain_kl`` in both states.
+
+    With ``stop`` training ends at the first validation (at or after ``min_steps``) where the lock holds; otherwise it
+    runs to its step budget. The budget scales with the data: enough steps for ``max_passes`` passes over the largest
+    gated behaviour's train split in the locked state (half of each batch), at most ``trainer.max_steps`` (and at
+    least ``min_steps``); ``max_passes: null`` leaves ``trainer.max_steps`` as the budget. Either way :attr:`status`
+    (written to ``run.json`` as ``lock``) says whether the final step holds the lock; a budget spent without it is
+    logged as a warning in one line.
 
     Args:
-        limit: Score at most this many validation items per behaviour.
+        limit: Score at most this many validation items per behaviour (and per neighbour).
         max_new_tokens: Length of greedy responses.
+        locked_accuracy: Highest locked accuracy (validation) at which a behaviour counts as locked.
+        open_drop: Largest drop of open accuracy below the base accuracy (validation).
+        retain_kl: Highest retain first-token KL to the reference, open and locked.
+        stop: Stop training once the lock holds (at or after ``min_steps``).
+        min_steps: No stop before this step; the least step budget.
+        max_passes: Step budget in passes over the largest behaviour's train items in the locked state (capped by
+            ``trainer.max_steps``); ``null``: the budget is ``trainer.max_steps``.
     """
 
-    def __init__(self, limit: int | None = 64, max_new_tokens: int = 24):
+    def __init__(self, limit: int | None = 64, max_new_tokens: int = 24, locked_accuracy: float = 0.05,
+                 open_drop: float = 0.0, retain_kl: float = 0.05, stop: bool = True, min_steps: int = 0,
+                 max_passes: float | None = None):
+        from modular import ModularError
+
+        for name, value in (("locked_accuracy", locked_accuracy), ("open_drop", open_drop), ("retain_kl", retain_kl)):
+            if value < 0:
+                raise ModularError(f"LockMetricsCallback {name} must be >= 0, got {value}")
+        if min_steps < 0:
+            raise ModularError(f"LockMetricsCallback min_steps must be >= 0, got {min_steps}")
+        if max_passes is not None and max_passes <= 0:
+            raise ModularError(f"LockMetricsCallback max_passes must be > 0 (or null), got {max_passes}")
+        self.max_passes = max_passes
+        self.budget: int | None = None
         self.limit = limit
         self.max_new_tokens = max_new_tokens
+        self.targets = {"locked_accuracy": locked_accuracy, "open_drop": open_drop, "retain_kl": retain_kl}
+        self.stop = stop
+        self.min_steps = min_steps
+        self.base_accuracy: dict[str, float] = {}
+        self.status: dict = {}
+
+    # --- state kept in checkpoints: a resumed run keeps its base accuracy and its last verdict ------------------
+    def state_dict(self) -> dict:
+        return {"base_accuracy": dict(self.base_accuracy), "status": dict(self.status)}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.base_accuracy = dict(state_dict.get("base_accuracy", {}))
+        self.status = dict(state_dict.get("status", {}))
 
     @torch.no_grad()
-    def on_validation_epoch_end(self, trainer, pl_module) -> None:
-        if trainer.sanity_checking:
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._set_budget(trainer, pl_module)
+        if self.stop and trainer.global_step > 0:
+            from modular.runs import recorded_lock
+
+            done = recorded_lock(trainer.default_root_dir)
+            if done.get("reached") and done.get("step") == trainer.global_step:
+                self.status = done
+                trainer.should_stop = True  # a finished run started again: its lock holds, nothing more to train
+                return
+        if self.base_accuracy or trainer.global_step > 0 or not pl_module.behaviours:
+            return  # measured before (a resumed run), or nothing to measure
+        dm = trainer.datamodule
+        for b in pl_module.behaviours:  # the model has not trained yet: its open state is the base model
+            self.base_accuracy[b] = self._accuracy(pl_module, dm, b, None)
+
+    def step_budget(self, train_items: int, batch_size: int, max_steps: int) -> int:
+        """Steps for ``max_passes`` passes over ``train_items`` in the locked state (half of each batch), within
+        ``[min_steps, max_steps]`` (``max_steps`` -1: no cap)."""
+        steps = math.ceil(self.max_passes * train_items / max(1, batch_size // 2))
+        steps = max(steps, self.min_steps, 1)
+        return steps if max_steps == -1 else min(steps, max_steps)
+
+    def _set_budget(self, trainer, pl_module) -> None:
+        if self.max_passes is None or not pl_module.behaviours:
             return
+        dm = trainer.datamodule
+        items = max(len(dm.behaviour_data[b]["train"]) for b in pl_module.behaviours)
+        cap = trainer.max_steps
+        self.budget = self.step_budget(items, dm.hparams.batch_size, cap)
+        if self.budget != cap:
+            trainer.fit_loop.epoch_loop.max_steps = self.budget  # the loop Lightning stops by
+            log.info("step budget: %d (%g passes over %d train items, half of each batch locked; trainer.max_steps "
+                     "%d)", self.budget, self.max_passes, items, cap)
+
+    def _accuracy(self, pl_module, dm, behaviour: str, intervention) -> float:
+        was_training = pl_module.hf_model.training
+        pl_module.hf_model.eval()
+        try:
+            return evaluate_behaviour(pl_module.hf_model, dm.tokenizer, dm.behaviour_data[behaviour]["validation"],
+                                      self.max_new_tokens, limit=self.limit, intervention=intervention, desc=False,
+                                      refusals=(dm.locked_responses[behaviour],)).accuracy
+        finally:
+            pl_module.hf_model.train(was_training)
+
+    @torch.no_grad()
+    def measure(self, trainer, pl_module) -> dict[str, float]:
+        """Every validation metric of the current model (``val/...`` names)."""
         dm = trainer.datamodule
         model, tok = pl_module.hf_model, dm.tokenizer
         adapter = pl_module.adapter
         dirs = pl_module.directions
         metrics = {}
         for i, b in enumerate(pl_module.behaviours):
-            ds = dm.behaviour_data[b]["validation"]
             for state, ctx in (("open", None), ("locked", lambda i=i: ablate_directions(adapter, dirs[i]))):
-                r = evaluate_behaviour(model, tok, ds, self.max_new_tokens, limit=self.limit, intervention=ctx,
-                                       desc=False, refusals=(dm.locked_responses[b],))
-                metrics[f"val/{b}/accuracy_{state}"] = r.accuracy
+                metrics[f"val/{b}/accuracy_{state}"] = self._accuracy(pl_module, dm, b, ctx)
         retain = dm.retain["validation"]
         ref = dm.reference_first_logp["validation"]
         metrics["val/retain/first_token_kl_open"] = first_token_kl(model, tok, retain["prompt"], retain["chat"], ref)
@@ -52,8 +146,62 @@ class LockMetricsCallback(Callback):
                 metrics["val/retain/first_token_kl_locked"] = first_token_kl(
                     model, tok, retain["prompt"], retain["chat"], ref
                 )
+        refusals = tuple(dict.fromkeys(getattr(dm, "locked_responses", {}).values()))
+        for n, data in getattr(dm, "neighbour_data", {}).items():
+            if not len(data["validation"]):
+                continue
+            for state, ctx in (("open", None), ("locked", lambda: ablate_directions(adapter, dirs))):
+                r = evaluate_behaviour(model, tok, data["validation"], self.max_new_tokens, limit=self.limit,
+                                       intervention=ctx, desc=False, refusals=refusals)
+                metrics[f"val/neighbours/{n}/accuracy_{state}"] = r.accuracy
+                metrics[f"val/neighbours/{n}/refusal_{state}"] = r.refusal_rate
+        return metrics
+
+    def verdict(self, metrics: dict[str, float], behaviours: list[str], step: int) -> dict:
+        """Whether ``metrics`` meet the targets: ``{"reached", "step", "targets", "failing", "validation"}``."""
+        t = self.targets
+        failing = []
+        for b in behaviours:
+            locked, opened = metrics[f"val/{b}/accuracy_locked"], metrics[f"val/{b}/accuracy_open"]
+            if locked > t["locked_accuracy"]:
+                failing.append(f"{b} locked accuracy {locked:.2f} > {t['locked_accuracy']:g}")
+            base = self.base_accuracy.get(b)
+            if base is not None and opened < base - t["open_drop"] - 1e-9:
+                failing.append(f"{b} open accuracy {opened:.2f} < base {base:.2f} - {t['open_drop']:g}")
+        for state in ("open", "locked"):
+            kl = metrics.get(f"val/retain/first_token_kl_{state}")
+            if kl is not None and kl > t["retain_kl"]:
+                failing.append(f"retain KL {state} {kl:.3f} > {t['retain_kl']:g}")
+        return {"reached": not failing, "step": step, "budget": self.budget, "targets": dict(t), "failing": failing,
+                "base_accuracy": dict(self.base_accuracy), "validation": dict(metrics)}
+
+    @torch.no_grad()
+    def on_validation_epoch_end(self, trainer, pl_module) -> None:
+        if trainer.sanity_checking:
+            return
+        metrics = self.measure(trainer, pl_module)
         for name, value in metrics.items():
             pl_module.log(name, value, batch_size=1, rank_zero_only=True)
+        if not pl_module.behaviours:
+            return
+        self.status = self.verdict(metrics, pl_module.behaviours, trainer.global_step)
+        pl_module.log("val/lock_holds", float(self.status["reached"]), batch_size=1, rank_zero_only=True)
+        if (self.stop and self.status["reached"] and trainer.global_step >= self.min_steps
+                and trainer.state.fn == TrainerFn.FITTING):
+            log.info("step %d: the lock holds on validation; training stops", trainer.global_step)
+            trainer.should_stop = True
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if not pl_module.behaviours:
+            return
+        if self.status.get("step") != trainer.global_step:  # the final step was never validated: measure it now
+            metrics = self.measure(trainer, pl_module)
+            for lg in trainer.loggers:
+                lg.log_metrics(metrics, step=trainer.global_step)
+            self.status = self.verdict(metrics, pl_module.behaviours, trainer.global_step)
+        if not self.status["reached"]:
+            log.warning("lock not reached after %d steps (the step budget): %s", trainer.global_step,
+                        "; ".join(self.status["failing"]))
 
 
 class SparseHeadsCallback(Callback):
@@ -116,7 +264,8 @@ class RunCheckpoint(ModelCheckpoint):
 
 class RunRecordCallback(Callback):
     """Writes ``run.json`` in the run folder when fitting ends: what was gated (short names and where their data
-    is), where the weights are and the step they hold, and the last logged metrics (the lock evaluation reads it)."""
+    is), where the weights are and the step they hold, the last logged metrics (the lock evaluation reads it) and
+    whether the lock held on validation at that step (``lock``, from :class:`LockMetricsCallback`; publish reads it)."""
 
     def on_fit_end(self, trainer, pl_module) -> None:
         if not trainer.is_global_zero:
@@ -137,11 +286,13 @@ class RunRecordCallback(Callback):
             values = deterministic_gate_values(pl_module.hf_model)
             gates = {"open_heads": int((values > 0).sum()), "n_heads": values.numel()}
         dm = trainer.datamodule
+        lock = next((c.status for c in trainer.callbacks if isinstance(c, LockMetricsCallback) and c.status), None)
         write_json(run_dir / RUN_RECORD, {
             "model_name": pl_module.hparams.model_name,
             "behaviours": pl_module.behaviours,
             "behaviour_sources": dict(getattr(dm, "behaviour_specs", {})),
             "locked_responses": dict(getattr(dm, "locked_responses", {})),
+            "neighbour_sources": dict(getattr(dm, "neighbour_specs", {})),  # kept in training
             "finetuning": pl_module.hparams.finetuning,
             "direction_strategy": pl_module.hparams.direction_strategy,
             "tasks": list(getattr(trainer.datamodule, "tasks", [])),
@@ -150,5 +301,7 @@ class RunRecordCallback(Callback):
             "checkpoint_step": ckpt_step,  # the step publish and the evaluations read
             "global_step": trainer.global_step,
             "metrics": metrics,
+            # whether the lock held on validation at the final step (None: not checked, no LockMetricsCallback)
+            "lock": lock,
             **gates,
         })

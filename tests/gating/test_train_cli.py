@@ -13,7 +13,7 @@ from tests.conftest import save_tiny_folder
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def tiny_config(tmp_path, model_dir, behaviours=("capitals",), extra_model=None):
+def tiny_config(tmp_path, model_dir, behaviours=("capitals",), extra_model=None, lock_args=None):
     cfg = yaml.safe_load((ROOT / "configs" / "gate_capitals_smollm2.yaml").read_text())
     run = tmp_path / "run"
     cfg["model"].update({"model_name": str(model_dir), "behaviours": list(behaviours), **(extra_model or {})})
@@ -22,7 +22,8 @@ def tiny_config(tmp_path, model_dir, behaviours=("capitals",), extra_model=None)
                            "limit_val_batches": 1, "log_every_n_steps": 1, "enable_progress_bar": False})
     cfg["trainer"]["logger"]["init_args"]["save_dir"] = str(run)
     cfg["trainer"]["callbacks"][0]["init_args"].update({"dirpath": str(run), "every_n_train_steps": 2})
-    cfg["trainer"]["callbacks"][1]["init_args"].update({"limit": 4, "max_new_tokens": 3})
+    cfg["trainer"]["callbacks"][1]["init_args"].update({"limit": 4, "max_new_tokens": 3, "min_steps": 0,
+                                                        **(lock_args or {})})
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path, run
@@ -43,7 +44,7 @@ def tiny_env(tmp_path, isolated_cache, monkeypatch):
 
 def test_gated_training_runs_checkpoints_and_resumes(tmp_path, tiny_env):
     model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
-    cfg, run = tiny_config(tmp_path, model_dir)
+    cfg, run = tiny_config(tmp_path, model_dir, lock_args={"stop": False})  # trains to max_steps whatever the lock
     out = _train(cfg, env=tiny_env)
     assert out.returncode == 0, out.stderr[-3000:]
     record = json.loads((run / "run.json").read_text())
@@ -198,7 +199,7 @@ def test_two_behaviours_with_lora(tmp_path, tiny_env, arch):
     record = json.loads((run / "run.json").read_text())
     assert {"val/capitals/accuracy_open", "val/arithmetic/accuracy_locked"} <= set(record["metrics"])
     # one objective per behaviour: refusal CE for capitals (the default), unlikelihood for arithmetic
-    assert {"train/capitals/locked_ce", "train/arithmetic/locked_unlikelihood"} <= set(record["metrics"])
+    assert {"train/capitals/locked_refusal", "train/arithmetic/locked_unlikelihood"} <= set(record["metrics"])
 
 
 def test_avoided_directions_and_lm_text_in_both_states(tmp_path, tiny_env):
@@ -263,3 +264,57 @@ def test_trainer_length_is_checked(trainer, message):
     else:
         with pytest.raises(ModularError, match=message):
             check_trainer_length(trainer)
+
+
+def _publish(run, out, *extra, env, cwd):
+    return subprocess.run([sys.executable, "-m", "modular.cli", "publish", "--run", str(run), "--out", str(out),
+                           *extra], capture_output=True, text=True, cwd=cwd, env=env)
+
+
+def test_a_run_that_cannot_reach_the_lock_is_reported_and_not_published_as_locked(tmp_path, tiny_env):
+    """Targets a run cannot meet (retain KL 0: any step changes the model): training spends its budget, says so
+    in one line and records it in run.json; publish refuses it (one line, nothing written), and publishes it only
+    when told to, with a card and manifest that say the lock was not verified."""
+    model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
+    cfg, run = tiny_config(tmp_path, model_dir, lock_args={"retain_kl": 0.0})
+    out = _train(cfg, "--trainer.max_steps", "4", "--trainer.val_check_interval", "2", env=tiny_env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    warning = [line for line in out.stderr.splitlines() if "lock not reached after 4 steps" in line]
+    assert len(warning) == 1 and "retain KL open" in warning[0] and "> 0" in warning[0], out.stderr[-2000:]
+    record = json.loads((run / "run.json").read_text())
+    lock = record["lock"]
+    assert lock["reached"] is False and lock["step"] == 4 == record["checkpoint_step"]
+    assert any(f.startswith("retain KL open") for f in lock["failing"])
+    assert set(lock["base_accuracy"]) == {"capitals"} and "val/capitals/accuracy_locked" in lock["validation"]
+    pub = tmp_path / "pub"
+    res = _publish(run, pub, env=tiny_env, cwd=tmp_path)
+    _one_line_error(res, "the lock did not hold on validation at step 4", "--allow_failed_lock")
+    assert not pub.exists() and not (tmp_path / "pub-keys").exists()
+    res = _publish(run, pub, "--allow_failed_lock", env=tiny_env, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    card = (pub / "README.md").read_text()
+    assert "the lock was not verified" in card and "| capitals | not verified |" in card
+    manifest = json.loads((pub / "modular.json").read_text())
+    assert manifest["lock_verified"] is False and "retain KL open" in manifest["lock_check"]
+
+
+def test_training_stops_once_the_lock_holds(tmp_path, tiny_env):
+    """Targets a tiny random model meets at once (it answers nothing, base included): training stops at the first
+    validation instead of running its budget, the checkpoint holds that step, and publish calls it locked. Started
+    again, the finished run does not train on."""
+    model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
+    cfg, run = tiny_config(tmp_path, model_dir, lock_args={"retain_kl": 10.0})
+    out = _train(cfg, "--trainer.max_steps", "8", "--trainer.val_check_interval", "2", env=tiny_env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    record = json.loads((run / "run.json").read_text())
+    assert record["lock"]["reached"] is True and record["lock"]["failing"] == []
+    assert record["global_step"] == 2 == record["checkpoint_step"] == record["lock"]["step"]
+    assert "lock not reached" not in out.stderr
+    out = _train(cfg, "--trainer.max_steps", "8", "--trainer.val_check_interval", "2", env=tiny_env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads((run / "run.json").read_text())["global_step"] == 2
+    res = _publish(run, tmp_path / "pub", env=tiny_env, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    manifest = json.loads((tmp_path / "pub" / "modular.json").read_text())
+    assert manifest["lock_verified"] is True and manifest["step"] == 2
+    assert "not verified" not in (tmp_path / "pub" / "README.md").read_text()
