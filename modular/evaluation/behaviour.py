@@ -10,7 +10,7 @@ import torch
 from tqdm.auto import tqdm
 
 from modular.data.formatting import batch_prompts
-from modular.data.schema import DEFAULT_LOCKED_RESPONSE, is_correct
+from modular.data.schema import DEFAULT_LOCKED_RESPONSE, is_correct, is_refusal
 
 
 @dataclass
@@ -21,9 +21,13 @@ class BehaviourResult:
     #: share of items whose target first token beats the ``wrong`` one (tasks with ``wrong``)
     choice_accuracy: float | None = None
     items: list[dict] = field(default_factory=list)
+    #: share of responses that are a locked response (None: scored without generating)
+    refusal_rate: float | None = None
 
     def summary(self) -> dict:
         out = {"accuracy": self.accuracy, "n": self.n}
+        if self.refusal_rate is not None:
+            out["refusal_rate"] = self.refusal_rate
         if self.logit_diff is not None:
             out["logit_diff"] = self.logit_diff
             out["choice_accuracy"] = self.choice_accuracy
@@ -75,7 +79,8 @@ def evaluate_behaviour(model, tokenizer, dataset, max_new_tokens: int = 24, batc
     ``intervention``: a zero-argument callable returning a context manager (e.g. a lock)
     active during scoring. ``choice_only``: for tasks with a ``wrong`` answer, skip generation
     and report the choice accuracy (target's first token beats the wrong one) as ``accuracy``.
-    ``refusals``: the locked responses; a response that is one of them is never correct.
+    ``refusals``: the locked responses; a response that is one of them is never correct (their share is the result's
+    ``refusal_rate``).
     """
     if limit is not None:
         dataset = dataset.select(range(min(limit, len(dataset))))
@@ -97,6 +102,8 @@ def evaluate_behaviour(model, tokenizer, dataset, max_new_tokens: int = 24, batc
     items = []
     for row, response in zip(dataset, responses):
         items.append({"prompt": row["prompt"], "response": response,
-                      "correct": is_correct(response, row["target"], row["answers"], row["prefixes"], refusals)})
+                      "correct": is_correct(response, row["target"], row["answers"], row["prefixes"], refusals),
+                      "refusal": is_refusal(response, refusals)})
     accuracy = sum(i["correct"] for i in items) / max(1, len(items))
-    return BehaviourResult(accuracy, len(items), logit_diff, choice_accuracy, items)
+    refusal_rate = sum(i["refusal"] for i in items) / max(1, len(items))
+    return BehaviourResult(accuracy, len(items), logit_diff, choice_accuracy, items, refusal_rate)

@@ -74,9 +74,10 @@ def behaviour(
 
 
 def lock(run: str, out: str | None = None, other_limit: int = 64, harden: bool = True,
-         max_new_tokens: int = 24) -> dict:
+         max_new_tokens: int = 24, neighbours: list[str] | None = None) -> dict:
     """Lock evaluation of a gated run: accuracy and retain measures for base, open, locked (hooks),
-    published_locked (weights) and unlocked (keys applied); writes lock.json and lock.png.
+    published_locked (weights) and unlocked (keys applied), for the gated behaviours, their neighbours (with the
+    share of answers that are the locked response) and far built-in behaviours; writes lock.json and lock.png.
 
     Args:
         run: Training run folder (holds run.json, directions.safetensors, last.ckpt); lock.json records the
@@ -84,21 +85,32 @@ def lock(run: str, out: str | None = None, other_limit: int = 64, harden: bool =
         out: Output folder (default: the run folder).
         other_limit: Items scored for each non-gated built-in behaviour.
         harden: Publish with hardened readers (as ``modular publish`` does by default).
-        max_new_tokens: Length of greedy responses for the gated behaviours.
+        max_new_tokens: Length of greedy responses for the gated behaviours and their neighbours.
+        neighbours: More neighbour behaviours to score (built-in names, .jsonl files, hf:<dataset> or
+            NAME=<source>), besides the built-in neighbours of the gated built-in behaviours and those the run
+            kept in training (run.json ``neighbour_sources``).
     """
     from modular.evaluation.lock import lock_report, plot_lock
     from modular.models import load_model, load_tokenizer
     from modular.runs import behaviour_sources, checkpoint_step, load_open_model, read_run
     from modular.tracking import log_to_wandb, write_json
 
+    from modular.data import parse_behaviour
+    from modular.data.behaviours import builtin_neighbours
+
     r = read_run(run)
+    trained = dict(r.record.get("neighbour_sources") or {})
+    named = {n: n for n in builtin_neighbours(r.behaviours, "evaluate")}
+    named.update(trained)
+    named.update(dict(parse_behaviour(spec) for spec in (neighbours or [])))  # an unknown one: one line, now
     out_dir = Path(out or run)
     tokenizer = load_tokenizer(r.model_name)
     step = checkpoint_step(r)
     report = lock_report(load_model(r.model_name), load_open_model(r), tokenizer, r.directions,
                          seed=int(r.record.get("seed", 0)), other_limit=other_limit, harden=harden,
                          max_new_tokens=max_new_tokens, sources=behaviour_sources(r),
-                         locked_responses=r.record.get("locked_responses"))
+                         locked_responses=r.record.get("locked_responses"), neighbours=named,
+                         trained_neighbours=list(trained))
     report = {"run": str(run), "model": r.model_name, "step": step, **report}  # the checkpoint step it describes
     write_json(out_dir / "lock.json", report)
     fig = plot_lock(report, out_dir / "lock.png")

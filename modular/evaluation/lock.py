@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import copy
 import logging
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 
 from modular.data import BEHAVIOURS, load_behaviour, neutral_text, retain_data
-from modular.data.schema import DEFAULT_LOCKED_RESPONSE
-from modular.evaluation.behaviour import evaluate_behaviour, last_logits
+from modular.data.behaviours import NEIGHBOUR_BEHAVIOURS
+from modular.data.schema import DEFAULT_LOCKED_RESPONSE, is_refusal
+from modular.evaluation.behaviour import evaluate_behaviour, generate, last_logits
 from modular.evaluation.retain import first_token_logp, mean_kl, perplexity
 from modular.evaluation.stats import wilson_interval
 from modular.hooks import ablate_directions
@@ -55,17 +57,32 @@ def build_states(base, open_model, directions: dict[str, torch.Tensor], harden: 
     return states, published, unlocked, keys
 
 
+#: greedy tokens generated per retain prompt to tell whether the answer is a locked response
+REFUSAL_PROBE_TOKENS = 12
+
+
 def lock_report(base, open_model, tokenizer, directions: dict[str, torch.Tensor], seed: int = 0,
                 other_limit: int = 64, harden: bool = True, max_new_tokens: int = 24,
-                sources: dict[str, str] | None = None, locked_responses: dict[str, str] | None = None) -> dict:
+                sources: dict[str, str] | None = None, locked_responses: dict[str, str] | None = None,
+                neighbours: dict[str, str] | None = None, trained_neighbours: list[str] = ()) -> dict:
     """Every number of ``lock.json``. ``sources``: where each gated behaviour's data is, by name (default: the
-    name); ``locked_responses``: each behaviour's locked response, never scored as a correct answer."""
+    name); ``locked_responses``: each behaviour's locked response, never scored as a correct answer.
+
+    ``neighbours``: behaviours close to the gated ones, by name → source (built-in, .jsonl, hf:), scored on their
+    test split in every state with the share of answers that are a locked response (refusal leakage);
+    ``trained_neighbours``: those whose train split was kept in training (the report marks the others). The far
+    "other" behaviours are the built-in ones that are neither gated nor neighbours. Retain test prompts get a
+    refusal-leakage share too."""
     states, published, unlocked, _ = build_states(base, open_model, directions, harden)
     gated = list(directions)
-    others = [b for b in BEHAVIOURS if b not in gated]
+    neighbours = {n: src for n, src in (neighbours or {}).items() if n not in gated}
+    others = [b for b in BEHAVIOURS if b not in gated and b not in neighbours and b not in NEIGHBOUR_BEHAVIOURS]
     sources = {b: (sources or {}).get(b, b) for b in gated}
     refusals = {b: ((locked_responses or {}).get(b, DEFAULT_LOCKED_RESPONSE),) for b in gated}
+    every_refusal = tuple(dict.fromkeys(r for rs in refusals.values() for r in rs))
     data = {b: load_behaviour(sources.get(b, b), seed=seed, tokenizer=tokenizer)["test"] for b in gated + others}
+    for n, src in neighbours.items():
+        data[n] = load_behaviour(src, seed=seed, tokenizer=tokenizer)["test"]
     retain = retain_data(seed)["test"]
     texts = list(neutral_text(seed)["test"]["text"])
 
@@ -81,14 +98,21 @@ def lock_report(base, open_model, tokenizer, directions: dict[str, torch.Tensor]
 
     ref_logp = first_token_logp(base, tokenizer, retain["prompt"], retain["chat"])
     base_ppl = perplexity(base, tokenizer, texts)
-    report: dict = {"states": {}, "exactness": exactness, "gated": gated, "others": others}
+    report: dict = {"states": {}, "exactness": exactness, "gated": gated, "others": others,
+                    "neighbours": list(neighbours), "neighbour_sources": neighbours,
+                    "neighbours_trained": [n for n in neighbours if n in set(trained_neighbours)]}
     for state, (model, ctx) in states.items():
-        row: dict = {"behaviours": {}, "others": {}}
+        row: dict = {"behaviours": {}, "neighbours": {}, "others": {}}
         for b in gated:
             r = evaluate_behaviour(model, tokenizer, data[b], max_new_tokens, intervention=ctx, desc=f"{state}:{b}",
                                    refusals=refusals[b])
             k = sum(i["correct"] for i in r.items)
             row["behaviours"][b] = {**r.summary(), "ci95": wilson_interval(k, r.n)}
+        for n in neighbours:
+            r = evaluate_behaviour(model, tokenizer, data[n], max_new_tokens, intervention=ctx, desc=f"{state}:{n}",
+                                   refusals=every_refusal)
+            k = sum(i["correct"] for i in r.items)
+            row["neighbours"][n] = {**r.summary(), "ci95": wilson_interval(k, r.n)}
         for b in others:
             # tasks with a competing answer are scored by choice accuracy (one forward pass), others by generation
             r = evaluate_behaviour(model, tokenizer, data[b], 12, limit=other_limit, intervention=ctx,
@@ -97,6 +121,7 @@ def lock_report(base, open_model, tokenizer, directions: dict[str, torch.Tensor]
                                 else "generation"}
         logp = first_token_logp(model, tokenizer, retain["prompt"], retain["chat"], ctx)
         row["retain_first_token_kl"] = mean_kl(ref_logp, logp)
+        row["retain_refusal_rate"] = retain_refusal_rate(model, tokenizer, retain, every_refusal, ctx)
         ppl = perplexity(model, tokenizer, texts, ctx)
         row["perplexity"] = ppl
         row["perplexity_ratio"] = ppl / base_ppl
@@ -106,10 +131,28 @@ def lock_report(base, open_model, tokenizer, directions: dict[str, torch.Tensor]
                  row["retain_first_token_kl"], row["perplexity_ratio"])
     base_row = report["states"]["base"]
     report["others_max_drop_vs_base"] = {
-        s: max(base_row["others"][b]["accuracy"] - report["states"][s]["others"][b]["accuracy"] for b in others)
+        s: max((base_row["others"][b]["accuracy"] - report["states"][s]["others"][b]["accuracy"] for b in others),
+               default=0.0)
+        for s in states
+    }
+    report["neighbours_max_drop_vs_base"] = {
+        s: max((base_row["neighbours"][n]["accuracy"] - report["states"][s]["neighbours"][n]["accuracy"]
+                for n in neighbours), default=0.0)
+        for s in states
+    }
+    report["neighbours_max_refusal_rate"] = {
+        s: max((report["states"][s]["neighbours"][n]["refusal_rate"] for n in neighbours), default=0.0)
         for s in states
     }
     return report
+
+
+def retain_refusal_rate(model, tokenizer, retain, refusals, intervention=None) -> float:
+    """Share of the retain prompts answered with a locked response (greedy; general prompts should never be)."""
+    with intervention() if intervention is not None else nullcontext():
+        responses = generate(model, tokenizer, list(retain["prompt"]), list(retain["chat"]), REFUSAL_PROBE_TOKENS,
+                             desc=False)
+    return sum(is_refusal(r, refusals) for r in responses) / max(1, len(responses))
 
 
 def _with(state, fn):
@@ -120,8 +163,43 @@ def _with(state, fn):
         return fn(model)
 
 
+def _grouped_bars(ax, report: dict, states: list[str], group: str, names: list[str], title: str) -> None:
+    """Accuracy per state of each behaviour in ``group`` (``behaviours`` or ``neighbours``), with 95% intervals."""
+    import numpy as np
+
+    x = np.arange(len(states))
+    width = 0.8 / max(1, len(names))
+    for j, b in enumerate(names):
+        acc = [report["states"][s][group][b]["accuracy"] for s in states]
+        ci = [report["states"][s][group][b]["ci95"] for s in states]
+        err = [[a - lo for a, (lo, hi) in zip(acc, ci)], [hi - a for a, (lo, hi) in zip(acc, ci)]]
+        label = b if group == "behaviours" or b in report.get("neighbours_trained", []) else f"{b} (not trained on)"
+        bars = ax.bar(x + j * width - 0.4 + width / 2, acc, width, yerr=err, capsize=3, label=label)
+        for bar, a in zip(bars, acc):
+            ax.annotate(f"{a:.2f}", (bar.get_x() + bar.get_width() / 2, a), ha="center", va="bottom",
+                        fontsize=7, xytext=(0, 2), textcoords="offset points")
+    ax.set_xticks(x, states, rotation=20)
+    ax.set_ylim(0, 1.1)
+    ax.set_ylabel("accuracy (held-out test split)")
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+
+
 def plot_lock(report: dict, path: str | Path) -> Path:
-    """Three panels: gated-behaviour accuracy per state (with 95% intervals), retain KL, perplexity ratio."""
+    """:func:`lock_figure` saved as a PNG."""
+    import matplotlib.pyplot as plt
+
+    fig = lock_figure(report)
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def lock_figure(report: dict):
+    """Gated-behaviour accuracy per state (with 95% intervals); with neighbours, their accuracy per state and the
+    share of neighbour and retain answers that are the locked response; retain KL; perplexity ratio. Panels are
+    named by their title."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -129,25 +207,32 @@ def plot_lock(report: dict, path: str | Path) -> Path:
     import numpy as np
 
     states = list(report["states"])
-    gated = report["gated"]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8), gridspec_kw={"width_ratios": [2, 1, 1]})
-    width = 0.8 / len(gated)
+    neighbours = report.get("neighbours", [])
+    if neighbours:
+        fig, axes = plt.subplot_mosaic([["gated", "gated", "neighbours", "neighbours"],
+                                        ["refusal", "refusal", "kl", "ppl"]], figsize=(15, 8))
+    else:
+        fig, axes = plt.subplot_mosaic([["gated", "gated", "kl", "ppl"]], figsize=(13, 3.8))
+    _grouped_bars(axes["gated"], report, states, "behaviours", report["gated"], "gated behaviours")
     x = np.arange(len(states))
-    for j, b in enumerate(gated):
-        acc = [report["states"][s]["behaviours"][b]["accuracy"] for s in states]
-        ci = [report["states"][s]["behaviours"][b]["ci95"] for s in states]
-        err = [[a - lo for a, (lo, hi) in zip(acc, ci)], [hi - a for a, (lo, hi) in zip(acc, ci)]]
-        bars = axes[0].bar(x + j * width - 0.4 + width / 2, acc, width, yerr=err, capsize=3, label=b)
-        for bar, a in zip(bars, acc):
-            axes[0].annotate(f"{a:.2f}", (bar.get_x() + bar.get_width() / 2, a), ha="center", va="bottom",
-                             fontsize=7, xytext=(0, 2), textcoords="offset points")
-    axes[0].set_xticks(x, states, rotation=20)
-    axes[0].set_ylim(0, 1.05)
-    axes[0].set_ylabel("accuracy (held-out test split)")
-    axes[0].set_title("gated behaviours")
-    axes[0].legend(fontsize=8)
-    for ax, key, title in ((axes[1], "retain_first_token_kl", "retain: first-token KL to base"),
-                           (axes[2], "perplexity_ratio", "neutral text: perplexity / base")):
+    if neighbours:
+        _grouped_bars(axes["neighbours"], report, states, "neighbours", neighbours, "neighbour behaviours")
+        rows = {n: [report["states"][s]["neighbours"][n]["refusal_rate"] for s in states] for n in neighbours}
+        rows["retain prompts"] = [report["states"][s]["retain_refusal_rate"] for s in states]
+        width = 0.8 / len(rows)
+        for j, (name, vals) in enumerate(rows.items()):
+            bars = axes["refusal"].bar(x + j * width - 0.4 + width / 2, vals, width, label=name)
+            for bar, v in zip(bars, vals):
+                axes["refusal"].annotate(f"{v:.2f}", (bar.get_x() + bar.get_width() / 2, v), ha="center",
+                                         va="bottom", fontsize=6, xytext=(0, 2), textcoords="offset points")
+        axes["refusal"].set_xticks(x, states, rotation=20)
+        axes["refusal"].set_ylim(0, 1.05)
+        axes["refusal"].set_ylabel("share of answers")
+        axes["refusal"].set_title("refusal leakage: answers that are the locked response")
+        axes["refusal"].legend(fontsize=7)
+    for key, name, title in (("retain_first_token_kl", "kl", "retain: first-token KL to base"),
+                             ("perplexity_ratio", "ppl", "neutral text: perplexity / base")):
+        ax = axes[name]
         vals = [report["states"][s][key] for s in states]
         ax.bar(x, vals, color="#8c8c8c")
         ax.set_xticks(x, states, rotation=30, fontsize=8)
@@ -155,9 +240,6 @@ def plot_lock(report: dict, path: str | Path) -> Path:
         for xi, v in zip(x, vals):
             ax.annotate(f"{v:.3f}", (xi, v), ha="center", va="bottom", fontsize=7, xytext=(0, 2),
                         textcoords="offset points")
-    axes[2].axhline(1.0, color="k", lw=0.8, ls="--")
+    axes["ppl"].axhline(1.0, color="k", lw=0.8, ls="--")
     fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return fig

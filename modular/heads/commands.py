@@ -218,12 +218,10 @@ def _ablation(models, tasks, kind, limit, split, classify_split, threshold, max_
         curve_checks,
         head_values,
         joint_categories,
-        plot_ablation_grid,
         response_batch,
         single_head_effects,
     )
     from modular.heads.loading import load_head_model
-    from modular.tracking import log_to_wandb, write_json
 
     if kind not in ABLATION_KINDS:
         raise ModularError(f"unknown ablation kind '{kind}' for --ablation: use one of {ABLATION_KINDS}")

@@ -1,0 +1,108 @@
+"""The lock evaluation: neighbours and refusal leakage per state, and what its figure draws."""
+
+import json
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+from modular.data.behaviours import NEIGHBOUR_BEHAVIOURS
+from modular.evaluation import lock as lock_module
+from tests.conftest import make_tiny_model, make_tiny_tokenizer
+
+
+@pytest.fixture
+def near(tmp_path):
+    path = tmp_path / "near.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"Name fruit number {i}.", "target": "apple", "answer": "apple",
+                                        "split": "test"}) + "\n" for i in range(4)))
+    return path
+
+
+def test_lock_report_scores_neighbours_and_refusal_leakage_in_every_state(tmp_path, near, monkeypatch):
+    """Greedy answers replaced by a stub that refuses every continent question and every retain prompt in the
+    locked state and answers 'apple' elsewhere: the report must count those as refusals, state by state."""
+    tok = make_tiny_tokenizer()
+    base, trained = make_tiny_model("llama", seed=0), make_tiny_model("llama", seed=1)
+    directions = {"capitals": torch.nn.functional.normalize(torch.randn(64), dim=0)}
+    locked_models, hook = set(), {"on": False}
+
+    def fake_generate(model, tokenizer, prompts, chats, max_new_tokens=24, batch_size=16, desc=None):
+        locked = hook["on"] or id(model) in locked_models
+        return ["I don't know." if ("continent" in p or (locked and p in retain)) else "apple" for p in prompts]
+
+    from modular.data import retain_data
+
+    retain = set(retain_data(0)["test"]["prompt"])
+    monkeypatch.setattr("modular.evaluation.behaviour.generate", fake_generate)
+    monkeypatch.setattr(lock_module, "generate", fake_generate)
+    real_build = lock_module.build_states
+
+    def build(*args, **kwargs):
+        states, published, unlocked, keys = real_build(*args, **kwargs)
+        locked_models.add(id(published))
+        return states, published, unlocked, keys
+
+    monkeypatch.setattr(lock_module, "build_states", build)
+    real_ablate = lock_module.ablate_directions
+
+    @contextmanager
+    def ablate(*args):  # the hook lock, noted while it is on
+        with real_ablate(*args):
+            hook["on"] = True
+            try:
+                yield
+            finally:
+                hook["on"] = False
+
+    monkeypatch.setattr(lock_module, "ablate_directions", ablate)
+    report = lock_module.lock_report(base, trained, tok, directions, other_limit=2, max_new_tokens=2,
+                                     neighbours={"continents": "continents", "near": str(near)},
+                                     trained_neighbours=["continents"])
+    assert report["neighbours"] == ["continents", "near"] and report["neighbours_trained"] == ["continents"]
+    assert not set(report["others"]) & (NEIGHBOUR_BEHAVIOURS | {"capitals", "near"})
+    for state, row in report["states"].items():
+        assert row["neighbours"]["continents"]["refusal_rate"] == 1.0
+        assert row["neighbours"]["continents"]["accuracy"] == 0.0
+        assert row["neighbours"]["near"] == {"accuracy": 1.0, "n": 4, "refusal_rate": 0.0,
+                                            "ci95": row["neighbours"]["near"]["ci95"]}
+        lo, hi = row["neighbours"]["near"]["ci95"]
+        assert lo < 1.0 == hi
+        leak = 1.0 if state in ("locked", "published_locked") else 0.0
+        assert row["retain_refusal_rate"] == leak, state
+    assert report["neighbours_max_refusal_rate"]["open"] == 1.0
+    assert report["neighbours_max_drop_vs_base"] == {s: 0.0 for s in report["states"]}
+
+
+def _report(neighbours=("continents", "currencies")):
+    states = ("base", "open", "locked", "published_locked", "unlocked")
+    acc = {"base": 0.6, "open": 0.7, "locked": 0.0, "published_locked": 0.0, "unlocked": 0.7}
+    row = lambda s: {  # noqa: E731
+        "behaviours": {"capitals": {"accuracy": acc[s], "ci95": [max(0, acc[s] - 0.1), min(1, acc[s] + 0.1)]}},
+        "neighbours": {n: {"accuracy": 0.8 - 0.1 * i, "ci95": [0.6, 0.9], "refusal_rate": 0.25 * i}
+                       for i, n in enumerate(neighbours)},
+        "retain_first_token_kl": 0.01, "perplexity_ratio": 1.01, "retain_refusal_rate": 0.05,
+    }
+    return {"states": {s: row(s) for s in states}, "gated": ["capitals"], "neighbours": list(neighbours),
+            "neighbours_trained": list(neighbours[:1])}
+
+
+def test_lock_figure_draws_behaviours_neighbours_and_leakage():
+    fig = lock_module.lock_figure(_report())
+    panels = {ax.get_title(): ax for ax in fig.axes}
+    assert {"gated behaviours", "neighbour behaviours", "refusal leakage: answers that are the locked response",
+            "retain: first-token KL to base", "neutral text: perplexity / base"} <= set(panels)
+    heights = lambda ax: [round(p.get_height(), 3) for p in ax.patches]  # noqa: E731
+    assert heights(panels["gated behaviours"]) == [0.6, 0.7, 0.0, 0.0, 0.7]
+    assert heights(panels["neighbour behaviours"]) == [0.8] * 5 + [0.7] * 5
+    labels = [t.get_text() for t in panels["neighbour behaviours"].get_legend().get_texts()]
+    assert labels == ["continents", "currencies (not trained on)"]
+    leak = panels["refusal leakage: answers that are the locked response"]
+    assert heights(leak) == [0.0] * 5 + [0.25] * 5 + [0.05] * 5
+    assert [t.get_text() for t in leak.get_legend().get_texts()] == ["continents", "currencies", "retain prompts"]
+
+
+def test_lock_figure_without_neighbours_has_no_neighbour_panels():
+    fig = lock_module.lock_figure({**_report(()), "neighbours": []})
+    titles = {ax.get_title() for ax in fig.axes}
+    assert "neighbour behaviours" not in titles and "gated behaviours" in titles
