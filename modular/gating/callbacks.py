@@ -97,6 +97,8 @@ class LockMetricsCallback(Callback):
         dm = trainer.datamodule
         for b in pl_module.behaviours:  # the model has not trained yet: its open state is the base model
             self.base_accuracy[b] = self._accuracy(pl_module, dm, b, None)
+        for lg in trainer.loggers:
+            lg.log_metrics({f"val/{b}/accuracy_base": v for b, v in self.base_accuracy.items()}, step=0)
 
     def step_budget(self, train_items: int, batch_size: int, max_steps: int) -> int:
         """Steps for ``max_passes`` passes over ``train_items`` in the locked state (half of each batch), within

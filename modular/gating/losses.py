@@ -23,10 +23,11 @@ def first_token_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[rows, idx][keep].float(), labels[rows, idx + 1][keep])
 
 
-def refusal_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The locked response's cross-entropy: the mean over its tokens plus its first token's once more. The mean
-    alone is low once the response's later tokens are easy ("I" -> " don't know."), while the first token, which
-    decides whether greedy decoding answers or refuses, can still lose to the answer's first token."""
+def response_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """A response's cross-entropy: the mean over its tokens plus its first token's once more. The first token decides
+    whether greedy decoding answers or refuses ("The capital..." or "I don't know."); the mean alone is low once the
+    later tokens are easy and can hide a first token that still loses. Used for the gated behaviours in both states
+    (the answer open, the locked response locked)."""
     return token_ce(logits, labels) + first_token_ce(logits, labels)
 
 

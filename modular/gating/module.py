@@ -13,7 +13,7 @@ import torch
 
 from modular.data.formatting import IGNORE
 from modular.gating.data import NEIGHBOURS_KEY, TASK_PREFIX, per_behaviour
-from modular.gating.losses import (first_token_kl, interchange_kl, refusal_ce, response_logit_mse,
+from modular.gating.losses import (first_token_kl, interchange_kl, response_ce, response_logit_mse,
                                    response_margin_mse, response_margins, token_ce, topk_kl, unlikelihood)
 from modular.heads.gates import deterministic_gate_values, head_gate_scope
 from modular.hooks import ablate_directions, add_vectors, capture_head_inputs
@@ -103,6 +103,10 @@ class GatedLM(L.LightningModule):
     """Fine-tunes a causal LM so that each gated behaviour lives in its own residual direction,
     optionally with hard-concrete head gates under a sparsity pressure (sparse post-training).
 
+    A gated behaviour's examples are trained on their answer in the open state and on the locked response in the
+    locked state (``locked_objective: refusal``), both by :func:`~modular.gating.losses.response_ce`: the mean token
+    CE plus the first token's once more, the token that decides whether greedy decoding answers or refuses.
+
     With ``head_gates`` every layer's attention output projection is wrapped in a
     :class:`~modular.heads.gates.GatedOutputProjection` (registered parameters: the optimizer,
     FSDP and checkpoints see them). ``sparsity`` adds ``λ·E[L0]/N`` (``penalty``) or minimises it
@@ -125,8 +129,8 @@ class GatedLM(L.LightningModule):
         retain_ce_weight: Weight of an extra CE on the reference's greedy retain answers.
         first_token_weight: Weight of a full-vocabulary KL at the first retain response token (the top-k KL
             covers every response token coarsely; the first token's distribution is the flattest).
-        locked_objective: ``refusal`` (CE to the data's locked response, its first token counted once more: it
-            decides whether greedy decoding refuses) or ``unlikelihood`` (push the true answer down), for every behaviour, or a mapping behaviour → objective (e.g. ``{capitals: refusal, ioi:
+        locked_objective: ``refusal`` (CE to the data's locked response) or ``unlikelihood`` (push the true answer
+            down), for every behaviour, or a mapping behaviour → objective (e.g. ``{capitals: refusal, ioi:
             unlikelihood}``; behaviours not named use refusal).
         finetuning: ``full``, ``lora`` or ``none`` (model frozen: only head gates train).
         lora_rank: LoRA rank (finetuning=lora).
@@ -335,7 +339,7 @@ class GatedLM(L.LightningModule):
             others = frozenset(j for j in range(k) if j != i)
             # with several behaviours, the others are ablated or not at random: B_i depends on u_i only
             extra = others if (k > 1 and (self._rng.random() < 0.5 if train else i % 2 == 0)) else frozenset()
-            pieces.append((extra, batch[b]["open"], "ce", f"{b}/open_ce", None))
+            pieces.append((extra, batch[b]["open"], "response", f"{b}/open_ce", None))
             locked_kind = self.locked_objectives[b]  # refusal | unlikelihood: the loss kind of the locked piece
             locked = batch[b]["locked"] if locked_kind == "refusal" else batch[b]["locked_true"]
             steer = self.steering.draw(b) if (train and self.steering is not None) else None
@@ -368,8 +372,8 @@ class GatedLM(L.LightningModule):
     def _loss_of(self, kind: str, logits: torch.Tensor, piece: dict) -> torch.Tensor:
         if kind == "ce":
             return token_ce(logits, piece["labels"])
-        if kind == "refusal":
-            return refusal_ce(logits, piece["labels"])
+        if kind in ("response", "refusal"):  # a gated behaviour's answer (open) or locked response (locked)
+            return response_ce(logits, piece["labels"])
         if kind == "unlikelihood":
             return unlikelihood(logits, piece["labels"])
         if kind == "lm_kl":

@@ -142,10 +142,10 @@ def test_response_margin_mse_matches_the_answer_vs_wrong_margin_at_the_first_res
     assert response_margin_mse(changed, other, labels, torch.tensor([4, -1, 6])) == 0  # wrong == answer or none
 
 
-def test_refusal_ce_counts_the_first_response_token_once_more():
+def test_response_ce_counts_the_first_response_token_once_more():
     """A locked response whose later tokens are certain but whose first token is not: the mean CE is small, the
     refusal loss is not, and it is exactly the mean plus the first token's CE."""
-    from modular.gating.losses import first_token_ce, refusal_ce, token_ce
+    from modular.gating.losses import first_token_ce, response_ce, token_ce
 
     vocab = 6
     labels = torch.tensor([[IGNORE, IGNORE, 2, 3, 4, 5], [IGNORE, IGNORE, IGNORE, 1, 2, 3]])
@@ -160,5 +160,5 @@ def test_refusal_ce_counts_the_first_response_token_once_more():
     expected = (torch.log(torch.tensor(float(vocab))) + torch.log(torch.tensor(1 + (vocab - 1) * torch.exp(
         torch.tensor(-20.0)).item()))) / 2
     assert torch.isclose(first, expected, atol=1e-4)
-    assert torch.isclose(refusal_ce(logits, labels), token_ce(logits, labels) + first)
+    assert torch.isclose(response_ce(logits, labels), token_ce(logits, labels) + first)
     assert token_ce(logits, labels) < first / 2  # the mean hides the first token
