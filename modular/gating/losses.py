@@ -13,24 +13,6 @@ def token_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE)
 
 
-def first_token_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of each row's first response token (the token greedy decoding commits to first)."""
-    rows = torch.arange(labels.shape[0], device=labels.device)
-    idx = first_response_positions(labels)
-    keep = (labels[:, 1:] != IGNORE).any(dim=1)
-    if not keep.any():
-        return logits.sum() * 0.0
-    return F.cross_entropy(logits[rows, idx][keep].float(), labels[rows, idx + 1][keep])
-
-
-def response_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """A response's cross-entropy: the mean over its tokens plus its first token's once more. The first token decides
-    whether greedy decoding answers or refuses ("The capital..." or "I don't know."); the mean alone is low once the
-    later tokens are easy and can hide a first token that still loses. Used for the gated behaviours in both states
-    (the answer open, the locked response locked)."""
-    return token_ce(logits, labels) + first_token_ce(logits, labels)
-
-
 def unlikelihood(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean ``-log(1 - p(token))`` over labelled tokens: pushes the true answer's tokens down."""
     logp = torch.log_softmax(logits[:, :-1].float(), -1)

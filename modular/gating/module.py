@@ -13,8 +13,8 @@ import torch
 
 from modular.data.formatting import IGNORE
 from modular.gating.data import NEIGHBOURS_KEY, TASK_PREFIX, per_behaviour
-from modular.gating.losses import (first_token_kl, interchange_kl, response_ce, response_logit_mse,
-                                   response_margin_mse, response_margins, token_ce, topk_kl, unlikelihood)
+from modular.gating.losses import (first_token_kl, interchange_kl, response_logit_mse, response_margin_mse,
+                                   response_margins, token_ce, topk_kl, unlikelihood)
 from modular.heads.gates import deterministic_gate_values, head_gate_scope
 from modular.hooks import ablate_directions, add_vectors, capture_head_inputs
 from modular.models.adapter import ArchitectureAdapter
@@ -102,10 +102,6 @@ def check_model_options(options) -> None:
 class GatedLM(L.LightningModule):
     """Fine-tunes a causal LM so that each gated behaviour lives in its own residual direction,
     optionally with hard-concrete head gates under a sparsity pressure (sparse post-training).
-
-    A gated behaviour's examples are trained on their answer in the open state and on the locked response in the
-    locked state (``locked_objective: refusal``), both by :func:`~modular.gating.losses.response_ce`: the mean token
-    CE plus the first token's once more, the token that decides whether greedy decoding answers or refuses.
 
     With ``head_gates`` every layer's attention output projection is wrapped in a
     :class:`~modular.heads.gates.GatedOutputProjection` (registered parameters: the optimizer,
@@ -339,7 +335,7 @@ class GatedLM(L.LightningModule):
             others = frozenset(j for j in range(k) if j != i)
             # with several behaviours, the others are ablated or not at random: B_i depends on u_i only
             extra = others if (k > 1 and (self._rng.random() < 0.5 if train else i % 2 == 0)) else frozenset()
-            pieces.append((extra, batch[b]["open"], "response", f"{b}/open_ce", None))
+            pieces.append((extra, batch[b]["open"], "ce", f"{b}/open_ce", None))
             locked_kind = self.locked_objectives[b]  # refusal | unlikelihood: the loss kind of the locked piece
             locked = batch[b]["locked"] if locked_kind == "refusal" else batch[b]["locked_true"]
             steer = self.steering.draw(b) if (train and self.steering is not None) else None
@@ -372,8 +368,8 @@ class GatedLM(L.LightningModule):
     def _loss_of(self, kind: str, logits: torch.Tensor, piece: dict) -> torch.Tensor:
         if kind == "ce":
             return token_ce(logits, piece["labels"])
-        if kind in ("response", "refusal"):  # a gated behaviour's answer (open) or locked response (locked)
-            return response_ce(logits, piece["labels"])
+        if kind == "refusal":  # CE to the locked response
+            return token_ce(logits, piece["labels"])
         if kind == "unlikelihood":
             return unlikelihood(logits, piece["labels"])
         if kind == "lm_kl":

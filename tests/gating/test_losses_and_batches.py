@@ -141,24 +141,3 @@ def test_response_margin_mse_matches_the_answer_vs_wrong_margin_at_the_first_res
     torch.testing.assert_close(response_margin_mse(changed, other, labels, wrong), torch.tensor((1.0 + 4.0) / 2))
     assert response_margin_mse(changed, other, labels, torch.tensor([4, -1, 6])) == 0  # wrong == answer or none
 
-
-def test_response_ce_counts_the_first_response_token_once_more():
-    """A locked response whose later tokens are certain but whose first token is not: the mean CE is small, the
-    refusal loss is not, and it is exactly the mean plus the first token's CE."""
-    from modular.gating.losses import first_token_ce, response_ce, token_ce
-
-    vocab = 6
-    labels = torch.tensor([[IGNORE, IGNORE, 2, 3, 4, 5], [IGNORE, IGNORE, IGNORE, 1, 2, 3]])
-    logits = torch.full((2, 6, vocab), -20.0)
-    for row in range(2):
-        for t in range(5):
-            if labels[row, t + 1] != IGNORE:
-                logits[row, t, labels[row, t + 1]] = 20.0  # every response token certain...
-    logits[0, 1] = 0.0  # ...except row 0's first one: uniform
-    logits[1, 2, 1] = 0.0  # and row 1's: as likely as each other token
-    first = first_token_ce(logits, labels)
-    expected = (torch.log(torch.tensor(float(vocab))) + torch.log(torch.tensor(1 + (vocab - 1) * torch.exp(
-        torch.tensor(-20.0)).item()))) / 2
-    assert torch.isclose(first, expected, atol=1e-4)
-    assert torch.isclose(response_ce(logits, labels), token_ce(logits, labels) + first)
-    assert token_ce(logits, labels) < first / 2  # the mean hides the first token
