@@ -281,6 +281,7 @@ class GatingDataModule(L.LightningDataModule):
 
                 neighbour_data(name, load_jsonl(source))
         self._ready = False
+        self._reference_model_cache = None
 
     def _training_data(self, name: str, data):
         """:func:`training_data`, with a warning (once per behaviour) where a validation split was carved."""
@@ -315,45 +316,51 @@ class GatingDataModule(L.LightningDataModule):
 
             self.lm_texts = neutral_text(seed=self.hparams.seed)
 
-    def reference(self, model=None) -> dict:
+    def _reference_model(self):
+        """The reference (base) model, loaded at most once however many caches are cold."""
+        if self._reference_model_cache is None:
+            from modular.models import load_model
+
+            self._reference_model_cache = load_model(self.hparams.model_name)
+        return self._reference_model_cache
+
+    def reference(self) -> dict:
         """Cached reference outputs for every retain prompt (train, validation and test)."""
         prompts = [p for s in ("train", "validation", "test") for p in self.retain[s]["prompt"]]
         chats = [c for s in ("train", "validation", "test") for c in self.retain[s]["chat"]]
-        return self._reference(prompts, chats, model)
+        return self._reference(prompts, chats)
 
-    def neighbour_reference(self, model=None) -> dict | None:
+    def neighbour_reference(self) -> dict | None:
         """Cached reference outputs for the neighbours' train and validation prompts (None: no neighbours)."""
         rows = self._neighbour_rows_raw()
         if not rows:
             return None
-        return self._reference([r["prompt"] for _, _, r in rows], [r["chat"] for _, _, r in rows], model)
+        return self._reference([r["prompt"] for _, _, r in rows], [r["chat"] for _, _, r in rows])
 
     def _neighbour_rows_raw(self) -> list[tuple[str, str, dict]]:
         """(neighbour, split, record) of every neighbour train and validation item, in a fixed order."""
         return [(n, s, r) for n, ds in self.neighbour_data.items() for s in ("train", "validation") for r in ds[s]]
 
-    def _reference(self, prompts: list[str], chats: list[bool], model=None) -> dict:
+    def _reference(self, prompts: list[str], chats: list[bool]) -> dict:
         from modular.gating.reference import cache_path, load_or_compute
-        from modular.models import load_model
         from modular.models.loading import resolve_model
 
         source = resolve_model(self.hparams.model_name)
         hp = self.hparams
-        if model is None and not cache_path(source, prompts, hp.reference_max_new_tokens, hp.reference_top_k).exists():
-            model = load_model(hp.model_name)
+        cached = cache_path(source, prompts, hp.reference_max_new_tokens, hp.reference_top_k).exists()
+        model = None if cached else self._reference_model()
         return load_or_compute(source, model, self.tokenizer, prompts, chats, hp.reference_max_new_tokens,
                                hp.reference_top_k)
 
     def lm_reference(self) -> dict[str, list[dict]]:
         """Cached reference next-token distributions on the LM texts (train and validation splits)."""
         from modular.gating.reference import load_or_compute_text
-        from modular.models import load_model
         from modular.models.loading import resolve_model
 
         hp = self.hparams
         texts = {s: list(self.lm_texts[s]["text"]) for s in ("train", "validation")}
         flat = texts["train"] + texts["validation"]
-        records = load_or_compute_text(resolve_model(hp.model_name), lambda: load_model(hp.model_name),
+        records = load_or_compute_text(resolve_model(hp.model_name), self._reference_model,
                                        self.tokenizer, flat, hp.lm_max_length, hp.reference_top_k)
         n = len(texts["train"])
         return {"train": records[:n], "validation": records[n:]}
@@ -361,10 +368,13 @@ class GatingDataModule(L.LightningDataModule):
     def prepare_data(self) -> None:
         """Runs on one process: computes the reference cache so other processes only read it."""
         self._load()
-        self.reference()
-        self.neighbour_reference()
-        if self.hparams.lm_text:
-            self.lm_reference()
+        try:
+            self.reference()
+            self.neighbour_reference()
+            if self.hparams.lm_text:
+                self.lm_reference()
+        finally:
+            self._reference_model_cache = None  # free it before training
 
     def setup(self, stage: str | None = None) -> None:
         if self._ready:
@@ -409,6 +419,7 @@ class GatingDataModule(L.LightningDataModule):
         self.lm_rows = {}
         if hp.lm_text:
             self.lm_rows = {s: [self._lm_item(rec) for rec in recs] for s, recs in self.lm_reference().items()}
+        self._reference_model_cache = None
         self._ready = True
 
     def _task_item(self, r: dict) -> dict:
