@@ -57,6 +57,13 @@ def _normal(text: str) -> str:
     return " ".join(text.strip().casefold().split())
 
 
+def all_refusals(locked_responses: dict[str, str], behaviours: list[str] | None = None) -> tuple[str, ...]:
+    """Every distinct locked response of ``behaviours`` (default: all; a behaviour without one has the default
+    response), in order: what counts as refusal leakage on prompts that belong to no gated behaviour."""
+    names = list(locked_responses) if behaviours is None else behaviours
+    return tuple(dict.fromkeys(locked_responses.get(b, DEFAULT_LOCKED_RESPONSE) for b in names))
+
+
 def is_refusal(response: str, refusals: tuple[str, ...] | list[str]) -> bool:
     """The response is (begins with) one of the locked responses, up to case and spacing."""
     text = _normal(response)

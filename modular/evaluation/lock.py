@@ -15,7 +15,7 @@ import torch
 
 from modular.data import BEHAVIOURS, load_behaviour, neutral_text, retain_data
 from modular.data.behaviours import NEIGHBOUR_BEHAVIOURS
-from modular.data.schema import DEFAULT_LOCKED_RESPONSE, is_refusal
+from modular.data.schema import all_refusals, is_refusal
 from modular.evaluation.behaviour import evaluate_behaviour, generate, last_logits
 from modular.evaluation.retain import first_token_logp, mean_kl, perplexity
 from modular.evaluation.stats import wilson_interval
@@ -78,8 +78,8 @@ def lock_report(base, open_model, tokenizer, directions: dict[str, torch.Tensor]
     neighbours = {n: src for n, src in (neighbours or {}).items() if n not in gated}
     others = [b for b in BEHAVIOURS if b not in gated and b not in neighbours and b not in NEIGHBOUR_BEHAVIOURS]
     sources = {b: (sources or {}).get(b, b) for b in gated}
-    refusals = {b: ((locked_responses or {}).get(b, DEFAULT_LOCKED_RESPONSE),) for b in gated}
-    every_refusal = tuple(dict.fromkeys(r for rs in refusals.values() for r in rs))
+    refusals = {b: all_refusals(locked_responses or {}, [b]) for b in gated}
+    every_refusal = all_refusals(locked_responses or {}, gated)
     data = {b: load_behaviour(sources.get(b, b), seed=seed, tokenizer=tokenizer)["test"] for b in gated + others}
     for n, src in neighbours.items():
         data[n] = load_behaviour(src, seed=seed, tokenizer=tokenizer)["test"]

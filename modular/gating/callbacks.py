@@ -9,6 +9,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 
+from modular.data.schema import all_refusals
 from modular.evaluation.behaviour import evaluate_behaviour, last_logits
 from modular.hooks import ablate_directions
 
@@ -148,7 +149,7 @@ class LockMetricsCallback(Callback):
                 metrics["val/retain/first_token_kl_locked"] = first_token_kl(
                     model, tok, retain["prompt"], retain["chat"], ref
                 )
-        refusals = tuple(dict.fromkeys(getattr(dm, "locked_responses", {}).values()))
+        refusals = all_refusals(getattr(dm, "locked_responses", {}))
         for n, data in getattr(dm, "neighbour_data", {}).items():
             if not len(data["validation"]):
                 continue

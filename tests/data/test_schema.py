@@ -1,6 +1,6 @@
 """The scoring rule of the record schema."""
 
-from modular.data.schema import DEFAULT_LOCKED_RESPONSE, is_correct, is_refusal
+from modular.data.schema import DEFAULT_LOCKED_RESPONSE, all_refusals, is_correct, is_refusal
 
 
 def test_the_locked_response_is_never_a_correct_answer():
@@ -14,6 +14,13 @@ def test_the_locked_response_is_never_a_correct_answer():
     assert is_correct(" them all", " them", [], [], refusals=("I don't know.",))
     assert is_refusal("I don't know. I don't know.", (DEFAULT_LOCKED_RESPONSE,))
     assert not is_refusal("Paris", (DEFAULT_LOCKED_RESPONSE,))
+
+
+def test_all_refusals_is_the_ordered_union_of_locked_responses():
+    responses = {"a": "No.", "b": "I don't know.", "c": "No."}
+    assert all_refusals(responses) == ("No.", "I don't know.")
+    assert all_refusals(responses, ["c"]) == ("No.",)
+    assert all_refusals({}, ["x"]) == (DEFAULT_LOCKED_RESPONSE,)  # a behaviour without one has the default
 
 
 def test_evaluation_does_not_count_refusals(monkeypatch):
