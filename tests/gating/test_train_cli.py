@@ -166,6 +166,19 @@ def test_bad_options_fail_before_any_side_effect(tmp_path, tiny_env, args, words
     assert not run.exists() or not any(run.rglob("*"))
 
 
+@pytest.mark.parametrize("lines, words", [
+    ([{"prompt": "Say one.", "target": "one", "split": "test"}], ["neighbour 'near' has no train items"]),
+    (["{not json"], ["near.jsonl", "line 1"]),
+])
+def test_bad_neighbour_jsonl_fails_before_any_side_effect(tmp_path, tiny_env, lines, words):
+    model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
+    cfg, run = tiny_config(tmp_path, model_dir)
+    near = tmp_path / "near.jsonl"
+    near.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+    _one_line_error(_train(cfg, "--data.neighbours", f"[{near}]", env=tiny_env), *words)
+    assert not run.exists() or not any(run.rglob("*"))
+
+
 def test_jsonl_without_validation_split_trains(tmp_path, tiny_env):
     """User data with train and test lines only: a validation split is carved from train (with a warning) and
     validation runs, instead of failing after training; a file without train lines fails before any work."""
