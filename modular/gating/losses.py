@@ -105,3 +105,25 @@ def interchange_kl(logits: torch.Tensor, cf_logits: torch.Tensor, labels: torch.
     rows = torch.arange(labels.shape[0], device=labels.device)
     ref = torch.log_softmax(cf_logits[rows, first_response_positions(labels)].detach().float(), -1)
     return first_token_kl(logits[keep], labels[keep], ref[keep])
+
+
+def direction_write_shortfall(hidden_states, labels: torch.Tensor, direction: torch.Tensor,
+                              target: float) -> torch.Tensor:
+    """How far the residual stream falls short of carrying ``direction`` where the response is computed.
+
+    ``hidden_states``: the block outputs (each ``(n, T, d)``); ``labels``: ``(n, T)`` with the response tokens
+    labelled. At every position that predicts a response token (the last prompt token onwards) and every block
+    output, the component along the unit ``direction`` relative to the residual norm, ``cos = x·u / |x|``, should
+    reach ``target``; the term is the mean of ``relu(target − cos) / target`` (0 once it does, 1 with no component).
+    Positions before the response (the prompt, a chat template's shared preamble) are not asked to carry it, so
+    the direction marks the behaviour's answers, not every chat prompt."""
+    where = labels[:, 1:] != IGNORE  # position t predicts token t+1
+    if not where.any():
+        return hidden_states[0].sum() * 0.0
+    u = direction.to(hidden_states[0].dtype)
+    shortfalls = []
+    for h in hidden_states:
+        x = h[:, :-1][where].float()  # (positions, d)
+        cos = (x @ u.float()) / x.norm(dim=-1).clamp(min=1e-6)
+        shortfalls.append(F.relu(target - cos).mean() / target)
+    return torch.stack(shortfalls).mean()

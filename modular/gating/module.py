@@ -13,8 +13,8 @@ import torch
 
 from modular.data.formatting import IGNORE
 from modular.gating.data import NEIGHBOURS_KEY, TASK_PREFIX, per_behaviour
-from modular.gating.losses import (first_token_kl, interchange_kl, response_logit_mse, response_margin_mse,
-                                   response_margins, token_ce, topk_kl, unlikelihood)
+from modular.gating.losses import (direction_write_shortfall, first_token_kl, interchange_kl, response_logit_mse,
+                                   response_margin_mse, response_margins, token_ce, topk_kl, unlikelihood)
 from modular.heads.gates import deterministic_gate_values, head_gate_scope
 from modular.hooks import ablate_directions, add_vectors, capture_head_inputs
 from modular.models.adapter import ArchitectureAdapter
@@ -78,7 +78,8 @@ def _locked_objectives(spec: str | dict[str, str], behaviours: list[str]) -> dic
 _RANGES = {
     "lr": (0.0, False), "gate_lr": (0.0, False), "weight_decay": (0.0, True), "warmup_steps": (0, True),
     "locked_weight": (0.0, True), "retain_weight": (0.0, True), "retain_ce_weight": (0.0, True),
-    "first_token_weight": (0.0, True), "task_weight": (0.0, True), "lora_rank": (1, True), "lora_alpha": (0, False),
+    "first_token_weight": (0.0, True), "write_weight": (0.0, True), "write_target": (0.0, False),
+    "task_weight": (0.0, True), "lora_rank": (1, True), "lora_alpha": (0, False),
     "sparsity_weight": (0.0, True), "lm_loss_target": (0.0, True), "multiplier_lr": (0.0, False),
     "locked_steering": (0.0, True), "steering_refresh": (1, True),
     "gate_freeze_step": (0, True),
@@ -93,6 +94,9 @@ def check_model_options(options) -> None:
         value = options.get(option)
         if value is not None and (value < low if inclusive else value <= low):
             raise ModularError(f"model.{option} must be {'>=' if inclusive else '>'} {low:g}, got {value}")
+    if options.get("write_target") is not None and options["write_target"] > 1.0:
+        raise ModularError(f"model.write_target must be <= 1 (a share of the residual norm), got "
+                           f"{options['write_target']}")
     if not 0.0 < options["direction_fraction"] <= 1.0:
         raise ModularError(f"model.direction_fraction must be in (0, 1], got {options['direction_fraction']}")
     if not 0.0 <= options["multiplier_ema"] < 1.0:
@@ -125,6 +129,13 @@ class GatedLM(L.LightningModule):
         retain_ce_weight: Weight of an extra CE on the reference's greedy retain answers.
         first_token_weight: Weight of a full-vocabulary KL at the first retain response token (the top-k KL
             covers every response token coarsely; the first token's distribution is the flattest).
+        write_weight: Weight of the write term: in the open state, the residual stream at the positions that
+            compute a gated behaviour's response (every block output) is asked to carry its direction, at least
+            ``write_target`` of the residual norm (:func:`~modular.gating.losses.direction_write_shortfall`).
+            Ablating the direction then removes a signal the model holds, and the locked state can learn to
+            read its absence; without the term the model must discover that on its own, which a small behaviour
+            (a few dozen items) may not do within its step budget. 0 disables.
+        write_target: The share of the residual norm (cosine) the direction should reach (``write_weight``).
         locked_objective: ``refusal`` (CE to the data's locked response) or ``unlikelihood`` (push the true answer
             down), for every behaviour, or a mapping behaviour → objective (e.g. ``{capitals: refusal, ioi:
             unlikelihood}``; behaviours not named use refusal).
@@ -199,6 +210,8 @@ class GatedLM(L.LightningModule):
         retain_weight: float = 1.0,
         retain_ce_weight: float = 0.0,
         first_token_weight: float = 1.0,
+        write_weight: float = 0.0,
+        write_target: float = 0.2,
         locked_objective: str | dict[str, str] = "refusal",
         finetuning: str = "full",
         lora_rank: int = 16,
@@ -258,6 +271,8 @@ class GatedLM(L.LightningModule):
 
         self.behaviours = [behaviour_name(b) for b in behaviours]  # short names: metrics, directions, keys
         self.locked_objectives = _locked_objectives(locked_objective, self.behaviours)
+        # open-state piece name -> behaviour index, for the write term (none when it is off)
+        self._write_terms = {f"{b}/open_ce": i for i, b in enumerate(self.behaviours)} if write_weight else {}
         model = load_model(model_name)
         if finetuning == "lora":
             from peft import LoraConfig, get_peft_model
@@ -409,12 +424,20 @@ class GatedLM(L.LightningModule):
                 vectors = self._row_vectors(items, merged["input_ids"].shape[0])
                 if vectors:  # steered pieces get their vector on their own rows only, in the shared forward
                     stack.enter_context(add_vectors(self.adapter, vectors))
-                logits = self.model(input_ids=merged["input_ids"], attention_mask=merged["attention_mask"]).logits
+                writes = [name for _, _, name, _ in items if name in self._write_terms]
+                out = self.model(input_ids=merged["input_ids"], attention_mask=merged["attention_mask"],
+                                 output_hidden_states=bool(writes))
+                logits = out.logits
             row = 0
             for piece, kind, name, _ in items:
                 n = piece["input_ids"].shape[0]
                 sub = {key: v[row:row + n] for key, v in merged.items()}
                 terms[name] = self._loss_of(kind, logits[row:row + n], sub)
+                if name in writes:  # block outputs only: the embedding and the final norm's output are left out
+                    i = self._write_terms[name]
+                    terms[f"{self.behaviours[i]}/open_write"] = direction_write_shortfall(
+                        [h[row:row + n] for h in out.hidden_states[1:-1]], sub["labels"], self.directions[i],
+                        hp.write_target)
                 row += n
             if interchange:  # the roles swapped: open heads counterfactual, closed heads their own input
                 with head_gate_scope(self.hf_model, replacements=cf_inputs, invert=True):
@@ -437,6 +460,7 @@ class GatedLM(L.LightningModule):
         for name, value in terms.items():
             keeps_lm = name.startswith(("retain/", "neighbours/", "lm/"))
             weight = (hp.retain_weight if keeps_lm else hp.task_weight if name.endswith("/task_ce")
+                      else hp.write_weight if name.endswith("/open_write")
                       else hp[TASK_TERM_WEIGHTS[name]] if name in TASK_TERM_WEIGHTS else 1.0)
             if "/locked" in name:
                 weight *= hp.locked_weight

@@ -5,7 +5,7 @@ from modular import ModularError
 
 from modular.data.formatting import IGNORE
 from modular.gating.data import locked_responses, split_collate
-from modular.gating.losses import first_token_kl, token_ce, topk_kl, unlikelihood
+from modular.gating.losses import direction_write_shortfall, first_token_kl, token_ce, topk_kl, unlikelihood
 from modular.gating.module import _locked_objectives, concat_left_padded
 
 
@@ -141,3 +141,20 @@ def test_response_margin_mse_matches_the_answer_vs_wrong_margin_at_the_first_res
     torch.testing.assert_close(response_margin_mse(changed, other, labels, wrong), torch.tensor((1.0 + 4.0) / 2))
     assert response_margin_mse(changed, other, labels, torch.tensor([4, -1, 6])) == 0  # wrong == answer or none
 
+
+
+def test_write_shortfall_counts_response_positions_only():
+    u = torch.tensor([1.0, 0.0, 0.0])
+    labels = torch.tensor([[IGNORE, IGNORE, 5, 6]])  # positions 1 and 2 predict the response
+    h = torch.zeros(1, 4, 3)
+    h[0, :, 1] = 1.0  # no component along u anywhere ...
+    h[0, 1] = torch.tensor([1.0, 1.0, 0.0])  # ... but at the last prompt position: cos 0.707, over the target
+    # position 1 reaches it, position 2 falls short by the whole target; position 0 (prompt) and 3 do not count
+    assert direction_write_shortfall([h], labels, u, 0.5).item() == pytest.approx(0.5)
+    assert direction_write_shortfall([h, h], labels, u, 0.5).item() == pytest.approx(0.5)  # mean over blocks
+    h[0, 2] = torch.tensor([-1.0, 0.0, 0.0])  # the opposite sign is a shortfall of 1 + target
+    assert direction_write_shortfall([h], labels, u, 0.5).item() == pytest.approx((0 + 1.5 / 0.5) / 2)
+    h[0, 2] = torch.tensor([2.0, 0.0, 0.0])
+    assert direction_write_shortfall([h], labels, u, 0.5).item() == 0.0
+    none = torch.full((1, 4), IGNORE)
+    assert direction_write_shortfall([h], none, u, 0.5).item() == 0.0

@@ -86,6 +86,39 @@ def test_neighbours_are_trained_in_both_states_with_the_retain_weight(tiny_dm):
     assert torch.allclose(total - total_without, expected, atol=1e-5)
 
 
+def test_the_write_term_carries_the_direction_into_the_open_answers(tiny_dm):
+    """write_weight > 0: a term per gated behaviour, weighted by write_weight; minimising it makes the open-state
+    residual carry the direction at the response positions."""
+    from modular.gating.module import GatedLM
+
+    dm, model_dir = tiny_dm
+    torch.manual_seed(0)
+    lm = GatedLM(model_name=str(model_dir), behaviours=["capitals"], locked_steering=0.0, write_weight=2.0,
+                 write_target=0.3)
+    lm.directions.copy_(torch.nn.functional.normalize(torch.randn_like(lm.directions), dim=-1))
+
+    class _Trainer:
+        datamodule = dm
+
+    lm._trainer = _Trainer()
+    batch = next(iter(dm.train_dataloader()))[0]
+    total, terms = lm.model_step(batch, train=True)
+    before = terms["capitals/open_write"]
+    assert 0.5 < before.item() <= 1.5  # a random direction is barely carried by the untrained model
+    lm.hparams.write_weight = 0.0
+    assert torch.allclose(total - lm.model_step(batch, train=True)[0], 2.0 * before, atol=1e-5)
+    lm.hparams.write_weight = 2.0
+    opt = torch.optim.Adam(lm.hf_model.parameters(), lr=1e-2)
+    for _ in range(15):
+        opt.zero_grad()
+        lm.model_step(batch, train=True)[1]["capitals/open_write"].backward()
+        opt.step()
+    assert lm.model_step(batch, train=True)[1]["capitals/open_write"].item() < 0.5 * before.item()
+    off = GatedLM(model_name=str(model_dir), behaviours=["capitals"], locked_steering=0.0)
+    off._trainer = _Trainer()
+    assert not any(k.endswith("/open_write") for k in off.model_step(batch, train=True)[1])
+
+
 def test_a_cold_cache_loads_the_base_model_once(tmp_path, isolated_cache, monkeypatch):
     import modular.models
 
