@@ -16,6 +16,7 @@ so an interrupted conversion never leaves a folder that looks complete.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import logging
@@ -81,9 +82,21 @@ ALIASES: dict[str, Alias] = {
 }
 
 
+@functools.lru_cache(maxsize=32)
+def _file_digest(path: str, size: int, mtime_ns: int) -> str:
+    """SHA-256 of a file's content (memoised per process while its size and time stay the same)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def _gguf_cache_folder(gguf: Path, name: str) -> Path:
+    """The cached conversion of ``gguf``, named by its content: the same file installed in another environment
+    (another clone's ``.venv``) reuses the conversion and the reference caches keyed by it."""
     stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:12]
+    key = _file_digest(str(gguf.resolve()), stat.st_size, stat.st_mtime_ns)[:12]
     return cache_dir() / "models" / f"{name}-{key}"
 
 

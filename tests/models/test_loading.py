@@ -62,3 +62,17 @@ def test_truncated_run_checkpoint_is_one_line(tmp_path):
     run = Run(tmp_path, "unused", [], {}, {"checkpoint": str(ckpt)})
     with pytest.raises(ModularError, match=r"last\.ckpt is not a readable checkpoint .*--ckpt_path null"):
         load_open_model(run)
+
+
+def test_gguf_conversion_cache_is_named_by_content(tmp_path, isolated_cache):
+    """The same GGUF file in two environments (two clones' .venv) shares one conversion; other bytes do not."""
+    from modular.models.loading import _gguf_cache_folder
+
+    a, b, c = (tmp_path / d / "m.gguf" for d in ("one", "two", "three"))
+    for path, content in ((a, b"same bytes"), (b, b"same bytes"), (c, b"other bytes")):
+        path.parent.mkdir()
+        path.write_bytes(content)
+    assert _gguf_cache_folder(a, "m") == _gguf_cache_folder(b, "m") != _gguf_cache_folder(c, "m")
+    assert _gguf_cache_folder(a, "m").parent == isolated_cache / "models"
+    a.write_bytes(b"changed bytes")  # a file changed in place is converted again
+    assert _gguf_cache_folder(a, "m") != _gguf_cache_folder(b, "m")
