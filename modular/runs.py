@@ -44,11 +44,27 @@ def read_run(run_dir: str | Path) -> Run:
     path = Path(run_dir)
     if not (path / RUN_RECORD).is_file():
         raise ModularError(f"{path} is not a finished training run (no {RUN_RECORD}); train with train.py fit first")
-    record = json.loads((path / RUN_RECORD).read_text())
-    behaviours = record["behaviours"]
+    try:
+        record = json.loads((path / RUN_RECORD).read_text())
+        behaviours, model_name = list(record["behaviours"]), str(record["model_name"])
+    except (ValueError, KeyError, TypeError) as err:  # truncated, not JSON, or not a run record
+        reason = f"no '{err.args[0]}' entry" if isinstance(err, KeyError) else str(err).splitlines()[0]
+        raise ModularError(f"{path / RUN_RECORD} is not a readable run record ({reason}): train the run again, "
+                           "or restore the file") from None
     # a run without gated behaviours (sparse post-training) has no directions
-    dirs = load_file(str(path / DIRECTIONS)) if behaviours else {}
-    return Run(path, record["model_name"], behaviours, {b: dirs[b] for b in behaviours}, record)
+    if not behaviours:
+        dirs = {}
+    else:
+        try:
+            dirs = load_file(str(path / DIRECTIONS))
+        except Exception as err:  # noqa: BLE001 - missing, truncated or foreign safetensors
+            reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise ModularError(f"{path / DIRECTIONS} is not a readable directions file ({reason}): "
+                               "train the run again") from None
+        missing = [b for b in behaviours if b not in dirs]
+        if missing:
+            raise ModularError(f"{path / DIRECTIONS} has no direction for {', '.join(missing)}: train the run again")
+    return Run(path, model_name, behaviours, {b: dirs[b] for b in behaviours}, record)
 
 
 def behaviour_sources(run: Run) -> dict[str, str]:
