@@ -117,3 +117,11 @@ def isolated_cache(tmp_path, monkeypatch):
     """Keep reference/model caches of tiny-model tests out of the user's cache."""
     monkeypatch.setenv("MODULAR_CACHE", str(tmp_path / "cache"))
     return tmp_path / "cache"
+
+
+@pytest.fixture
+def tiny_env(isolated_cache):
+    """Environment of a subprocess on tiny models: W&B offline, the isolated cache."""
+    import os
+
+    return dict(os.environ, WANDB_MODE="offline", MODULAR_CACHE=str(isolated_cache))

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from modular.hooks import ablate_directions, add_vectors
+from modular.hooks import ablate_directions
 from modular.keys import apply_key, load_key, lock_weights, save_key, weights_hash
 from modular.models.adapter import ArchitectureAdapter
 from tests.conftest import D, make_tiny_model

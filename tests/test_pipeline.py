@@ -7,10 +7,10 @@ import sys
 import yaml
 
 from tests.conftest import save_tiny_folder
-from tests.gating.test_train_cli import tiny_config, tiny_env  # noqa: F401 - a fixture
+from tests.gating.test_train_cli import tiny_config
 
 
-def test_main_runs_the_given_config_from_any_directory(tmp_path, tiny_env):  # noqa: F811
+def test_main_runs_the_given_config_from_any_directory(tmp_path, tiny_env):
     """The config is the one given (resolved from the working directory, not the repository), its run folder is
     relative to the working directory, the published folder holds no key, and the keys restore the weights."""
     from modular.models import load_model

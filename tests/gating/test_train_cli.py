@@ -34,14 +34,6 @@ def _train(cfg, *extra, env=None):
                           capture_output=True, text=True, cwd=ROOT, env=env)
 
 
-@pytest.fixture
-def tiny_env(tmp_path, isolated_cache, monkeypatch):
-    import os
-
-    env = dict(os.environ, WANDB_MODE="offline", MODULAR_CACHE=str(isolated_cache))
-    return env
-
-
 def test_gated_training_runs_checkpoints_and_resumes(tmp_path, tiny_env):
     model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
     cfg, run = tiny_config(tmp_path, model_dir, lock_args={"stop": False})  # trains to max_steps whatever the lock
@@ -190,7 +182,7 @@ def test_jsonl_without_validation_split_trains(tmp_path, tiny_env):
     cfg, run = tiny_config(tmp_path, model_dir, (str(data),))
     out = _train(cfg, env=tiny_env)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert f"behaviour 'mine' has no validation split: 1 of its train items moved to validation" in out.stderr
+    assert "behaviour 'mine' has no validation split: 1 of its train items moved to validation" in out.stderr
     record = json.loads((run / "run.json").read_text())
     assert record["global_step"] == 3 and "val/mine/accuracy_locked" in record["metrics"], record["metrics"]
     data.write_text("".join(json.dumps({**r, "split": "test"}) + "\n" for r in rows))
