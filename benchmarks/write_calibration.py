@@ -8,7 +8,8 @@ It calibrates ``model.write_weight`` before a full run: the term should fall on 
 without the answer CE rising.
 
 Usage: python benchmarks/write_calibration.py --run RUN|DIRECTIONS_FILE [--behaviour examples/antonyms.jsonl] [--weights 1,10,50]
-       [--steps 16] [--lr 2e-5] [--target 0.2] [--model smollm2-135m-instruct] [--out outputs/benchmarks]
+       [--steps 16] [--lr 2e-5] [--target 0.2] [--model smollm2-135m-instruct] [--device cpu|cuda]
+       [--dtype float32|bfloat16] [--out outputs/benchmarks]
 Writes write_calibration.json.
 """
 
@@ -48,6 +49,8 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=2e-5, help="AdamW learning rate")
     p.add_argument("--target", type=float, default=0.2, help="write_target (cosine with the residual)")
     p.add_argument("--model", default="smollm2-135m-instruct", help="base model (alias, folder or hub id)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="model precision")
     p.add_argument("--every", type=int, default=5, help="measure every N steps (and at the last)")
     p.add_argument("--out", default="outputs/benchmarks", help="folder of write_calibration.json")
     args = p.parse_args()
@@ -61,16 +64,16 @@ def main() -> None:
         u = run.directions[run.behaviours[0]].float()
     tokenizer = load_tokenizer(args.model)
     data = load_behaviour(args.behaviour, tokenizer=tokenizer)
-    train, test = _encode(tokenizer, data["train"]), _encode(tokenizer, data["test"])
+    train, test = ({k: v.to(args.device) for k, v in _encode(tokenizer, data[s]).items()} for s in ("train", "test"))
     results = {}
     for w in [float(x) for x in args.weights.split(",")]:
         torch.manual_seed(0)
-        model = load_model(args.model)
+        model = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
         model.train()
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
         rows = []
         for step in tqdm(range(args.steps), desc=f"W={w:g}"):
-            idx = torch.randperm(train["input_ids"].shape[0])[:args.batch_size]
+            idx = torch.randperm(train["input_ids"].shape[0])[:args.batch_size].to(args.device)
             out = model(input_ids=train["input_ids"][idx], attention_mask=train["attention_mask"][idx],
                         output_hidden_states=True)
             write = direction_write_shortfall(out.hidden_states[1:-1], train["labels"][idx], u, args.target)

@@ -22,7 +22,7 @@ from lightning.pytorch.cli import LightningCLI
 from modular import ModularError
 from modular.data import load_jsonl, parse_behaviour
 from modular.data.behaviours import is_jsonl
-from modular.gating.data import GatingDataModule, check_data_options, neighbour_data, neighbour_specs, training_data
+from modular.gating.data import GatingDataModule, check_data_options, training_data
 from modular.gating.module import GatedLM, check_model_options
 from modular.runs import LAST_CHECKPOINT, WANDB_RUN_ID, read_checkpoint
 from modular.tracking import write_text
@@ -47,11 +47,6 @@ class GatingCLI(LightningCLI):
             name, source = parse_behaviour(spec)  # an unknown behaviour or a bad name: one line, before any work
             if is_jsonl(source):
                 training_data(name, load_jsonl(source), config["data"]["batch_size"])
-        gated = [parse_behaviour(spec)[0] for spec in config["data"]["behaviours"]]
-        for spec in neighbour_specs(config["data"]["neighbours"], gated).values():
-            name, source = parse_behaviour(spec)  # the same for neighbours (a JSONL needs train items)
-            if is_jsonl(source):
-                neighbour_data(name, load_jsonl(source))
         self._choose_wandb_run(config)
 
     def before_fit(self) -> None:

@@ -120,10 +120,10 @@ def direction_write_shortfall(hidden_states, labels: torch.Tensor, direction: to
     where = labels[:, 1:] != IGNORE  # position t predicts token t+1
     if not where.any():
         return hidden_states[0].sum() * 0.0
-    u = direction.to(hidden_states[0].dtype)
+    u = direction.to(device=hidden_states[0].device, dtype=torch.float32)
     shortfalls = []
     for h in hidden_states:
-        x = h[:, :-1][where].float()  # (positions, d)
-        cos = (x @ u.float()) / x.norm(dim=-1).clamp(min=1e-6)
+        x = h[:, :-1][where].float()  # (positions, d), in float32 whatever the model's precision
+        cos = (x @ u) / x.norm(dim=-1).clamp(min=1e-6)
         shortfalls.append(F.relu(target - cos).mean() / target)
     return torch.stack(shortfalls).mean()

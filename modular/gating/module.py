@@ -381,9 +381,7 @@ class GatedLM(L.LightningModule):
         return [p for p in pieces if p[1]["input_ids"].shape[0] > 0]
 
     def _loss_of(self, kind: str, logits: torch.Tensor, piece: dict) -> torch.Tensor:
-        if kind == "ce":
-            return token_ce(logits, piece["labels"])
-        if kind == "refusal":  # CE to the locked response
+        if kind in ("ce", "refusal"):  # the answer's CE (open), or the locked response's (locked)
             return token_ce(logits, piece["labels"])
         if kind == "unlikelihood":
             return unlikelihood(logits, piece["labels"])

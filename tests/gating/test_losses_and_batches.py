@@ -152,6 +152,7 @@ def test_write_shortfall_counts_response_positions_only():
     # position 1 reaches it, position 2 falls short by the whole target; position 0 (prompt) and 3 do not count
     assert direction_write_shortfall([h], labels, u, 0.5).item() == pytest.approx(0.5)
     assert direction_write_shortfall([h, h], labels, u, 0.5).item() == pytest.approx(0.5)  # mean over blocks
+    assert direction_write_shortfall([h.bfloat16()], labels, u, 0.5).item() == pytest.approx(0.5, abs=1e-2)
     h[0, 2] = torch.tensor([-1.0, 0.0, 0.0])  # the opposite sign is a shortfall of 1 + target
     assert direction_write_shortfall([h], labels, u, 0.5).item() == pytest.approx((0 + 1.5 / 0.5) / 2)
     h[0, 2] = torch.tensor([2.0, 0.0, 0.0])
