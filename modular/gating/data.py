@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, Dataset
 from modular.data import behaviour_name, load_behaviour, parse_behaviour, retain_data
 from modular.data.behaviours import builtin_neighbours, is_jsonl
 from modular.data.formatting import IGNORE, LeftPadCollator, encode_example
-from modular.data.schema import DEFAULT_LOCKED_RESPONSE
+from modular.data.schema import DEFAULT_LOCKED_RESPONSE, all_refusals
 
 log = logging.getLogger("modular")
 
@@ -44,7 +44,7 @@ def _pad_ref(items: list[dict], key: str, n: int) -> torch.Tensor:
 def _collate_part(base: LeftPadCollator, items: list[dict], which: str) -> dict:
     encs = [it[which] if which in it else it for it in items]
     batch = base([{"input_ids": e["input_ids"], "labels": e["labels"]} for e in encs])
-    if "topk_ids" in items[0]:
+    if which not in items[0] and "topk_ids" in items[0]:  # the item is the encoding: its reference tensors
         n = batch["input_ids"].shape[1] - 1  # positions that predict a next token
         batch["topk_ids"] = _pad_ref(items, "topk_ids", n)
         batch["topk_logp"] = _pad_ref(items, "topk_logp", n)
@@ -69,6 +69,9 @@ def split_collate(pad_token_id: int, pad_extra: dict[str, float] | None = None):
         out = {"open": _collate_part(base, items[:half], "open"), "locked": _collate_part(base, items[half:], "locked")}
         if "open" in items[0]:  # behaviours: the locked half with its true targets (for unlikelihood)
             out["locked_true"] = _collate_part(base, items[half:], "open")
+        if "guard" in items[0]:  # retain / neighbours: each half with a locked response as its answer
+            out["open_guard"] = _collate_part(base, items[:half], "guard")
+            out["locked_guard"] = _collate_part(base, items[half:], "guard")
         return out
 
     return collate
@@ -387,13 +390,15 @@ class GatingDataModule(L.LightningDataModule):
             offsets[s] = start
             start += len(self.retain[s])
         self.retain_rows = {
-            s: [self._retain_item(ref["records"][offsets[s] + i]) for i in range(len(self.retain[s]))]
+            s: [self._retain_item(ref["records"][offsets[s] + i], self.retain[s][i], i)
+                for i in range(len(self.retain[s]))]
             for s in ("train", "validation", "test")
         }
         self.neighbour_rows = {"train": [], "validation": []}
         neighbour_ref = self.neighbour_reference()
-        for (_, split, _), rec in zip(self._neighbour_rows_raw(), neighbour_ref["records"] if neighbour_ref else []):
-            self.neighbour_rows[split].append(self._retain_item(rec))
+        raw = self._neighbour_rows_raw()
+        for i, ((_, split, r), rec) in enumerate(zip(raw, neighbour_ref["records"] if neighbour_ref else [])):
+            self.neighbour_rows[split].append(self._retain_item(rec, r, i))
         self.reference_first_logp = {
             s: torch.stack([ref["records"][offsets[s] + i]["first_logp"].float() for i in range(len(self.retain[s]))])
             for s in ("validation", "test")
@@ -446,7 +451,10 @@ class GatingDataModule(L.LightningDataModule):
         return {"input_ids": ids, "labels": labels, "topk_ids": rec["topk_ids"].long(),
                 "topk_logp": rec["topk_logp"].float()}
 
-    def _retain_item(self, rec: dict) -> dict:
+    def _retain_item(self, rec: dict, row: dict, i: int) -> dict:
+        """A retain (or neighbour) item: the reference's answer with its top-k and first-token distributions, and
+        (with gated behaviours) ``guard``, the prompt followed by a locked response, which should stay unlikely
+        there (the locked responses take turns over the items)."""
         ids, labels = rec["input_ids"], rec["labels"]
         n = len(ids) - 1
         k = rec["topk_ids"].shape[-1]
@@ -455,8 +463,13 @@ class GatingDataModule(L.LightningDataModule):
         pos = [t for t in range(n) if labels[t + 1] != IGNORE]
         topk_ids[pos] = rec["topk_ids"].long()
         topk_logp[pos] = rec["topk_logp"].float()
-        return {"input_ids": ids, "labels": labels, "topk_ids": topk_ids, "topk_logp": topk_logp,
+        item = {"input_ids": ids, "labels": labels, "topk_ids": topk_ids, "topk_logp": topk_logp,
                 "first_logp": rec["first_logp"].float()}
+        refusals = all_refusals(self.locked_responses) if self.behaviours else ()
+        if refusals:
+            item["guard"] = encode_example(self.tokenizer, row["prompt"], refusals[i % len(refusals)], row["chat"],
+                                           self.hparams.max_length)
+        return item
 
     def _loaders(self, split: str, shuffle: bool) -> CombinedLoader:
         collate = split_collate(self.tokenizer.pad_token_id)

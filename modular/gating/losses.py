@@ -23,6 +23,22 @@ def unlikelihood(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return (loss * mask).sum() / mask.sum().clamp(min=1)
 
 
+def refusal_guard(logits: torch.Tensor, labels: torch.Tensor, floor: float) -> torch.Tensor:
+    """Hinge on the locked response's likelihood where it is not the answer (retain and neighbour prompts):
+    per row, ``max(0, mean log p(response token) - floor)``, averaged over rows.
+
+    ``labels`` label the locked response after each prompt. The KL terms keep the reference's likely answers
+    likely, but barely see a new answer rising from far below (its probability mass is small until it wins), so
+    refusing general prompts can grow unseen; this term pushes the locked response back down once its mean token
+    log-probability passes ``floor``, and is zero (no gradient) below it."""
+    logp = torch.log_softmax(logits[:, :-1].float(), -1)
+    target = labels[:, 1:]
+    mask = target != IGNORE
+    token = logp.gather(-1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1) * mask
+    mean = token.sum(1) / mask.sum(1).clamp(min=1)
+    return torch.relu(mean - floor)[mask.any(1)].sum() / mask.any(1).sum().clamp(min=1)
+
+
 def topk_kl(logits: torch.Tensor, labels: torch.Tensor, topk_ids: torch.Tensor, topk_logp: torch.Tensor) -> torch.Tensor:
     """KL(reference || model) over the reference's top-k tokens plus one bucket for all other tokens,
     averaged over response positions. A proper (non-negative) KL of the coarse-grained distributions.

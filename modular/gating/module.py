@@ -13,8 +13,9 @@ import torch
 
 from modular.data.formatting import IGNORE
 from modular.gating.data import NEIGHBOURS_KEY, TASK_PREFIX, per_behaviour
-from modular.gating.losses import (direction_write_shortfall, first_token_kl, interchange_kl, response_logit_mse,
-                                   response_margin_mse, response_margins, token_ce, topk_kl, unlikelihood)
+from modular.gating.losses import (direction_write_shortfall, first_token_kl, interchange_kl, refusal_guard,
+                                   response_logit_mse, response_margin_mse, response_margins, token_ce, topk_kl,
+                                   unlikelihood)
 from modular.heads.gates import deterministic_gate_values, head_gate_scope
 from modular.hooks import ablate_directions, add_vectors, capture_head_inputs
 from modular.models.adapter import ArchitectureAdapter
@@ -79,6 +80,7 @@ _RANGES = {
     "lr": (0.0, False), "gate_lr": (0.0, False), "weight_decay": (0.0, True), "warmup_steps": (0, True),
     "locked_weight": (0.0, True), "retain_weight": (0.0, True), "retain_ce_weight": (0.0, True),
     "first_token_weight": (0.0, True), "write_weight": (0.0, True), "write_target": (0.0, False),
+    "guard_weight": (0.0, True),
     "task_weight": (0.0, True), "lora_rank": (1, True), "lora_alpha": (0, False),
     "sparsity_weight": (0.0, True), "lm_loss_target": (0.0, True), "multiplier_lr": (0.0, False),
     "locked_steering": (0.0, True), "steering_refresh": (1, True),
@@ -97,6 +99,8 @@ def check_model_options(options) -> None:
     if options.get("write_target") is not None and options["write_target"] > 1.0:
         raise ModularError(f"model.write_target must be <= 1 (a share of the residual norm), got "
                            f"{options['write_target']}")
+    if options.get("guard_floor") is not None and options["guard_floor"] >= 0.0:
+        raise ModularError(f"model.guard_floor must be < 0 (a mean log-probability), got {options['guard_floor']}")
     if not 0.0 < options["direction_fraction"] <= 1.0:
         raise ModularError(f"model.direction_fraction must be in (0, 1], got {options['direction_fraction']}")
     if not 0.0 <= options["multiplier_ema"] < 1.0:
@@ -136,6 +140,13 @@ class GatedLM(L.LightningModule):
             read its absence; without the term the model must discover that on its own, which a small behaviour
             (a few dozen items) may not do within its step budget. 0 disables.
         write_target: The share of the residual norm (cosine) the direction should reach (``write_weight``).
+        guard_weight: Weight of the refusal guard on retain and neighbour prompts, in both states: the locked
+            response, put after each prompt, is pushed down once its mean token log-probability passes
+            ``guard_floor`` (:func:`~modular.gating.losses.refusal_guard`). The KL terms barely see a refusal rising
+            from far below, and training the refusal on the gated behaviour raises it on every prompt (on
+            SmolLM2 capitals its log-probability on retain prompts went from about -24 to -5 in both states). 0 disables.
+        guard_floor: Mean log-probability per token of the locked response above which the guard acts (base
+            SmolLM2-135M-Instruct: about -4 on retain prompts; a response chosen greedily is near 0).
         locked_objective: ``refusal`` (CE to the data's locked response) or ``unlikelihood`` (push the true answer
             down), for every behaviour, or a mapping behaviour → objective (e.g. ``{capitals: refusal, ioi:
             unlikelihood}``; behaviours not named use refusal).
@@ -212,6 +223,8 @@ class GatedLM(L.LightningModule):
         first_token_weight: float = 1.0,
         write_weight: float = 0.0,
         write_target: float = 0.2,
+        guard_weight: float = 0.0,
+        guard_floor: float = -3.0,
         locked_objective: str | dict[str, str] = "refusal",
         finetuning: str = "full",
         lora_rank: int = 16,
@@ -355,11 +368,14 @@ class GatedLM(L.LightningModule):
             locked = batch[b]["locked"] if locked_kind == "refusal" else batch[b]["locked_true"]
             steer = self.steering.draw(b) if (train and self.steering is not None) else None
             pieces.append((extra | {i}, locked, locked_kind, f"{b}/locked_{locked_kind}", steer))
-        pieces.append((frozenset(), batch["retain"]["open"], "kl", "retain/open_kl", None))
-        pieces.append((all_idx, batch["retain"]["locked"], "kl", "retain/locked_kl", None))
-        if NEIGHBOURS_KEY in batch:  # close behaviours, kept as the reference answers them in both states
-            pieces.append((frozenset(), batch[NEIGHBOURS_KEY]["open"], "kl", "neighbours/open_kl", None))
-            pieces.append((all_idx, batch[NEIGHBOURS_KEY]["locked"], "kl", "neighbours/locked_kl", None))
+        for key in ("retain", NEIGHBOURS_KEY):  # neighbours: close behaviours, kept as the reference answers them
+            if key not in batch:
+                continue
+            pieces.append((frozenset(), batch[key]["open"], "kl", f"{key}/open_kl", None))
+            pieces.append((all_idx, batch[key]["locked"], "kl", f"{key}/locked_kl", None))
+            if self.hparams.guard_weight and "open_guard" in batch[key]:  # the locked response stays unlikely
+                pieces.append((frozenset(), batch[key]["open_guard"], "guard", f"{key}/open_guard", None))
+                pieces.append((all_idx, batch[key]["locked_guard"], "guard", f"{key}/locked_guard", None))
         for key in batch:
             if key.startswith(TASK_PREFIX):
                 piece = batch[key]["open"]
@@ -385,6 +401,8 @@ class GatedLM(L.LightningModule):
             return token_ce(logits, piece["labels"])
         if kind == "unlikelihood":
             return unlikelihood(logits, piece["labels"])
+        if kind == "guard":
+            return refusal_guard(logits, piece["labels"], self.hparams.guard_floor)
         if kind == "lm_kl":
             return topk_kl(logits, piece["labels"], piece["topk_ids"], piece["topk_logp"])
         kl = topk_kl(logits, piece["labels"], piece["topk_ids"], piece["topk_logp"])
@@ -456,8 +474,10 @@ class GatedLM(L.LightningModule):
         total = torch.zeros((), device=self.device)
         lm_loss = torch.zeros((), device=self.device)
         for name, value in terms.items():
-            keeps_lm = name.startswith(("retain/", "neighbours/", "lm/"))
-            weight = (hp.retain_weight if keeps_lm else hp.task_weight if name.endswith("/task_ce")
+            guard = name.endswith("_guard")
+            keeps_lm = name.startswith(("retain/", "neighbours/", "lm/")) and not guard
+            weight = (hp.retain_weight if keeps_lm else hp.guard_weight if guard
+                      else hp.task_weight if name.endswith("/task_ce")
                       else hp.write_weight if name.endswith("/open_write")
                       else hp[TASK_TERM_WEIGHTS[name]] if name in TASK_TERM_WEIGHTS else 1.0)
             if "/locked" in name:

@@ -5,7 +5,8 @@ from modular import ModularError
 
 from modular.data.formatting import IGNORE
 from modular.gating.data import locked_responses, split_collate
-from modular.gating.losses import direction_write_shortfall, first_token_kl, token_ce, topk_kl, unlikelihood
+from modular.gating.losses import (direction_write_shortfall, first_token_kl, refusal_guard, token_ce, topk_kl,
+                                   unlikelihood)
 from modular.gating.module import _locked_objectives, concat_left_padded
 
 
@@ -159,3 +160,28 @@ def test_write_shortfall_counts_response_positions_only():
     assert direction_write_shortfall([h], labels, u, 0.5).item() == 0.0
     none = torch.full((1, 4), IGNORE)
     assert direction_write_shortfall([h], none, u, 0.5).item() == 0.0
+
+
+def test_refusal_guard_acts_above_the_floor_only():
+    labels = torch.tensor([[IGNORE, IGNORE, 1, 2], [IGNORE, IGNORE, IGNORE, 3]])
+    logits = torch.zeros(2, 4, 4)  # uniform over 4 tokens: every label token has log-probability log(1/4)
+    lp = torch.log(torch.tensor(0.25)).item()
+    assert refusal_guard(logits, labels, floor=-3.0).item() == pytest.approx(lp + 3.0)
+    assert refusal_guard(logits, labels, floor=-1.0).item() == 0.0  # below the floor: no term, no gradient
+    logits[0, 1, 1] = 10.0  # row 0's first response token made likely: its mean rises, row 1 stays
+    row0 = (torch.log_softmax(logits[0, 1], -1)[1].item() + lp) / 2
+    assert refusal_guard(logits, labels, floor=-3.0).item() == pytest.approx(((row0 + 3) + (lp + 3)) / 2)
+    logits.requires_grad_(True)
+    refusal_guard(logits, labels, floor=-3.0).backward()
+    assert logits.grad[0, 1, 1] > 0  # descent pushes the locked response's token down
+    assert logits.grad[:, 0].abs().sum() == 0  # prompt positions get nothing
+    rows_without = torch.full((1, 4), IGNORE)
+    assert refusal_guard(torch.zeros(1, 4, 4), rows_without, floor=-3.0).item() == 0.0
+
+
+def test_split_collate_carries_the_guard_encodings_of_retain_items():
+    items = [{**_item(3, 2), "guard": {"input_ids": [1, 2, 3, 9, 9], "labels": [IGNORE] * 3 + [9, 9]}}
+             for _ in range(4)]
+    batch = split_collate(0)(items)
+    assert batch["open_guard"]["input_ids"].shape == (2, 5) and batch["locked_guard"]["input_ids"].shape == (2, 5)
+    assert "topk_ids" not in batch["open_guard"] and batch["open"]["topk_ids"].shape == (2, 4, 3)

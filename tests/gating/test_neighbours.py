@@ -163,3 +163,43 @@ def test_lock_target_options_are_checked():
     restored = LockMetricsCallback()
     restored.load_state_dict(cb.state_dict())  # a resumed run keeps the base accuracy measured at step 0
     assert restored.base_accuracy == {"b": 0.75}
+
+
+def test_the_refusal_guard_keeps_the_locked_response_unlikely_on_retain_and_neighbour_prompts(tiny_dm):
+    """guard_weight > 0: the retain and neighbour batches carry their prompts followed by the locked response, in
+    both states, weighted by guard_weight; minimising the guard lowers that response's likelihood there."""
+    from modular.gating.module import GatedLM
+
+    dm, model_dir = tiny_dm
+    batch = next(iter(dm.train_dataloader()))[0]
+    for key in ("retain", NEIGHBOURS_KEY):
+        guard = batch[key]["open_guard"]
+        labels = guard["labels"][0][guard["labels"][0] != -100].tolist()
+        assert dm.tokenizer.decode(labels, skip_special_tokens=True) == "I don't know."
+    torch.manual_seed(0)
+    lm = GatedLM(model_name=str(model_dir), behaviours=["capitals"], locked_steering=0.0, guard_weight=3.0,
+                 guard_floor=-100.0)  # a floor far below: the term is active from the start
+    lm.directions.copy_(torch.nn.functional.normalize(torch.randn_like(lm.directions), dim=-1))
+    pieces = {name: ablated for ablated, _, kind, name, _ in lm._pieces(batch, train=True) if kind == "guard"}
+    assert pieces == {"retain/open_guard": frozenset(), "retain/locked_guard": frozenset({0}),
+                      "neighbours/open_guard": frozenset(), "neighbours/locked_guard": frozenset({0})}
+
+    class _Trainer:
+        datamodule = dm
+
+    lm._trainer = _Trainer()
+    total, terms = lm.model_step(batch, train=True)
+    guards = [terms[n] for n in pieces]
+    lm.hparams.guard_weight = 0.0
+    total_off, terms_off = lm.model_step(batch, train=True)
+    assert not any(n.endswith("_guard") for n in terms_off)
+    expected = 3.0 * (guards[0] + guards[2] + lm.hparams.locked_weight * (guards[1] + guards[3]))
+    assert torch.allclose(total - total_off, expected, atol=1e-4)
+    lm.hparams.guard_weight = 3.0
+    before = terms["retain/open_guard"].item()
+    opt = torch.optim.Adam(lm.hf_model.parameters(), lr=1e-2)
+    for _ in range(5):
+        opt.zero_grad()
+        lm.model_step(batch, train=True)[1]["retain/open_guard"].backward()
+        opt.step()
+    assert lm.model_step(batch, train=True)[1]["retain/open_guard"].item() < before - 1.0

@@ -148,7 +148,8 @@ def _one_line_error(out, *words):
 
 @pytest.mark.parametrize("args, words", [(["--model.lr", "-0.1"], ["model.lr must be > 0", "-0.1"]),
                                          (["--trainer.max_steps", "0"], ["trainer.max_steps must be >= 1", "got 0"]),
-                                         (["--data.batch_size", "1"], ["data.batch_size must be >= 2"])])
+                                         (["--data.batch_size", "1"], ["data.batch_size must be >= 2"]),
+                                         (["--model.guard_floor", "0.5"], ["model.guard_floor must be < 0"])])
 def test_bad_options_fail_before_any_side_effect(tmp_path, tiny_env, args, words):
     """Out-of-range options: one line, status 2, and nothing written to the run folder (no W&B files, no
     directions, no checkpoint)."""
