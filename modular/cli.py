@@ -21,10 +21,11 @@ def inspect_model(model: str, json_output: bool = False) -> dict:
         model: Built-in alias (smollm2-135m-instruct, gemma3-270m), .gguf file, local HF folder or hub id.
         json_output: Print the full map as JSON (alias: --json).
     """
-    from modular.models import ArchitectureAdapter, load_model
+    from modular.models import ArchitectureAdapter
+    from modular.runs import load_model_or_run
 
     t0 = time.perf_counter()
-    m = load_model(model)
+    m = load_model_or_run(model)
     info = ArchitectureAdapter(m).describe()
     info["load_seconds"] = round(time.perf_counter() - t0, 2)
     if json_output:

@@ -172,3 +172,31 @@ def load_open_model(run: Run):
 
         remove_head_gates(model)
     return model.eval()
+
+
+def is_run_folder(ref: str | Path) -> bool:
+    """A training run folder (its record beside its checkpoint) rather than a model folder."""
+    path = Path(str(ref)).expanduser()
+    return (path / RUN_RECORD).is_file() and not (path / "config.json").is_file()
+
+
+def base_model_name(ref: str | Path) -> str:
+    """The base model a reference was trained from: a run folder's ``model_name``, else the reference itself."""
+    return read_run(ref).model_name if is_run_folder(ref) else str(ref)
+
+
+def load_model_or_run(ref: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+    """A model reference's model (:func:`modular.models.load_model`), or a run folder's trained (open) model
+    (:func:`load_open_model`), in eval mode."""
+    if is_run_folder(ref):
+        return load_open_model(read_run(ref)).to(device=device, dtype=dtype).eval()
+    from modular.models import load_model
+
+    return load_model(ref, dtype=dtype, device=device)
+
+
+def load_tokenizer_or_run(ref: str | Path):
+    """The tokenizer of a model reference, or of a run folder's base model."""
+    from modular.models import load_tokenizer
+
+    return load_tokenizer(base_model_name(ref))

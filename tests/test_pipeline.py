@@ -13,7 +13,7 @@ from tests.gating.test_train_cli import tiny_config
 def test_main_runs_the_given_config_from_any_directory(tmp_path, tiny_env):
     """The config is the one given (resolved from the working directory, not the repository), its run folder is
     relative to the working directory, the published folder holds no key, and the keys restore the weights."""
-    from modular.models import load_model
+    from modular.runs import load_model_or_run
 
     model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
     cfg_path, _ = tiny_config(tmp_path, model_dir, ("capitals",), {"locked_steering": 0.0})
@@ -34,8 +34,8 @@ def test_main_runs_the_given_config_from_any_directory(tmp_path, tiny_env):
     published, keys, unlocked = run / "published", run / "published-keys", run / "unlocked"
     assert (keys / "capitals.key.safetensors").is_file()
     assert not [p for p in published.rglob("*") if "key" in p.name.lower()]
-    open_state = load_model(run).state_dict()
-    restored = load_model(unlocked).state_dict()
+    open_state = load_model_or_run(run).state_dict()
+    restored = load_model_or_run(unlocked).state_dict()
     assert max((restored[k] - v).abs().max().item() for k, v in open_state.items() if k in restored) <= 1e-6
     assert "step 3 of runs/mine" in res.stdout and "keys (keep apart)" in res.stdout
     # a second run finds the finished training and replaces only its own outputs

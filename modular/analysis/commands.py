@@ -98,7 +98,7 @@ def directions(
     from modular.evaluation.behaviour import evaluate_behaviour
     from modular.evaluation.retain import first_token_logp
     from modular.evaluation.stats import wilson_interval
-    from modular.models import load_model, load_tokenizer
+    from modular.runs import load_model_or_run, load_tokenizer_or_run
     from modular.tracking import log_to_wandb, write_json
 
     fmts = _names(formats, FORMATS, "format")
@@ -118,7 +118,7 @@ def directions(
         designated = r.directions[behaviour].flatten().float()
         designated = designated / designated.norm()
     model = model or "smollm2-135m-instruct"
-    tokenizer = load_tokenizer(model)
+    tokenizer = load_tokenizer_or_run(model)
     data = load_behaviour(behaviour, seed=seed, tokenizer=tokenizer)
     retain = retain_data(seed)
     n = min(n_prompts, len(data["train"]), len(retain["train"]))
@@ -136,7 +136,7 @@ def directions(
     choice_only = has_wrong and metric != "generation"
     metric_name = "choice accuracy" if choice_only else "greedy generation"
 
-    m = load_open_model(r) if run is not None else load_model(model)
+    m = load_open_model(r) if run is not None else load_model_or_run(model)
     if designated is not None and designated.numel() != m.config.hidden_size:
         raise ModularError(f"the run's direction has {designated.numel()} entries, the model's width differs")
     found, report_formats = {}, {}
@@ -268,8 +268,9 @@ def attention(
     from modular.data import load_behaviour
     from modular.evaluation.behaviour import evaluate_behaviour
     from modular.evaluation.stats import wilson_interval
-    from modular.models import ArchitectureAdapter, load_model, load_tokenizer
+    from modular.models import ArchitectureAdapter
     from modular.plots import bar_chart
+    from modular.runs import load_model_or_run, load_tokenizer_or_run
     from modular.tracking import log_to_wandb, write_json
 
     kinds = _names(insert, KINDS, "insertion")
@@ -278,7 +279,7 @@ def attention(
     lengths = _ints(sweep, "sweep")
     if length < 1 or any(x < 0 for x in lengths or []):
         raise ModularError("length must be ≥ 1 and sweep lengths ≥ 0")
-    tokenizer = load_tokenizer(model)
+    tokenizer = load_tokenizer_or_run(model)
     rows, seen = [], set()
     for s in seed_list:
         data = load_behaviour(task, seed=s, tokenizer=tokenizer)
@@ -303,7 +304,7 @@ def attention(
         return {"accuracy": r.accuracy, "n": r.n, "correct": k, "ci95": wilson_interval(k, r.n)}
 
     fillers = {kind: filler(tokenizer, kind, length, symbol) for kind in kinds}
-    m = load_model(model)
+    m = load_model_or_run(model)
     adapter = ArchitectureAdapter(m)
     conditions = {"none": ""} | fillers
     # every prompt is rendered once per condition to check that the span has exactly N tokens in context

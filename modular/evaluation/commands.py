@@ -41,16 +41,16 @@ def behaviour(
     from modular import ModularError
     from modular.data import load_behaviour
     from modular.evaluation.behaviour import evaluate_behaviour
-    from modular.models import load_model, load_tokenizer
     from modular.plots import bar_chart
+    from modular.runs import load_model_or_run, load_tokenizer_or_run
     from modular.tracking import log_to_wandb, write_json
 
     if split not in ("train", "validation", "test"):
         raise ModularError(f"unknown split '{split}': use train, validation or test")
     names = [b.strip() for b in behaviour.split(",") if b.strip()]
-    tokenizer = load_tokenizer(model)
+    tokenizer = load_tokenizer_or_run(model)
     datasets_ = {name: load_behaviour(name, seed=seed, tokenizer=tokenizer)[split] for name in names}
-    m = load_model(model)
+    m = load_model_or_run(model)
     out_dir = Path(out or Path("outputs") / "behaviour" / _slug(model))
     results, items = {}, {}
     for name, ds in datasets_.items():

@@ -12,20 +12,11 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def is_run_folder(spec: str | Path) -> bool:
-    return (Path(spec) / "run.json").is_file()
-
-
 def load_head_model(spec: str):
     """``(model, tokenizer, model_name)`` for a model reference or a run folder; the model is in eval mode."""
-    from modular.models import load_model, load_tokenizer
+    from modular.runs import base_model_name, load_model_or_run, load_tokenizer_or_run
 
-    if is_run_folder(spec):
-        from modular.runs import load_open_model, read_run
-
-        run = read_run(spec)
-        return load_open_model(run).eval(), load_tokenizer(run.model_name), run.model_name
-    return load_model(spec).eval(), load_tokenizer(spec), spec
+    return load_model_or_run(spec), load_tokenizer_or_run(spec), base_model_name(spec)
 
 
 def model_label(spec: str) -> str:

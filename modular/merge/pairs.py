@@ -72,10 +72,6 @@ def short_name(spec: str) -> str:
     return {"smollm2-135m-instruct": "smollm2", "gemma3-270m": "gemma3"}.get(name, name)
 
 
-def is_run_folder(spec: str) -> bool:
-    return (Path(spec).expanduser() / "run.json").is_file()
-
-
 def check_model_spec(spec, where: str) -> str:
     """Raise one line unless ``spec`` names an alias, an existing file or folder, or looks like a hub id."""
     from modular.models.loading import ALIASES

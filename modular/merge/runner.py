@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 
 from modular import ModularError
-from modular.merge.pairs import MergeConfig, Pair, is_run_folder, short_name
+from modular.merge.pairs import MergeConfig, Pair, short_name
+from modular.runs import is_run_folder
 
 log = logging.getLogger("modular")
 
@@ -42,25 +43,18 @@ class ModelBank:
     def get(self, spec: str):
         """``(model, tokenizer, run or None)`` for a model spec."""
         if spec not in self._models:
-            from modular.models import load_model, load_tokenizer
+            from modular.runs import load_model_or_run, load_tokenizer_or_run, read_run
 
-            if is_run_folder(spec):
-                from modular.runs import load_open_model, read_run
-
-                run = read_run(spec)
-                self._models[spec] = (load_open_model(run), load_tokenizer(run.model_name), run)
-            else:
-                self._models[spec] = (load_model(spec).eval(), load_tokenizer(spec), None)
+            run = read_run(spec) if is_run_folder(spec) else None
+            self._models[spec] = (load_model_or_run(spec), load_tokenizer_or_run(spec), run)
             log.info("loaded %s", spec)
         return self._models[spec]
 
     def base_of(self, spec: str) -> str:
         """The base model a spec was trained from (itself unless it is a run folder)."""
-        if is_run_folder(spec):
-            from modular.runs import read_run
+        from modular.runs import base_model_name
 
-            return read_run(spec).model_name
-        return spec
+        return base_model_name(spec)
 
 
 def _items(task: str, split: str, seed: int, limit: int | None, tokenizer=None):

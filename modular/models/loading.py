@@ -208,19 +208,11 @@ def resolve_model(ref: str | os.PathLike) -> str:
     return ref
 
 
-def is_run_folder(ref: str | os.PathLike) -> bool:
-    """A training run folder (``run.json`` beside its checkpoint) rather than a model folder."""
-    return (Path(ref) / "run.json").is_file() and not (Path(ref) / "config.json").is_file()
-
-
 def load_tokenizer(ref: str | os.PathLike):
-    """Load the tokenizer of a model reference (or of a run folder's model), with left padding and a pad token."""
+    """Load the tokenizer of a model reference, with left padding and a pad token (a training run folder:
+    :func:`modular.runs.load_tokenizer_or_run`)."""
     from transformers import AutoTokenizer
 
-    if is_run_folder(ref):
-        from modular.runs import read_run
-
-        return load_tokenizer(read_run(ref).model_name)
     source = resolve_model(ref)
     try:
         tok = AutoTokenizer.from_pretrained(source)
@@ -235,16 +227,11 @@ def load_tokenizer(ref: str | os.PathLike):
 def load_model(ref: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
     """Load a causal LM from any model reference, in eval mode, after checking its architecture.
 
-    A training run folder gives its trained (open) model: LoRA merged, head gates folded in.
+    A training run folder's trained model: :func:`modular.runs.load_model_or_run`.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from modular.models.adapter import check_supported
-
-    if is_run_folder(ref):
-        from modular.runs import load_open_model, read_run
-
-        return load_open_model(read_run(ref)).to(device=device, dtype=dtype).eval()
 
     source = resolve_model(ref)
     try:
