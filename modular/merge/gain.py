@@ -2,9 +2,10 @@
 
 Merge gain of a pair on a task = perf(combination) − (perf(A) + perf(B)) / 2,
 with perf the accuracy over the same items. Its 95% interval is a paired
-percentile bootstrap over items (the three correctness vectors are resampled
-together). The correlation across pairs (Pearson and Spearman) gets a
-percentile bootstrap over pairs.
+percentile bootstrap over items (scipy; the three correctness vectors are resampled
+together). The correlation across pairs (Pearson and Spearman, scipy) gets a
+percentile bootstrap over pairs, resampled here because resamples in which a
+variable is constant have no correlation and are skipped.
 """
 
 from __future__ import annotations
@@ -21,40 +22,38 @@ def merge_gain(correct_a: Sequence[float], correct_b: Sequence[float], correct_c
     a, b, c = (np.asarray(x, dtype=float) for x in (correct_a, correct_b, correct_c))
     if not (len(a) == len(b) == len(c)) or len(a) == 0:
         raise ValueError(f"need the same non-zero number of items, got {len(a)}, {len(b)}, {len(c)}")
-    per_item = c - (a + b) / 2
+    from scipy.stats import bootstrap
+
+    per_item = c - (a + b) / 2  # one value per item: resampling it resamples the three vectors together
     gain = float(per_item.mean())
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(0, len(a), size=(int(n_boot), len(a)))
-    boots = per_item[idx].mean(axis=1)
-    lo, hi = np.percentile(boots, [2.5, 97.5])
+    if np.ptp(per_item) == 0:  # every resample gives the same mean
+        lo = hi = gain
+    else:
+        ci = bootstrap((per_item,), np.mean, n_resamples=int(n_boot), method="percentile",
+                       rng=np.random.default_rng(seed)).confidence_interval
+        lo, hi = ci.low, ci.high
     return {"gain": gain, "ci95": [float(lo), float(hi)], "n": int(len(a)), "n_boot": int(n_boot),
             "perf_a": float(a.mean()), "perf_b": float(b.mean()), "perf_combined": float(c.mean())}
 
 
-def _ranks(x: np.ndarray) -> np.ndarray:
-    """Ranks 1..n with ties given their average rank."""
-    order = np.argsort(x, kind="mergesort")
-    ranks = np.empty(len(x), dtype=float)
-    ranks[order] = np.arange(1, len(x) + 1)
-    for value in np.unique(x):
-        tie = x == value
-        if tie.sum() > 1:
-            ranks[tie] = ranks[tie].mean()
-    return ranks
-
-
 def pearson(x: Sequence[float], y: Sequence[float]) -> float:
     """Pearson correlation; NaN when either variable is constant or there are fewer than 2 points."""
+    from scipy.stats import pearsonr
+
     x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
     if len(x) < 2 or np.ptp(x) == 0 or np.ptp(y) == 0:
         return math.nan
-    return float(np.corrcoef(x, y)[0, 1])
+    return float(pearsonr(x, y).statistic)
 
 
 def spearman(x: Sequence[float], y: Sequence[float]) -> float:
-    """Spearman rank correlation (Pearson of average ranks)."""
+    """Spearman rank correlation (ties get their average rank); NaN as for :func:`pearson`."""
+    from scipy.stats import spearmanr
+
     x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
-    return pearson(_ranks(x), _ranks(y))
+    if len(x) < 2 or np.ptp(x) == 0 or np.ptp(y) == 0:
+        return math.nan
+    return float(spearmanr(x, y).statistic)
 
 
 def correlation(x: Sequence[float], y: Sequence[float], n_boot: int = 1000, seed: int = 0) -> dict:
