@@ -47,6 +47,7 @@ class GatingCLI(LightningCLI):
             name, source = parse_behaviour(spec)  # an unknown behaviour or a bad name: one line, before any work
             if is_jsonl(source):
                 training_data(name, load_jsonl(source), config["data"]["batch_size"])
+        follow_run_folder(config["trainer"])
         self._choose_wandb_run(config)
 
     def before_fit(self) -> None:
@@ -86,6 +87,28 @@ class GatingCLI(LightningCLI):
             if self._wandb_id is None:
                 self._wandb_id = saved.read_text().strip() if resuming and saved.is_file() else uuid.uuid4().hex[:8]
             lg.init_args.id = self._wandb_id
+
+
+def follow_run_folder(trainer) -> None:
+    """The run folder (``trainer.default_root_dir``) is one option: a checkpoint callback without a ``dirpath``
+    writes there and a logger without a ``save_dir`` (W&B) logs there, so changing the folder moves them all."""
+    run_dir = trainer.get("default_root_dir")
+    if not run_dir:
+        return
+    import inspect
+
+    from lightning.pytorch.loggers import WandbLogger
+
+    unset = (None, "", inspect.signature(WandbLogger).parameters["save_dir"].default)  # the parser fills defaults in
+    loggers = trainer.get("logger")
+    for lg in loggers if isinstance(loggers, list) else [loggers]:
+        if hasattr(lg, "class_path") and str(lg.class_path).endswith("WandbLogger") \
+                and lg.init_args.get("save_dir") in unset:
+            lg.init_args.save_dir = run_dir
+    for cb in trainer.get("callbacks") or []:
+        if hasattr(cb, "class_path") and str(cb.class_path).endswith(("RunCheckpoint", "ModelCheckpoint")) \
+                and not cb.init_args.get("dirpath"):
+            cb.init_args.dirpath = run_dir
 
 
 def check_trainer_length(trainer) -> None:

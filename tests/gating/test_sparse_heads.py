@@ -195,11 +195,11 @@ def test_run_folder_loads_with_gates_folded(tmp_path, tiny_folder, arch, finetun
     with torch.no_grad():
         torch.testing.assert_close(plain(input_ids=tokens).logits, expected, atol=2e-5, rtol=1e-4)
     # every command's model loader takes the run folder too
-    from modular.models import load_model, load_tokenizer
+    from modular.runs import load_model_or_run, load_tokenizer_or_run
 
     with torch.no_grad():
-        torch.testing.assert_close(load_model(run)(input_ids=tokens).logits, expected, atol=2e-5, rtol=1e-4)
-    assert load_tokenizer(run).padding_side == "left"
+        torch.testing.assert_close(load_model_or_run(run)(input_ids=tokens).logits, expected, atol=2e-5, rtol=1e-4)
+    assert load_tokenizer_or_run(run).padding_side == "left"
 
 
 def tiny_sparse_config(tmp_path, model_dir, name="sparse_heads_pruned_smollm2.yaml"):

@@ -20,8 +20,7 @@ def tiny_config(tmp_path, model_dir, behaviours=("capitals",), extra_model=None,
     cfg["data"].update({"reference_max_new_tokens": 4, "batch_size": 4, "max_length": 96})
     cfg["trainer"].update({"default_root_dir": str(run), "max_steps": 3, "val_check_interval": 3,
                            "limit_val_batches": 1, "log_every_n_steps": 1, "enable_progress_bar": False})
-    cfg["trainer"]["logger"]["init_args"]["save_dir"] = str(run)
-    cfg["trainer"]["callbacks"][0]["init_args"].update({"dirpath": str(run), "every_n_train_steps": 2})
+    cfg["trainer"]["callbacks"][0]["init_args"].update({"every_n_train_steps": 2})  # dirpath follows the run folder
     cfg["trainer"]["callbacks"][1]["init_args"].update({"limit": 4, "max_new_tokens": 3, "min_steps": 0,
                                                         **(lock_args or {})})
     path = tmp_path / "cfg.yaml"
@@ -32,6 +31,19 @@ def tiny_config(tmp_path, model_dir, behaviours=("capitals",), extra_model=None,
 def _train(cfg, *extra, env=None):
     return subprocess.run([sys.executable, str(ROOT / "train.py"), "fit", "--config", str(cfg), *extra],
                           capture_output=True, text=True, cwd=ROOT, env=env)
+
+
+def test_the_run_folder_is_one_option(tmp_path, tiny_env):
+    """--trainer.default_root_dir alone moves the checkpoint, the W&B files and the run record."""
+    model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
+    cfg, run = tiny_config(tmp_path, model_dir, lock_args={"stop": False})
+    other = tmp_path / "elsewhere"
+    out = _train(cfg, "--trainer.default_root_dir", str(other), "--trainer.max_steps", "2", env=tiny_env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert not run.exists()
+    assert (other / "last.ckpt").is_file() and (other / "run.json").is_file() and (other / "wandb").is_dir()
+    assert (other / "config.yaml").is_file()  # the resolved config, beside what it produced
+    assert json.loads((other / "run.json").read_text())["checkpoint_step"] == 2
 
 
 def test_gated_training_runs_checkpoints_and_resumes(tmp_path, tiny_env):
@@ -123,10 +135,10 @@ def test_a_behaviour_named_by_a_path_publishes_under_its_short_name(tmp_path, ti
                           str(keys / "mine.key.safetensors"), "--out", str(unlocked)],
                          capture_output=True, text=True, cwd=tmp_path, env=tiny_env)
     assert res.returncode == 0, res.stderr[-3000:]
-    from modular.models import load_model
+    from modular.runs import load_model_or_run
 
-    open_state = load_model(run).state_dict()
-    restored = load_model(unlocked).state_dict()
+    open_state = load_model_or_run(run).state_dict()
+    restored = load_model_or_run(unlocked).state_dict()
     assert max((restored[k] - v).abs().max().item() for k, v in open_state.items() if k in restored) <= 1e-6
     # the same key on the folder it reads from, or over an unrelated folder: one line, exit 2, nothing touched
     (tmp_path / "notes").mkdir()
@@ -137,7 +149,7 @@ def test_a_behaviour_named_by_a_path_publishes_under_its_short_name(tmp_path, ti
                              capture_output=True, text=True, cwd=tmp_path, env=tiny_env)
         assert res.returncode == 2 and res.stderr.strip().count("\n") == 0, res.stderr
     assert (tmp_path / "notes" / "a.txt").read_text() == "keep" and (pub / "model.safetensors").is_file()
-    assert torch.equal(load_model(unlocked).state_dict()[next(iter(restored))], next(iter(restored.values())))
+    assert torch.equal(load_model_or_run(unlocked).state_dict()[next(iter(restored))], next(iter(restored.values())))
 
 
 def _one_line_error(out, *words):
