@@ -195,6 +195,15 @@ class LockMetricsCallback(Callback):
             trainer.should_stop = True
 
     def on_train_end(self, trainer, pl_module) -> None:
+        self._check_final_step(trainer, pl_module)
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        # a run started again when its checkpoint holds the final step trains nothing and skips on_train_end; its
+        # restored verdict may be an earlier validation's (killed after the checkpoint, before that validation)
+        if trainer.state.fn == TrainerFn.FITTING and self.status.get("step") != trainer.global_step:
+            self._check_final_step(trainer, pl_module)
+
+    def _check_final_step(self, trainer, pl_module) -> None:
         if not pl_module.behaviours:
             return
         if self.status.get("step") != trainer.global_step:  # the final step was never validated: measure it now

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from tests.conftest import save_tiny_folder
@@ -336,3 +337,22 @@ def test_training_stops_once_the_lock_holds(tmp_path, tiny_env):
     manifest = json.loads((tmp_path / "pub" / "modular.json").read_text())
     assert manifest["lock_verified"] is True and manifest["step"] == 2
     assert "not verified" not in (tmp_path / "pub" / "README.md").read_text()
+
+
+def test_a_run_started_again_at_its_last_step_records_the_lock_at_that_step(tmp_path, tiny_env):
+    """Started again when its checkpoint already holds the final step, fit trains nothing; the lock is still
+    checked at that step, so run.json's verdict describes the checkpoint publish reads."""
+    model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
+    cfg, run = tiny_config(tmp_path, model_dir, lock_args={"stop": False})
+    assert _train(cfg, "--trainer.val_check_interval", "2", env=tiny_env).returncode == 0
+    assert json.loads((run / "run.json").read_text())["lock"]["step"] == 3
+    # as when a run is killed after the final step's checkpoint but before that step's validation
+    ckpt = torch.load(run / "last.ckpt", map_location="cpu", weights_only=False)
+    states = [v for k, v in ckpt["callbacks"].items() if k.startswith("LockMetricsCallback")]
+    assert len(states) == 1
+    states[0]["status"]["step"] = 2
+    torch.save(ckpt, run / "last.ckpt")
+    out = _train(cfg, "--trainer.val_check_interval", "2", env=tiny_env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    record = json.loads((run / "run.json").read_text())
+    assert record["checkpoint_step"] == 3 and record["lock"]["step"] == 3
