@@ -77,16 +77,20 @@ class GatingCLI(LightningCLI):
         resuming = ckpt == "last" and (run_dir / LAST_CHECKPOINT).is_file() or (
             ckpt not in (None, "last", "best", "hpc") and Path(str(ckpt)).is_file())
         saved = run_dir / WANDB_RUN_ID
-        loggers = config.trainer.logger if isinstance(config.trainer.logger, list) else [config.trainer.logger]
         self._wandb_id = None
-        for lg in loggers:
-            if not (hasattr(lg, "class_path") and str(lg.class_path).endswith("WandbLogger")):
-                continue
+        for lg in _wandb_loggers(config.trainer):
             if lg.init_args.get("id") or lg.init_args.get("version"):
                 continue  # the user chose the run
             if self._wandb_id is None:
                 self._wandb_id = saved.read_text().strip() if resuming and saved.is_file() else uuid.uuid4().hex[:8]
             lg.init_args.id = self._wandb_id
+
+
+def _wandb_loggers(trainer) -> list:
+    """The W&B loggers among the trainer config's loggers (one or a list)."""
+    loggers = trainer.get("logger")
+    return [lg for lg in (loggers if isinstance(loggers, list) else [loggers])
+            if hasattr(lg, "class_path") and str(lg.class_path).endswith("WandbLogger")]
 
 
 def follow_run_folder(trainer) -> None:
@@ -100,10 +104,8 @@ def follow_run_folder(trainer) -> None:
     from lightning.pytorch.loggers import WandbLogger
 
     unset = (None, "", inspect.signature(WandbLogger).parameters["save_dir"].default)  # the parser fills defaults in
-    loggers = trainer.get("logger")
-    for lg in loggers if isinstance(loggers, list) else [loggers]:
-        if hasattr(lg, "class_path") and str(lg.class_path).endswith("WandbLogger") \
-                and lg.init_args.get("save_dir") in unset:
+    for lg in _wandb_loggers(trainer):
+        if lg.init_args.get("save_dir") in unset:
             lg.init_args.save_dir = run_dir
     for cb in trainer.get("callbacks") or []:
         if hasattr(cb, "class_path") and str(cb.class_path).endswith(("RunCheckpoint", "ModelCheckpoint")) \

@@ -260,6 +260,8 @@ class GatingDataModule(L.LightningDataModule):
         self.behaviours = list(self.behaviour_specs)
         self.tasks = list(self.task_specs)
         self.locked_responses = locked_responses(locked_response, self.behaviours)
+        # the locked responses the refusal guard keeps unlikely on retain and neighbour prompts (none without a lock)
+        self.refusals = all_refusals(self.locked_responses) if self.behaviours else ()
         self.neighbour_specs = neighbour_specs(neighbours, self.behaviours)
         if lm_text not in (None, "neutral"):
             from modular import ModularError
@@ -465,10 +467,9 @@ class GatingDataModule(L.LightningDataModule):
         topk_logp[pos] = rec["topk_logp"].float()
         item = {"input_ids": ids, "labels": labels, "topk_ids": topk_ids, "topk_logp": topk_logp,
                 "first_logp": rec["first_logp"].float()}
-        refusals = all_refusals(self.locked_responses) if self.behaviours else ()
-        if refusals:
-            item["guard"] = encode_example(self.tokenizer, row["prompt"], refusals[i % len(refusals)], row["chat"],
-                                           self.hparams.max_length)
+        if self.refusals:
+            item["guard"] = encode_example(self.tokenizer, row["prompt"], self.refusals[i % len(self.refusals)],
+                                           row["chat"], self.hparams.max_length)
         return item
 
     def _loaders(self, split: str, shuffle: bool) -> CombinedLoader:
