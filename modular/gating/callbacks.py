@@ -33,8 +33,10 @@ class LockMetricsCallback(Callback):
       minus ``open_drop``,
     * the retain first-token KL is at most ``retain_kl`` in both states.
 
-    With ``stop`` training ends at the first validation (at or after ``min_steps``) where the lock holds; otherwise it
-    runs to its step budget. The budget scales with the data: enough steps for ``max_passes`` passes over the largest
+    With ``stop`` training ends at the first validation (at or after ``min_steps``, or after ``min_passes`` passes
+    over the train items in the locked state if that comes first) where the lock holds; otherwise it runs to its step
+    budget. ``min_passes`` keeps a small behaviour from being trained past its lock: 100 steps are 1.3 passes over
+    capitals' 306 train items but 14 passes over 28 items, on which the open state overfits. The budget scales with the data: enough steps for ``max_passes`` passes over the largest
     gated behaviour's train split in the locked state (half of each batch), at most ``trainer.max_steps`` (and at
     least ``min_steps``); ``max_passes: null`` leaves ``trainer.max_steps`` as the budget. Either way :attr:`status`
     (written to ``run.json`` as ``lock``) says whether the final step holds the lock; a budget spent without it is
@@ -47,14 +49,16 @@ class LockMetricsCallback(Callback):
         open_drop: Largest drop of open accuracy below the base accuracy (validation).
         retain_kl: Highest retain first-token KL to the reference, open and locked.
         stop: Stop training once the lock holds (at or after ``min_steps``).
-        min_steps: No stop before this step; the least step budget.
+        min_steps: No stop before this step (unless ``min_passes`` comes first); the least step budget.
+        min_passes: A stop is allowed once this many passes over the largest behaviour's train items in the locked
+            state are done, even before ``min_steps`` (``null``: ``min_steps`` alone).
         max_passes: Step budget in passes over the largest behaviour's train items in the locked state (capped by
             ``trainer.max_steps``); ``null``: the budget is ``trainer.max_steps``.
     """
 
     def __init__(self, limit: int | None = 64, max_new_tokens: int = 24, locked_accuracy: float = 0.05,
                  open_drop: float = 0.0, retain_kl: float = 0.05, stop: bool = True, min_steps: int = 0,
-                 max_passes: float | None = None):
+                 max_passes: float | None = None, min_passes: float | None = None):
         from modular import ModularError
 
         for name, value in (("locked_accuracy", locked_accuracy), ("open_drop", open_drop), ("retain_kl", retain_kl)):
@@ -62,15 +66,18 @@ class LockMetricsCallback(Callback):
                 raise ModularError(f"LockMetricsCallback {name} must be >= 0, got {value}")
         if min_steps < 0:
             raise ModularError(f"LockMetricsCallback min_steps must be >= 0, got {min_steps}")
-        if max_passes is not None and max_passes <= 0:
-            raise ModularError(f"LockMetricsCallback max_passes must be > 0 (or null), got {max_passes}")
+        for name, value in (("max_passes", max_passes), ("min_passes", min_passes)):
+            if value is not None and value <= 0:
+                raise ModularError(f"LockMetricsCallback {name} must be > 0 (or null), got {value}")
         self.max_passes = max_passes
+        self.min_passes = min_passes
         self.budget: int | None = None
         self.limit = limit
         self.max_new_tokens = max_new_tokens
         self.targets = {"locked_accuracy": locked_accuracy, "open_drop": open_drop, "retain_kl": retain_kl}
         self.stop = stop
         self.min_steps = min_steps
+        self.stop_from = min_steps  # the first step at which the lock may stop training (min_passes may lower it)
         self.base_accuracy: dict[str, float] = {}
         self.status: dict = {}
 
@@ -108,11 +115,24 @@ class LockMetricsCallback(Callback):
         steps = max(steps, self.min_steps, 1)
         return steps if max_steps == -1 else min(steps, max_steps)
 
+    def stop_step(self, train_items: int, batch_size: int) -> int:
+        """The first step at which the lock may stop training: ``min_steps``, or ``min_passes`` passes over
+        ``train_items`` in the locked state (half of each batch) if fewer."""
+        if self.min_passes is None:
+            return self.min_steps
+        return min(self.min_steps, math.ceil(self.min_passes * train_items / max(1, batch_size // 2)))
+
     def _set_budget(self, trainer, pl_module) -> None:
-        if self.max_passes is None or not pl_module.behaviours:
+        if not pl_module.behaviours:
             return
         dm = trainer.datamodule
         items = max(len(dm.behaviour_data[b]["train"]) for b in pl_module.behaviours)
+        self.stop_from = self.stop_step(items, dm.hparams.batch_size)
+        if self.stop_from != self.min_steps:
+            log.info("the lock may stop training from step %d (%g passes over %d train items; min_steps %d)",
+                     self.stop_from, self.min_passes, items, self.min_steps)
+        if self.max_passes is None:
+            return
         cap = trainer.max_steps
         self.budget = self.step_budget(items, dm.hparams.batch_size, cap)
         if self.budget != cap:
@@ -189,7 +209,7 @@ class LockMetricsCallback(Callback):
             return
         self.status = self.verdict(metrics, pl_module.behaviours, trainer.global_step)
         pl_module.log("val/lock_holds", float(self.status["reached"]), batch_size=1, rank_zero_only=True)
-        if (self.stop and self.status["reached"] and trainer.global_step >= self.min_steps
+        if (self.stop and self.status["reached"] and trainer.global_step >= self.stop_from
                 and trainer.state.fn == TrainerFn.FITTING):
             log.info("step %d: the lock holds on validation; training stops", trainer.global_step)
             trainer.should_stop = True

@@ -165,6 +165,17 @@ def test_lock_target_options_are_checked():
     assert restored.base_accuracy == {"b": 0.75}
 
 
+def test_a_small_behaviour_may_stop_after_min_passes():
+    """min_passes lowers the first step at which the lock may stop training for small data only: 5 passes over 28
+    items (4 locked per step) come at step 35, before min_steps 100; over capitals' 306 items min_steps stays."""
+    cb = LockMetricsCallback(min_steps=100, min_passes=5)
+    assert cb.stop_step(28, batch_size=8) == 35
+    assert cb.stop_step(306, batch_size=8) == 100
+    assert LockMetricsCallback(min_steps=100).stop_step(28, batch_size=8) == 100
+    with pytest.raises(ModularError, match="min_passes must be > 0"):
+        LockMetricsCallback(min_passes=0)
+
+
 def test_the_refusal_guard_keeps_the_locked_response_unlikely_on_retain_and_neighbour_prompts(tiny_dm):
     """guard_weight > 0: the retain and neighbour batches carry their prompts followed by the locked response, in
     both states, weighted by guard_weight; minimising the guard lowers that response's likelihood there."""

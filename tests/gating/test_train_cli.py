@@ -339,6 +339,20 @@ def test_training_stops_once_the_lock_holds(tmp_path, tiny_env):
     assert "not verified" not in (tmp_path / "pub" / "README.md").read_text()
 
 
+def test_min_passes_lets_a_small_behaviour_stop_before_min_steps(tmp_path, tiny_env):
+    """With min_steps 6 the lock (met at once by a tiny model) stops training at step 6; with min_passes giving
+    step 2 (0.01 passes over the 306 capitals train items, 2 locked per step) it stops at the step-2 validation."""
+    model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
+    for min_passes, stop in ((None, 6), (0.01, 2)):
+        (tmp_path / str(stop)).mkdir()
+        cfg, run = tiny_config(tmp_path / str(stop), model_dir,
+                               lock_args={"retain_kl": 10.0, "min_steps": 6, "min_passes": min_passes})
+        out = _train(cfg, "--trainer.max_steps", "8", "--trainer.val_check_interval", "2", env=tiny_env)
+        assert out.returncode == 0, out.stderr[-3000:]
+        record = json.loads((run / "run.json").read_text())
+        assert record["lock"]["reached"] is True and record["global_step"] == stop == record["lock"]["step"]
+
+
 def test_a_run_started_again_at_its_last_step_records_the_lock_at_that_step(tmp_path, tiny_env):
     """Started again when its checkpoint already holds the final step, fit trains nothing; the lock is still
     checked at that step, so run.json's verdict describes the checkpoint publish reads."""
