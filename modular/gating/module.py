@@ -12,10 +12,8 @@ import lightning as L
 import torch
 
 from modular.data.formatting import IGNORE
-from modular.gating.data import NEIGHBOURS_KEY, TASK_PREFIX, per_behaviour
-from modular.gating.losses import (direction_write_shortfall, first_token_kl, interchange_kl, refusal_guard,
-                                   response_logit_mse, response_margin_mse, response_margins, token_ce, topk_kl,
-                                   unlikelihood)
+from modular.gating.losses import response_margins
+from modular.gating.objectives import HeadTaskTerm, Piece, StepContext, Term, check_objectives, default_objectives
 from modular.heads.gates import deterministic_gate_values, head_gate_scope
 from modular.hooks import ablate_directions, add_vectors, capture_head_inputs
 from modular.models.adapter import ArchitectureAdapter
@@ -51,37 +49,15 @@ def concat_left_padded(batches: list[dict], pad_token_id: int) -> dict:
     return {k: torch.cat(v) for k, v in out.items()}
 
 
-LOCKED_OBJECTIVES = ("refusal", "unlikelihood")
 #: where head gates act: ``all`` inputs (closing a head removes it from the model) or the ``tasks`` only (a closed
 #: head's input is swapped for its counterfactual one on task items; everything else runs the plain model)
 GATE_SCOPES = ("all", "tasks")
 
 
-#: terms on the task items under ``gate_scope: tasks``, applied once the gates are fixed -> their weight option
-TASK_TERM_WEIGHTS = {"tasks/consistency_mse": "gate_consistency_weight",
-                     "tasks/consistency_margin": "gate_margin_weight",
-                     "tasks/interchange_kl": "gate_interchange_weight",
-                     "tasks/closed_attribution": "gate_attribution_weight"}
-
-
-def _locked_objectives(spec: str | dict[str, str], behaviours: list[str]) -> dict[str, str]:
-    """The locked-state objective of every behaviour, from one name or a mapping behaviour → name."""
-    from modular import ModularError
-
-    objectives = per_behaviour(spec, behaviours, "refusal", "locked_objective")
-    for value in ([spec] if isinstance(spec, str) else objectives.values()):
-        if value not in LOCKED_OBJECTIVES:
-            raise ModularError(f"locked_objective must be 'refusal' or 'unlikelihood', got '{value}'")
-    return objectives
-
-
 #: numeric options of :class:`GatedLM` -> (lowest value, whether the lowest value itself is allowed)
 _RANGES = {
     "lr": (0.0, False), "gate_lr": (0.0, False), "weight_decay": (0.0, True), "warmup_steps": (0, True),
-    "locked_weight": (0.0, True), "retain_weight": (0.0, True), "retain_ce_weight": (0.0, True),
-    "first_token_weight": (0.0, True), "write_weight": (0.0, True), "write_target": (0.0, False),
-    "guard_weight": (0.0, True),
-    "task_weight": (0.0, True), "lora_rank": (1, True), "lora_alpha": (0, False),
+    "locked_weight": (0.0, True), "lora_rank": (1, True), "lora_alpha": (0, False),
     "sparsity_weight": (0.0, True), "lm_loss_target": (0.0, True), "multiplier_lr": (0.0, False),
     "locked_steering": (0.0, True), "steering_refresh": (1, True),
     "gate_freeze_step": (0, True),
@@ -96,11 +72,7 @@ def check_model_options(options) -> None:
         value = options.get(option)
         if value is not None and (value < low if inclusive else value <= low):
             raise ModularError(f"model.{option} must be {'>=' if inclusive else '>'} {low:g}, got {value}")
-    if options.get("write_target") is not None and options["write_target"] > 1.0:
-        raise ModularError(f"model.write_target must be <= 1 (a share of the residual norm), got "
-                           f"{options['write_target']}")
-    if options.get("guard_floor") is not None and options["guard_floor"] >= 0.0:
-        raise ModularError(f"model.guard_floor must be < 0 (a mean log-probability), got {options['guard_floor']}")
+    check_objectives(options.get("objectives"))
     if not 0.0 < options["direction_fraction"] <= 1.0:
         raise ModularError(f"model.direction_fraction must be in (0, 1], got {options['direction_fraction']}")
     if not 0.0 <= options["multiplier_ema"] < 1.0:
@@ -128,28 +100,11 @@ class GatedLM(L.LightningModule):
         direction_fraction: low_variance: sample inside this lowest fraction of principal components.
         avoid_directions: Run folders or directions files whose directions the chosen ones must be orthogonal
             to: a run gating another behaviour of the same base, so that the two runs merge and keep both locks.
-        locked_weight: λ, weight of the locked-state terms.
-        retain_weight: Weight of the retain KL terms (both states), and of the neighbours' (``data.neighbours``).
-        retain_ce_weight: Weight of an extra CE on the reference's greedy retain answers.
-        first_token_weight: Weight of a full-vocabulary KL at the first retain response token (the top-k KL
-            covers every response token coarsely; the first token's distribution is the flattest).
-        write_weight: Weight of the write term: in the open state, the residual stream at the positions that
-            compute a gated behaviour's response (every block output) is asked to carry its direction, at least
-            ``write_target`` of the residual norm (:func:`~modular.gating.losses.direction_write_shortfall`).
-            Ablating the direction then removes a signal the model holds, and the locked state can learn to
-            read its absence; without the term the model must discover that on its own, which a small behaviour
-            (a few dozen items) may not do within its step budget. 0 disables.
-        write_target: The share of the residual norm (cosine) the direction should reach (``write_weight``).
-        guard_weight: Weight of the refusal guard on retain and neighbour prompts, in both states: the locked
-            response, put after each prompt, is pushed down once its mean token log-probability passes
-            ``guard_floor`` (:func:`~modular.gating.losses.refusal_guard`). The KL terms barely see a refusal rising
-            from far below, and training the refusal on the gated behaviour raises it on every prompt (on
-            SmolLM2 capitals its log-probability on retain prompts went from about -24 to -5 in both states). 0 disables.
-        guard_floor: Mean log-probability per token of the locked response above which the guard acts (base
-            SmolLM2-135M-Instruct: about -4 on retain prompts; a response chosen greedily is near 0).
-        locked_objective: ``refusal`` (CE to the data's locked response) or ``unlikelihood`` (push the true answer
-            down), for every behaviour, or a mapping behaviour → objective (e.g. ``{capitals: refusal, ioi:
-            unlikelihood}``; behaviours not named use refusal).
+        objectives: The terms of the loss (class paths, :mod:`modular.gating.objectives`): the open answers, the
+            locked state, keeping the reference on retain, neighbour and raw text, the direction write term, the
+            refusal guard, the tasks and the head-gate terms; each with its own weight and options. Default: the
+            lock's terms at weight 1 (answers, locked refusal, retain KL, LM text, tasks).
+        locked_weight: λ, the weight of every locked-state piece on top of its term's weight.
         finetuning: ``full``, ``lora`` or ``none`` (model frozen: only head gates train).
         lora_rank: LoRA rank (finetuning=lora).
         lora_alpha: LoRA alpha (finetuning=lora).
@@ -157,7 +112,6 @@ class GatedLM(L.LightningModule):
         weight_decay: AdamW weight decay.
         warmup_steps: Linear warm-up steps.
         seed: Seed of direction choice and of state assignment.
-        task_weight: Weight of the CE of the DataModule's tasks (open state only).
         head_gates: Install hard-concrete gates on every attention head (on the output projection's input).
         gate_init: Initial log α of the gates (3.0: deterministic gate 1, model unchanged).
         gate_lr: AdamW learning rate of the gate parameters (no weight decay).
@@ -180,33 +134,9 @@ class GatedLM(L.LightningModule):
             model, and the published model keeps every head: its tasks learn not to depend on the closed ones.
         gate_live_prob: ``gate_scope: tasks``, training: the chance that a closed head keeps its own input on one
             task item (drawn per item and head), so the tasks learn to ignore the head's content whether it is
-            the item's own or the counterfactual one, instead of relying on it being counterfactual.
-        gate_consistency_weight: ``gate_scope: tasks``: weight of a term matching the task items' logits in the
-            plain run (every head its own input) and in the scoped run (closed heads counterfactual): the mean
-            squared difference of the centred logits over the plain run's top 32 tokens at the response
-            positions, so the closed heads' effect on the tasks' logit differences goes to zero in the published
-            model, not only in the trained one. Applied once the gates are fixed (``gate_freeze_step``): before,
-            its gradient would only open the gates. 0 disables.
-        gate_margin_weight: ``gate_scope: tasks``: weight of a second plain-vs-scoped term on the task items,
-            the squared difference of the margin logit(answer) − logit(wrong answer) at the first response
-            position: the very quantity the head rankings patch, so a closed head's effect on it is driven to
-            zero directly. Applied with the consistency term (once the gates are fixed). 0 disables.
-        gate_interchange_weight: ``gate_scope: tasks``: weight of the interchange term (interchange intervention
-            training, Geiger et al. 2022). Once the gates are fixed, the task items also run with the roles
-            swapped: the open heads take their counterfactual input and the closed heads keep their own; that
-            run must predict what the plain model predicts on the counterfactual prompt (full-vocabulary
-            KL at the first response position). With the task CE of the scoped run (closed heads
-            counterfactual, the item's own answer) the answer then follows the open heads only, in both
-            directions. Items whose counterfactual is their own prompt are skipped. 0 disables.
-        gate_attribution_weight: ``gate_scope: tasks``: weight of a penalty on what the closed heads still do in
-            the published model. Once the gates are fixed, the plain run on the task items estimates, by
-            attribution patching, every head's effect on the margin logit(answer) − logit(wrong answer) at the
-            first response position when its input is swapped for the counterfactual one (gradient times
-            input difference, the fast ranking of ``modular.heads.ranking``); the penalty is the closed heads'
-            share of the summed absolute estimates, averaged over the items: the effect-share measure of the
-            head-efficiency curves, and blind to the margin's scale, so shrinking the answer does not lower it.
-            It is differentiated through the gradient (a second backward pass). Training steps only (it needs
-            gradients). 0 disables.
+            the item's own or the counterfactual one, instead of relying on it being counterfactual. The terms on
+            the task items once the gates are fixed (consistency, margin, interchange, closed attribution) are
+            objectives (:class:`~modular.gating.objectives.HeadTaskTerm`).
     """
 
     def __init__(
@@ -217,15 +147,8 @@ class GatedLM(L.LightningModule):
         direction_files: list[str] | None = None,
         direction_fraction: float = 0.25,
         avoid_directions: list[str] | None = None,
+        objectives: list[Term] | None = None,
         locked_weight: float = 1.0,
-        retain_weight: float = 1.0,
-        retain_ce_weight: float = 0.0,
-        first_token_weight: float = 1.0,
-        write_weight: float = 0.0,
-        write_target: float = 0.2,
-        guard_weight: float = 0.0,
-        guard_floor: float = -3.0,
-        locked_objective: str | dict[str, str] = "refusal",
         finetuning: str = "full",
         lora_rank: int = 16,
         lora_alpha: int = 32,
@@ -233,7 +156,6 @@ class GatedLM(L.LightningModule):
         weight_decay: float = 0.0,
         warmup_steps: int = 0,
         seed: int = 0,
-        task_weight: float = 1.0,
         head_gates: bool = False,
         gate_init: float = 3.0,
         gate_lr: float = 0.05,
@@ -248,19 +170,17 @@ class GatedLM(L.LightningModule):
         gate_freeze_step: int | None = None,
         gate_scope: str = "all",
         gate_live_prob: float = 0.0,
-        gate_consistency_weight: float = 0.0,
-        gate_margin_weight: float = 0.0,
-        gate_interchange_weight: float = 0.0,
-        gate_attribution_weight: float = 0.0,
     ):
         super().__init__()
-        self.save_hyperparameters()
+        self.save_hyperparameters(ignore=["objectives"])
         from modular import ModularError
         from modular.models import load_model
 
         from modular.heads.sparsity import make_sparsity
 
         check_model_options(self.hparams)
+        self.objectives = list(default_objectives() if objectives is None else objectives)
+        self.hparams["objectives"] = [repr(t) for t in self.objectives]  # what was trained, readable in the logs
         if finetuning not in ("full", "lora", "none"):
             raise ModularError(f"finetuning must be 'full', 'lora' or 'none', got '{finetuning}'")
         if finetuning == "none" and not head_gates:
@@ -273,19 +193,16 @@ class GatedLM(L.LightningModule):
             raise ModularError("gate_scope 'tasks' needs head_gates: true")
         if not 0.0 <= gate_live_prob < 1.0:
             raise ModularError(f"gate_live_prob must be in [0, 1), got {gate_live_prob}")
-        for option in TASK_TERM_WEIGHTS.values():  # the terms on task items that need the scoped gates
-            weight = self.hparams[option]
-            if weight < 0 or (weight and gate_scope != "tasks"):
-                raise ModularError(f"{option} must be >= 0 and needs gate_scope 'tasks', "
-                                   f"got {weight} with gate_scope '{gate_scope}'")
+        for term in self.objectives:
+            if not isinstance(term, Term):
+                raise ModularError(f"model.objectives: {term!r} is not a modular.gating.objectives.Term")
         self.sparsity = make_sparsity(sparsity, sparsity_weight, lm_loss_target, multiplier_lr, multiplier_ema,
                                       multiplier_init)
         from modular.data import behaviour_name
 
         self.behaviours = [behaviour_name(b) for b in behaviours]  # short names: metrics, directions, keys
-        self.locked_objectives = _locked_objectives(locked_objective, self.behaviours)
-        # open-state piece name -> behaviour index, for the write term (none when it is off)
-        self._write_terms = {f"{b}/open_ce": i for i, b in enumerate(self.behaviours)} if write_weight else {}
+        for term in self.objectives:
+            term.bind(self)
         model = load_model(model_name)
         if finetuning == "lora":
             from peft import LoraConfig, get_peft_model
@@ -354,85 +271,41 @@ class GatedLM(L.LightningModule):
         log.info("directions chosen (%s) for %s", hp.direction_strategy, ", ".join(self.behaviours))
 
     # --- the objective --------------------------------------------------------------------------
-    def _pieces(self, batch: dict, train: bool) -> list[tuple[frozenset, dict, str, str, tuple | None]]:
-        """(ablated set, sub-batch, loss kind, log name, steering (block, vector) or None) for every part of the batch."""
+    def _context(self, batch: dict, train: bool) -> StepContext:
+        """The step's state assignment: with several behaviours, the others are ablated or not at random on each
+        behaviour's rows (open and locked alike), so that behaviour ``i`` depends on ``u_i`` only."""
         k = len(self.behaviours)
-        all_idx = frozenset(range(k))
-        pieces = []
-        for i, b in enumerate(self.behaviours):
+        extra = []
+        for i in range(k):
             others = frozenset(j for j in range(k) if j != i)
-            # with several behaviours, the others are ablated or not at random: B_i depends on u_i only
-            extra = others if (k > 1 and (self._rng.random() < 0.5 if train else i % 2 == 0)) else frozenset()
-            pieces.append((extra, batch[b]["open"], "ce", f"{b}/open_ce", None))
-            locked_kind = self.locked_objectives[b]  # refusal | unlikelihood: the loss kind of the locked piece
-            locked = batch[b]["locked"] if locked_kind == "refusal" else batch[b]["locked_true"]
-            steer = self.steering.draw(b) if (train and self.steering is not None) else None
-            pieces.append((extra | {i}, locked, locked_kind, f"{b}/locked_{locked_kind}", steer))
-        for key in ("retain", NEIGHBOURS_KEY):  # neighbours: close behaviours, kept as the reference answers them
-            if key not in batch:
-                continue
-            pieces.append((frozenset(), batch[key]["open"], "kl", f"{key}/open_kl", None))
-            pieces.append((all_idx, batch[key]["locked"], "kl", f"{key}/locked_kl", None))
-            if self.hparams.guard_weight and "open_guard" in batch[key]:  # the locked response stays unlikely
-                pieces.append((frozenset(), batch[key]["open_guard"], "guard", f"{key}/open_guard", None))
-                pieces.append((all_idx, batch[key]["locked_guard"], "guard", f"{key}/locked_guard", None))
-        for key in batch:
-            if key.startswith(TASK_PREFIX):
-                piece = batch[key]["open"]
-                if self.hparams.gate_scope == "tasks":
-                    if "counterfactual" not in batch[key]:
-                        from modular import ModularError
-
-                        raise ModularError("gate_scope 'tasks' needs task batches with counterfactual prompts "
-                                           "(data.task_counterfactuals: true; train.py links it)")
-                    cf = batch[key]["counterfactual"]
-                    piece = {**piece, "cf_input_ids": cf["input_ids"], "cf_attention_mask": cf["attention_mask"]}
-                pieces.append((frozenset(), piece, "ce", f"{key[len(TASK_PREFIX):]}/task_ce", None))
-        if "lm" in batch:
-            if "locked" in batch["lm"]:  # with gated behaviours, LM text is kept in both states, like retain
-                pieces.append((frozenset(), batch["lm"]["open"], "lm_kl", "lm/open_kl", None))
-                pieces.append((all_idx, batch["lm"]["locked"], "lm_kl", "lm/locked_kl", None))
-            else:
-                pieces.append((frozenset(), batch["lm"]["open"], "lm_kl", "lm/kl", None))
-        return [p for p in pieces if p[1]["input_ids"].shape[0] > 0]
-
-    def _loss_of(self, kind: str, logits: torch.Tensor, piece: dict) -> torch.Tensor:
-        if kind in ("ce", "refusal"):  # the answer's CE (open), or the locked response's (locked)
-            return token_ce(logits, piece["labels"])
-        if kind == "unlikelihood":
-            return unlikelihood(logits, piece["labels"])
-        if kind == "guard":
-            return refusal_guard(logits, piece["labels"], self.hparams.guard_floor)
-        if kind == "lm_kl":
-            return topk_kl(logits, piece["labels"], piece["topk_ids"], piece["topk_logp"])
-        kl = topk_kl(logits, piece["labels"], piece["topk_ids"], piece["topk_logp"])
-        if self.hparams.first_token_weight:
-            kl = kl + self.hparams.first_token_weight * first_token_kl(logits, piece["labels"], piece["first_logp"])
-        if self.hparams.retain_ce_weight:
-            kl = kl + self.hparams.retain_ce_weight * token_ce(logits, piece["labels"])
-        return kl
+            extra.append(others if (k > 1 and (self._rng.random() < 0.5 if train else i % 2 == 0)) else frozenset())
+        return StepContext(self, batch, train, extra)
 
     def model_step(self, batch: dict, train: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """One gated step: pieces sharing an ablation set run in one forward pass (long raw text in a
-        forward of its own, so the short chat examples are not padded to its length). With
-        ``gate_scope: tasks`` the task pieces run apart, their closed heads fed the counterfactual run's
-        inputs, and every other piece runs with the gates off."""
+        """One gated step: every objective's pieces, those sharing an ablated set in one forward pass (long raw
+        text in a forward of its own, so the short chat examples are not padded to its length); the loss is
+        ``Σ weight · λ^locked · term``. With ``gate_scope: tasks`` the task pieces run apart, their closed heads
+        fed the counterfactual run's inputs, and every other piece runs with the gates off."""
         hp = self.hparams
         pad = self.trainer.datamodule.tokenizer.pad_token_id if self._trainer else 0
         scoped = hp.gate_scope == "tasks"
-        groups: dict[tuple[frozenset, bool, bool], list] = {}
-        for ablated, piece, kind, name, steer in self._pieces(batch, train):
-            key = (ablated, kind == "lm_kl", scoped and name.endswith("/task_ce"))
-            groups.setdefault(key, []).append((piece, kind, name, steer))
+        ctx = self._context(batch, train)
+        pieces = [p for t in self.objectives for p in t.pieces(ctx) if p.batch["input_ids"].shape[0] > 0]
+        groups: dict[tuple[frozenset, bool, bool], list[Piece]] = {}
+        for p in pieces:
+            groups.setdefault((p.ablated, p.raw_text, scoped and p.task), []).append(p)
         terms: dict[str, torch.Tensor] = {}
+        weights: dict[str, float] = {}
         for (ablated, _, task_group), items in groups.items():
-            merged = concat_left_padded([p for p, _, _, _ in items], pad)
-            interchange = task_group and self._after_freeze(hp.gate_interchange_weight)
+            merged = concat_left_padded([p.batch for p in items], pad)
+            readers = [(t, p, name) for p in items for t in self.objectives if (name := t.reads(p))]
             with ExitStack() as stack:
                 if ablated:
                     stack.enter_context(ablate_directions(self.adapter, self.directions[sorted(ablated)]))
                 if task_group:
-                    cf_inputs, cf_logits = self._counterfactual_run(merged, full_logits=interchange)
+                    full = any(isinstance(t, HeadTaskTerm) and t.needs_cf_logits and t.active(ctx)
+                               for t in self.objectives)
+                    cf_inputs, cf_logits = self._counterfactual_run(merged, full_logits=full)
                     stack.enter_context(head_gate_scope(self.hf_model, replacements=cf_inputs,
                                                         live_prob=hp.gate_live_prob))
                 elif scoped:
@@ -440,51 +313,44 @@ class GatedLM(L.LightningModule):
                 vectors = self._row_vectors(items, merged["input_ids"].shape[0])
                 if vectors:  # steered pieces get their vector on their own rows only, in the shared forward
                     stack.enter_context(add_vectors(self.adapter, vectors))
-                writes = [name for _, _, name, _ in items if name in self._write_terms]
                 out = self.model(input_ids=merged["input_ids"], attention_mask=merged["attention_mask"],
-                                 output_hidden_states=bool(writes))
+                                 output_hidden_states=bool(readers))
                 logits = out.logits
-            row = 0
-            for piece, kind, name, _ in items:
-                n = piece["input_ids"].shape[0]
-                sub = {key: v[row:row + n] for key, v in merged.items()}
-                terms[name] = self._loss_of(kind, logits[row:row + n], sub)
-                if name in writes:  # block outputs only: the embedding and the final norm's output are left out
-                    i = self._write_terms[name]
-                    terms[f"{self.behaviours[i]}/open_write"] = direction_write_shortfall(
-                        [h[row:row + n] for h in out.hidden_states[1:-1]], sub["labels"], self.directions[i],
-                        hp.write_target)
+            rows, row = {}, 0
+            for p in items:
+                n = p.batch["input_ids"].shape[0]
+                rows[id(p)] = (row, n)
+                sub = Piece(**{**vars(p), "batch": {key: v[row:row + n] for key, v in merged.items()}})
+                terms[p.name] = p.term.loss(ctx, sub, logits[row:row + n])
+                weights[p.name] = p.term.weight * (hp.locked_weight if p.locked else 1.0)
                 row += n
-            if interchange:  # the roles swapped: open heads counterfactual, closed heads their own input
-                with head_gate_scope(self.hf_model, replacements=cf_inputs, invert=True):
-                    swapped = self.model(input_ids=merged["input_ids"], attention_mask=merged["attention_mask"]).logits
-                differs = (merged["cf_input_ids"] != merged["input_ids"]).any(dim=1)  # a counterfactual of its own
-                terms["tasks/interchange_kl"] = interchange_kl(swapped, cf_logits, merged["labels"], differs)
-            if (task_group and self._after_freeze(hp.gate_attribution_weight) and "wrong_ids" in merged
-                    and torch.is_grad_enabled()):  # it needs gradients: not in validation
-                terms["tasks/closed_attribution"] = self._closed_attribution(merged, cf_inputs)
-            if task_group and self._after_freeze(hp.gate_consistency_weight or hp.gate_margin_weight):
-                with head_gate_scope(self.hf_model, active=False):  # the plain run: every head its own input
-                    plain = self.model(input_ids=merged["input_ids"], attention_mask=merged["attention_mask"]).logits
-                if hp.gate_consistency_weight:
-                    terms["tasks/consistency_mse"] = response_logit_mse(logits, plain, merged["labels"])
-                if hp.gate_margin_weight and "wrong_ids" in merged:
-                    terms["tasks/consistency_margin"] = response_margin_mse(logits, plain, merged["labels"],
-                                                                            merged["wrong_ids"])
+            for t, p, name in readers:
+                row, n = rows[id(p)]
+                sub = Piece(**{**vars(p), "batch": {key: v[row:row + n] for key, v in merged.items()}})
+                terms[name] = t.loss_on(ctx, sub, logits[row:row + n], tuple(h[row:row + n] for h in out.hidden_states))
+                weights[name] = t.weight * (hp.locked_weight if p.locked else 1.0)
+            if task_group:
+                plain_logits = []
+
+                def plain(merged=merged, plain_logits=plain_logits):  # the plain run, once: every head its own input
+                    if not plain_logits:
+                        with head_gate_scope(self.hf_model, active=False):
+                            plain_logits.append(self.model(input_ids=merged["input_ids"],
+                                                           attention_mask=merged["attention_mask"]).logits)
+                    return plain_logits[0]
+
+                group = {"merged": merged, "logits": logits, "cf_inputs": cf_inputs, "cf_logits": cf_logits,
+                         "plain": plain}
+                for t in self.objectives:
+                    for name, value in t.group_terms(ctx, group).items():
+                        terms[name], weights[name] = value, t.weight
+        keeps_lm = {p.name for p in pieces if p.term.keeps_lm}
         total = torch.zeros((), device=self.device)
         lm_loss = torch.zeros((), device=self.device)
         for name, value in terms.items():
-            guard = name.endswith("_guard")
-            keeps_lm = name.startswith(("retain/", "neighbours/", "lm/")) and not guard
-            weight = (hp.retain_weight if keeps_lm else hp.guard_weight if guard
-                      else hp.task_weight if name.endswith("/task_ce")
-                      else hp.write_weight if name.endswith("/open_write")
-                      else hp[TASK_TERM_WEIGHTS[name]] if name in TASK_TERM_WEIGHTS else 1.0)
-            if "/locked" in name:
-                weight *= hp.locked_weight
-            total = total + weight * value
-            if keeps_lm:
-                lm_loss = lm_loss + weight * value
+            total = total + weights[name] * value
+            if name in keeps_lm:
+                lm_loss = lm_loss + weights[name] * value
         if hp.head_gates:
             from modular.heads.gates import expected_l0
 
@@ -532,14 +398,14 @@ class GatedLM(L.LightningModule):
             logits = self.model(**inputs).logits if full_logits else last_position_logits(self.model, inputs)
         return dict(z), logits
 
-    def _row_vectors(self, items: list, n_rows: int) -> dict[int, torch.Tensor]:
+    def _row_vectors(self, items: list[Piece], n_rows: int) -> dict[int, torch.Tensor]:
         """{block: (n_rows, d) vectors}: each steered piece's vector on its rows, zeros elsewhere."""
         vectors: dict[int, torch.Tensor] = {}
         row = 0
-        for piece, _, _, steer in items:
-            n = piece["input_ids"].shape[0]
-            if steer is not None:
-                block, vector = steer
+        for piece in items:
+            n = piece.batch["input_ids"].shape[0]
+            if piece.steer is not None:
+                block, vector = piece.steer
                 rows = vectors.setdefault(block, torch.zeros(n_rows, vector.shape[-1], device=self.device))
                 rows[row:row + n] += vector.to(rows)
             row += n

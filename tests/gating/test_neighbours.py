@@ -9,6 +9,8 @@ import torch
 from modular import ModularError
 from modular.gating.callbacks import LockMetricsCallback
 from modular.gating.data import NEIGHBOURS_KEY, GatingDataModule, neighbour_data, neighbour_specs
+from modular.gating.objectives import (BehaviourAnswer, DirectionWrite, KeepReference, LMText, LockedState,
+                                       RefusalGuard, default_objectives)
 from tests.conftest import save_tiny_folder
 
 
@@ -64,13 +66,20 @@ def test_neighbour_batches_carry_reference_answers_in_both_states(tiny_dm):
         assert part[half]["first_logp"].shape[-1] > 1
 
 
+def _pieces(lm, batch, kind) -> dict:
+    """{log name: ablated set} of the pieces a term of type ``kind`` adds to a training step."""
+    ctx = lm._context(batch, train=True)
+    return {p.name: p.ablated for t in lm.objectives if isinstance(t, kind) for p in t.pieces(ctx)}
+
+
 def test_neighbours_are_trained_in_both_states_with_the_retain_weight(tiny_dm):
     from modular.gating.module import GatedLM
 
     dm, model_dir = tiny_dm
-    lm = GatedLM(model_name=str(model_dir), behaviours=["capitals"], locked_steering=0.0, retain_weight=0.5)
+    lm = GatedLM(model_name=str(model_dir), behaviours=["capitals"], locked_steering=0.0,
+                 objectives=[BehaviourAnswer(), LockedState(), KeepReference(weight=0.5), LMText(weight=0.5)])
     batch = next(iter(dm.train_dataloader()))[0]
-    pieces = {name: ablated for ablated, _, kind, name, _ in lm._pieces(batch, train=True) if kind == "kl"}
+    pieces = _pieces(lm, batch, KeepReference)
     assert pieces["neighbours/open_kl"] == frozenset() and pieces["neighbours/locked_kl"] == frozenset({0})
     lm.directions.copy_(torch.nn.functional.normalize(torch.randn_like(lm.directions), dim=-1))
 
@@ -93,8 +102,9 @@ def test_the_write_term_carries_the_direction_into_the_open_answers(tiny_dm):
 
     dm, model_dir = tiny_dm
     torch.manual_seed(0)
-    lm = GatedLM(model_name=str(model_dir), behaviours=["capitals"], locked_steering=0.0, write_weight=2.0,
-                 write_target=0.3)
+    write = DirectionWrite(weight=2.0, target=0.3)
+    lm = GatedLM(model_name=str(model_dir), behaviours=["capitals"], locked_steering=0.0,
+                 objectives=[*default_objectives(), write])
     lm.directions.copy_(torch.nn.functional.normalize(torch.randn_like(lm.directions), dim=-1))
 
     class _Trainer:
@@ -105,9 +115,9 @@ def test_the_write_term_carries_the_direction_into_the_open_answers(tiny_dm):
     total, terms = lm.model_step(batch, train=True)
     before = terms["capitals/open_write"]
     assert 0.5 < before.item() <= 1.5  # a random direction is barely carried by the untrained model
-    lm.hparams.write_weight = 0.0
+    write.weight = 0.0
     assert torch.allclose(total - lm.model_step(batch, train=True)[0], 2.0 * before, atol=1e-5)
-    lm.hparams.write_weight = 2.0
+    write.weight = 2.0
     opt = torch.optim.Adam(lm.hf_model.parameters(), lr=1e-2)
     for _ in range(15):
         opt.zero_grad()
@@ -188,10 +198,11 @@ def test_the_refusal_guard_keeps_the_locked_response_unlikely_on_retain_and_neig
         labels = guard["labels"][0][guard["labels"][0] != -100].tolist()
         assert dm.tokenizer.decode(labels, skip_special_tokens=True) == "I don't know."
     torch.manual_seed(0)
-    lm = GatedLM(model_name=str(model_dir), behaviours=["capitals"], locked_steering=0.0, guard_weight=3.0,
-                 guard_floor=-100.0)  # a floor far below: the term is active from the start
+    guard = RefusalGuard(weight=3.0, floor=-100.0)  # a floor far below: the term is active from the start
+    lm = GatedLM(model_name=str(model_dir), behaviours=["capitals"], locked_steering=0.0,
+                 objectives=[*default_objectives(), guard])
     lm.directions.copy_(torch.nn.functional.normalize(torch.randn_like(lm.directions), dim=-1))
-    pieces = {name: ablated for ablated, _, kind, name, _ in lm._pieces(batch, train=True) if kind == "guard"}
+    pieces = _pieces(lm, batch, RefusalGuard)
     assert pieces == {"retain/open_guard": frozenset(), "retain/locked_guard": frozenset({0}),
                       "neighbours/open_guard": frozenset(), "neighbours/locked_guard": frozenset({0})}
 
@@ -201,12 +212,12 @@ def test_the_refusal_guard_keeps_the_locked_response_unlikely_on_retain_and_neig
     lm._trainer = _Trainer()
     total, terms = lm.model_step(batch, train=True)
     guards = [terms[n] for n in pieces]
-    lm.hparams.guard_weight = 0.0
+    lm.objectives.remove(guard)
     total_off, terms_off = lm.model_step(batch, train=True)
     assert not any(n.endswith("_guard") for n in terms_off)
     expected = 3.0 * (guards[0] + guards[2] + lm.hparams.locked_weight * (guards[1] + guards[3]))
     assert torch.allclose(total - total_off, expected, atol=1e-4)
-    lm.hparams.guard_weight = 3.0
+    lm.objectives.append(guard)
     before = terms["retain/open_guard"].item()
     opt = torch.optim.Adam(lm.hf_model.parameters(), lr=1e-2)
     for _ in range(5):

@@ -13,7 +13,10 @@ import yaml
 
 from modular import ModularError
 from modular.gating.data import GatingDataModule
+from modular.gating.losses import first_token_kl, token_ce, topk_kl
 from modular.gating.module import GatedLM
+from modular.gating.objectives import (ClosedAttribution, HeadConsistency, HeadInterchange, HeadMargin,
+                                       default_objectives)
 from modular.heads.gates import GatedOutputProjection, deterministic_gate_values, head_gate_modules
 from modular.models import load_model
 from modular.models.adapter import ArchitectureAdapter
@@ -45,8 +48,11 @@ def _fit(module, dm, root, steps=3):
     return trainer
 
 
-def _sparse(model_dir, **kw):
+def _sparse(model_dir, head=None, **kw):
+    """A sparse post-training module on a tiny model; ``head``: a head-gate term added to the default objectives."""
     args = dict(model_name=str(model_dir), behaviours=[], head_gates=True, gate_lr=0.1, lr=1e-3)
+    if head is not None:
+        args["objectives"] = [*default_objectives(), head]
     args.update(kw)
     return GatedLM(**args)
 
@@ -275,8 +281,11 @@ def test_raw_text_runs_in_a_forward_of_its_own_and_terms_match_piece_by_piece(ti
         for (key, state), name in names.items():
             piece = batch[key][state]
             logits = module.model(input_ids=piece["input_ids"], attention_mask=piece["attention_mask"]).logits
-            kind = "lm_kl" if key == "lm" else "kl" if key == "retain" else "ce"
-            torch.testing.assert_close(terms[name], module._loss_of(kind, logits, piece), atol=1e-4, rtol=1e-4)
+            expected = (token_ce(logits, piece["labels"]) if key.startswith("task:")
+                        else topk_kl(logits, piece["labels"], piece["topk_ids"], piece["topk_logp"]))
+            if key == "retain":  # KeepReference: the first response token's full KL at weight 1 on top
+                expected = expected + first_token_kl(logits, piece["labels"], piece["first_logp"])
+            torch.testing.assert_close(terms[name], expected, atol=1e-4, rtol=1e-4)
 
 
 def test_gates_scoped_to_tasks_swap_closed_heads_on_task_items_only(tiny_folder):
@@ -312,7 +321,7 @@ def test_gates_scoped_to_tasks_swap_closed_heads_on_task_items_only(tiny_folder)
                          attention_mask=task["counterfactual"]["attention_mask"])
         with replace_heads(adapter, heads, dict(z)):
             logits = module.model(input_ids=task["open"]["input_ids"], attention_mask=task["open"]["attention_mask"]).logits
-    torch.testing.assert_close(closed_terms["greater_than/task_ce"], module._loss_of("ce", logits, task["open"]),
+    torch.testing.assert_close(closed_terms["greater_than/task_ce"], token_ce(logits, task["open"]["labels"]),
                                atol=1e-4, rtol=1e-4)
     with pytest.raises(ModularError, match="counterfactual"):
         module.model_step({k: {"open": v["open"]} if k.startswith("task:") else v for k, v in batch.items()}, False)
@@ -359,7 +368,7 @@ def test_scoped_config_trains_through_train_py_with_counterfactual_task_batches(
 
 
 def test_consistency_term_matches_plain_and_scoped_task_logits_once_gates_are_fixed(tiny_folder):
-    """gate_consistency_weight: the task items' centred logits with every head its own input and with closed heads
+    """HeadConsistency: the task items' centred logits with every head its own input and with closed heads
     counterfactual are matched; the term is zero with every gate open and absent before the gates are fixed."""
     from modular.gating.losses import response_logit_mse
     from modular.heads.gates import head_gate_scope
@@ -368,7 +377,7 @@ def test_consistency_term_matches_plain_and_scoped_task_logits_once_gates_are_fi
     dm = _data(model_dir, tasks=["greater_than"], task_counterfactuals=True)  # one task: its rows are the group
     dm.setup("fit")
     batch = _counterfactual_batch(dm, "task:greater_than")
-    module = _sparse(model_dir, gate_scope="tasks", gate_consistency_weight=2.0, gate_freeze_step=5).eval()
+    module = _sparse(model_dir, gate_scope="tasks", head=HeadConsistency(2.0), gate_freeze_step=5).eval()
     with torch.no_grad():
         assert "tasks/consistency_mse" not in module.model_step(batch, train=False)[1]  # step 0 < gate_freeze_step
         module.hparams.gate_freeze_step = 0
@@ -389,11 +398,11 @@ def test_consistency_term_matches_plain_and_scoped_task_logits_once_gates_are_fi
     torch.testing.assert_close(terms["tasks/consistency_mse"], response_logit_mse(scoped, plain, task["open"]["labels"]),
                                atol=1e-6, rtol=1e-4)
     with pytest.raises(ModularError, match="gate_scope 'tasks'"):
-        _sparse(model_dir, gate_consistency_weight=1.0)
+        _sparse(model_dir, head=HeadConsistency(1.0))
 
 
 def test_margin_term_matches_plain_and_scoped_answer_margins_once_gates_are_fixed(tiny_folder):
-    """gate_margin_weight: logit(answer) - logit(wrong) at the first response position, plain vs scoped."""
+    """HeadMargin: logit(answer) - logit(wrong) at the first response position, plain vs scoped."""
     from modular.gating.losses import response_margin_mse
     from modular.heads.gates import head_gate_scope
 
@@ -408,7 +417,7 @@ def test_margin_term_matches_plain_and_scoped_answer_margins_once_gates_are_fixe
     labels = task["open"]["labels"]
     answer = labels[torch.arange(len(labels)), (labels[:, 1:] != -100).float().argmax(1) + 1]
     task["open"]["wrong_ids"] = (answer + 1) % json.loads((model_dir / "config.json").read_text())["vocab_size"]
-    module = _sparse(model_dir, gate_scope="tasks", gate_margin_weight=3.0, gate_freeze_step=5).eval()
+    module = _sparse(model_dir, gate_scope="tasks", head=HeadMargin(3.0), gate_freeze_step=5).eval()
     with torch.no_grad():
         assert "tasks/consistency_margin" not in module.model_step(batch, train=False)[1]  # before the freeze
         module.hparams.gate_freeze_step = 0
@@ -426,12 +435,12 @@ def test_margin_term_matches_plain_and_scoped_answer_margins_once_gates_are_fixe
     torch.testing.assert_close(terms["tasks/consistency_margin"], expected, atol=1e-6, rtol=1e-4)
     rest = sum(v for k, v in terms.items() if k.endswith(("_kl", "_ce")))
     torch.testing.assert_close(total, rest + 3.0 * expected, atol=1e-5, rtol=1e-5)
-    with pytest.raises(ModularError, match="gate_margin_weight"):
-        _sparse(model_dir, gate_margin_weight=1.0)
+    with pytest.raises(ModularError, match="HeadMargin needs gate_scope 'tasks'"):
+        _sparse(model_dir, head=HeadMargin(1.0))
 
 
 def test_interchange_term_matches_the_counterfactual_run_with_open_heads_swapped_once_gates_are_fixed(tiny_folder):
-    """gate_interchange_weight: with open heads counterfactual and closed heads their own input, the task rows
+    """HeadInterchange: with open heads counterfactual and closed heads their own input, the task rows
     must predict the plain counterfactual run's first response token; rows without a counterfactual are skipped."""
     from modular.gating.losses import first_token_kl
     from modular.heads.gates import head_gate_scope
@@ -441,7 +450,7 @@ def test_interchange_term_matches_the_counterfactual_run_with_open_heads_swapped
     dm.setup("fit")
     batch = _counterfactual_batch(dm, "task:ioi")
     task = batch["task:ioi"]
-    module = _sparse(model_dir, gate_scope="tasks", gate_interchange_weight=4.0, gate_freeze_step=5).eval()
+    module = _sparse(model_dir, gate_scope="tasks", head=HeadInterchange(4.0), gate_freeze_step=5).eval()
     closed = [(0, 1), (1, 0)]
     with torch.no_grad():
         assert "tasks/interchange_kl" not in module.model_step(batch, train=False)[1]  # before the freeze
@@ -471,12 +480,12 @@ def test_interchange_term_matches_the_counterfactual_run_with_open_heads_swapped
     torch.testing.assert_close(terms["tasks/interchange_kl"], expected, atol=1e-6, rtol=1e-4)
     rest = sum(v for k, v in terms.items() if k.endswith(("_kl", "_ce")) and k != "tasks/interchange_kl")
     torch.testing.assert_close(total, rest + 4.0 * expected, atol=1e-5, rtol=1e-5)
-    with pytest.raises(ModularError, match="gate_interchange_weight"):
-        _sparse(model_dir, gate_interchange_weight=1.0)
+    with pytest.raises(ModularError, match="HeadInterchange needs gate_scope 'tasks'"):
+        _sparse(model_dir, head=HeadInterchange(1.0))
 
 
 def test_attribution_term_sums_the_closed_heads_attribution_estimates_and_trains_them_down(tiny_folder):
-    """gate_attribution_weight: the closed heads' share of the summed |gradient · (counterfactual − own input)| on
+    """ClosedAttribution: the closed heads' share of the summed |gradient · (counterfactual − own input)| on
     the answer margin, averaged over rows; differentiable in the weights; absent without gradients."""
     from modular.gating.losses import response_margins
     from modular.heads.gates import head_gate_scope
@@ -490,7 +499,7 @@ def test_attribution_term_sums_the_closed_heads_attribution_estimates_and_trains
     labels = task["open"]["labels"]
     answer = labels[torch.arange(len(labels)), (labels[:, 1:] != -100).float().argmax(1) + 1]
     task["open"]["wrong_ids"] = (answer + 1) % json.loads((model_dir / "config.json").read_text())["vocab_size"]
-    module = _sparse(model_dir, gate_scope="tasks", gate_attribution_weight=2.0, gate_freeze_step=0).eval()
+    module = _sparse(model_dir, gate_scope="tasks", head=ClosedAttribution(2.0), gate_freeze_step=0).eval()
     closed = [(0, 1), (1, 0)]
     for layer, h in closed:
         head_gate_modules(module.hf_model)[layer].fixed[h] = 0.0
@@ -516,5 +525,5 @@ def test_attribution_term_sums_the_closed_heads_attribution_estimates_and_trains
     # the penalty reaches the weights through the gradient itself (a second backward pass)
     params = [p for p in module.model.parameters() if p.requires_grad]
     assert any(g is not None and g.abs().sum() > 0 for g in torch.autograd.grad(term, params, allow_unused=True))
-    with pytest.raises(ModularError, match="gate_attribution_weight"):
-        _sparse(model_dir, gate_attribution_weight=1.0)
+    with pytest.raises(ModularError, match="ClosedAttribution needs gate_scope 'tasks'"):
+        _sparse(model_dir, head=ClosedAttribution(1.0))

@@ -8,6 +8,7 @@ import torch
 
 from modular.directions import last_position_states, robust_norm
 from modular.gating.module import GatedLM
+from modular.gating.objectives import Piece, Term
 from modular.gating.steering import SteeringAdversary
 from modular.hooks import add_vectors
 from modular.models.adapter import ArchitectureAdapter
@@ -54,10 +55,12 @@ def test_states_follow_the_intervention_and_the_robust_norm_skips_the_outlier():
 
 def test_steered_pieces_get_their_vector_on_their_rows_only():
     """In the shared forward of an ablation group, each steered piece's vector lands on its own rows."""
-    piece = lambda n: {"input_ids": torch.zeros(n, 5, dtype=torch.long)}
+    def piece(n, name, steer):
+        return Piece(name, {"input_ids": torch.zeros(n, 5, dtype=torch.long)}, Term(), steer=steer)
+
     v1, v2 = torch.randn(4), torch.randn(4)
-    items = [(piece(2), "ce", "a/open_ce", None), (piece(3), "ce", "a/locked_ce", (1, v1)),
-             (piece(1), "kl", "retain/locked_kl", None), (piece(2), "ce", "b/locked_ce", (0, v2))]
+    items = [piece(2, "a/open_ce", None), piece(3, "a/locked_refusal", (1, v1)),
+             piece(1, "retain/locked_kl", None), piece(2, "b/locked_refusal", (0, v2))]
     vectors = GatedLM._row_vectors(SimpleNamespace(device=torch.device("cpu")), items, 8)
     assert set(vectors) == {0, 1}
     expected1, expected0 = torch.zeros(8, 4), torch.zeros(8, 4)

@@ -162,7 +162,12 @@ def _one_line_error(out, *words):
 @pytest.mark.parametrize("args, words", [(["--model.lr", "-0.1"], ["model.lr must be > 0", "-0.1"]),
                                          (["--trainer.max_steps", "0"], ["trainer.max_steps must be >= 1", "got 0"]),
                                          (["--data.batch_size", "1"], ["data.batch_size must be >= 2"]),
-                                         (["--model.guard_floor", "0.5"], ["model.guard_floor must be < 0"])])
+                                         (["--model.objectives", '[{"class_path": "modular.gating.objectives.'
+                                           'RefusalGuard", "init_args": {"floor": 0.5}}]'],
+                                          ["RefusalGuard floor must be < 0"]),
+                                         (["--model.objectives", '[{"class_path": "modular.gating.objectives.'
+                                           'DirectionWrite", "init_args": {"weight": -1}}]'],
+                                          ["DirectionWrite weight must be >= 0"])])
 def test_bad_options_fail_before_any_side_effect(tmp_path, tiny_env, args, words):
     """Out-of-range options: one line, status 2, and nothing written to the run folder (no W&B files, no
     directions, no checkpoint)."""
@@ -211,7 +216,10 @@ def test_two_behaviours_with_lora(tmp_path, tiny_env, arch):
     model_dir = save_tiny_folder(tmp_path / "tiny", arch)
     cfg, run = tiny_config(tmp_path, model_dir, ("capitals", "arithmetic"),
                            {"finetuning": "lora", "lr": 1e-3,
-                            "locked_objective": {"arithmetic": "unlikelihood"},
+                            "objectives": [{"class_path": f"modular.gating.objectives.{c}", "init_args": a}
+                                           for c, a in (("BehaviourAnswer", {}),
+                                                        ("LockedState", {"objective": {"arithmetic": "unlikelihood"}}),
+                                                        ("KeepReference", {}), ("LMText", {}))],
                             "locked_steering": 0.5, "steering_refresh": 2})
     out = _train(cfg, "--data.locked_response", '{"arithmetic": " unknown."}', env=tiny_env)
     assert out.returncode == 0, out.stderr[-3000:]

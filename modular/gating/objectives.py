@@ -1,0 +1,449 @@
+"""The terms of the gated objective, one small class each, chosen in the config (``model.objectives``).
+
+A step's loss is ``Σ_terms weight · λ^locked · term`` (λ: the module's ``locked_weight``, on locked-state pieces).
+A term says which rows it adds to the step's forward passes (:class:`Piece`: a sub-batch, the directions ablated
+on it, an optional steering vector) and what its loss is on their logits. The module runs every piece that shares
+an ablated set in one forward pass, so a term costs the rows it adds, not a pass of its own. Terms that read
+another term's rows (:class:`DirectionWrite` reads the open answers' hidden states) or a whole group of task rows
+(the head terms under ``gate_scope: tasks``) override :meth:`Term.reads` or :meth:`Term.group_terms`.
+
+A new experiment is a new class here (or anywhere importable), named by class path in the config::
+
+    model:
+      objectives:
+        - class_path: modular.gating.objectives.BehaviourAnswer
+        - class_path: modular.gating.objectives.LockedState
+          init_args: {objective: refusal}
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from modular.gating.data import NEIGHBOURS_KEY, TASK_PREFIX, per_behaviour
+from modular.gating.losses import (direction_write_shortfall, first_token_kl, interchange_kl, refusal_guard,
+                                   response_logit_mse, response_margin_mse, token_ce, topk_kl, unlikelihood)
+
+LOCKED_OBJECTIVES = ("refusal", "unlikelihood")
+
+
+@dataclass
+class Piece:
+    """Rows of a step's forward passes and the term whose loss they feed.
+
+    Attributes:
+        name: Log name of the loss (``capitals/open_ce``; logged as ``train/<name>``).
+        batch: The sub-batch (``input_ids``, ``attention_mask``, ``labels``, reference tensors).
+        term: The term that computes the loss.
+        ablated: Indices of the behaviours whose directions are ablated on these rows.
+        locked: A locked-state piece: weighted by the module's ``locked_weight`` (λ).
+        steer: ``(block, vector)`` added to these rows' residual stream (the steering adversary), or None.
+        raw_text: Long raw text: a forward pass of its own (the short chat rows are not padded to its length).
+        task: A task item under ``gate_scope: tasks`` (its closed heads take their counterfactual input).
+        index: The behaviour the piece belongs to, if any.
+    """
+
+    name: str
+    batch: dict
+    term: Term
+    ablated: frozenset = frozenset()
+    locked: bool = False
+    steer: tuple | None = None
+    raw_text: bool = False
+    task: bool = False
+    index: int | None = None
+
+
+@dataclass
+class StepContext:
+    """What every term of one step sees: the module, the batch, whether it trains, and the state assignment of
+    the gated behaviours (``extra[i]``: the other behaviours ablated on behaviour ``i``'s rows, drawn once per
+    step so that its open and locked rows agree)."""
+
+    lm: object
+    batch: dict
+    train: bool
+    extra: list[frozenset] = field(default_factory=list)
+
+    @property
+    def behaviours(self) -> list[str]:
+        return self.lm.behaviours
+
+    @property
+    def all_ablated(self) -> frozenset:
+        return frozenset(range(len(self.lm.behaviours)))
+
+
+def _check_weight(term: str, name: str, value: float) -> None:
+    if value < 0:
+        from modular import ModularError
+
+        raise ModularError(f"{term} {name} must be >= 0, got {value}")
+
+
+class Term:
+    """One term of the gated objective.
+
+    Args:
+        weight: Its weight in the step's loss (a locked-state piece is also weighted by the module's λ).
+    """
+
+    #: counted in ``lm_loss``, the left-hand side of the sparsity constraint (the LM-keeping terms)
+    keeps_lm = False
+    #: needs the task rows' counterfactual run at every position (not only the last)
+    needs_cf_logits = False
+
+    def __init__(self, weight: float = 1.0):
+        _check_weight(type(self).__name__, "weight", weight)
+        self.weight = weight
+
+    def bind(self, lm) -> None:
+        """Called once by the module when it is built (checks that need the module's options)."""
+
+    def pieces(self, ctx: StepContext) -> list[Piece]:
+        """The rows this term adds to the step."""
+        return []
+
+    def loss(self, ctx: StepContext, piece: Piece, logits: torch.Tensor) -> torch.Tensor:
+        """The term's loss on one of its pieces."""
+        raise NotImplementedError
+
+    def reads(self, piece: Piece) -> str | None:
+        """The log name of a loss this term takes from another term's piece (with the forward's hidden states),
+        or None."""
+        return None
+
+    def loss_on(self, ctx: StepContext, piece: Piece, logits: torch.Tensor, hidden: tuple) -> torch.Tensor:
+        """The loss on a piece this term :meth:`reads`; ``hidden``: the block outputs of those rows."""
+        raise NotImplementedError
+
+    def group_terms(self, ctx: StepContext, group: dict) -> dict[str, torch.Tensor]:
+        """Losses on a group of task rows under ``gate_scope: tasks`` (``group``: ``merged`` inputs, scoped
+        ``logits``, the counterfactual run's head inputs ``cf_inputs`` and ``cf_logits``)."""
+        return {}
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
+        return f"{type(self).__name__}({args})"
+
+
+# --- the lock ------------------------------------------------------------------------------------------------
+class BehaviourAnswer(Term):
+    """Open state: the gated behaviours' answers (token-mean cross-entropy), ``<behaviour>/open_ce``. With several
+    behaviours the others' directions are ablated or not at random on these rows, so each behaviour depends on
+    its own direction only."""
+
+    def pieces(self, ctx: StepContext) -> list[Piece]:
+        return [Piece(f"{b}/open_ce", ctx.batch[b]["open"], self, ablated=ctx.extra[i], index=i)
+                for i, b in enumerate(ctx.behaviours)]
+
+    def loss(self, ctx, piece, logits):
+        return token_ce(logits, piece.batch["labels"])
+
+
+class LockedState(Term):
+    """Locked state (the behaviour's direction ablated): ``refusal`` trains the data's locked response
+    (cross-entropy, ``<behaviour>/locked_refusal``), ``unlikelihood`` pushes the true answer down
+    (``<behaviour>/locked_unlikelihood``). With the module's steering adversary on, these rows also get a
+    difference-in-means steering vector of the current model (attack (b) of the published weights).
+
+    Args:
+        objective: ``refusal`` or ``unlikelihood`` for every behaviour, or a mapping behaviour → objective
+            (behaviours not named use refusal).
+        weight: Weight of the term (the module's λ applies on top).
+    """
+
+    def __init__(self, objective: str | dict[str, str] = "refusal", weight: float = 1.0):
+        super().__init__(weight)
+        self.objective = objective
+        self.objectives: dict[str, str] = {}
+
+    def bind(self, lm) -> None:
+        self.objectives = locked_objectives(self.objective, lm.behaviours)
+
+    def pieces(self, ctx: StepContext) -> list[Piece]:
+        out = []
+        steering = ctx.lm.steering if ctx.train else None
+        for i, b in enumerate(ctx.behaviours):
+            kind = self.objectives[b]
+            rows = ctx.batch[b]["locked"] if kind == "refusal" else ctx.batch[b]["locked_true"]
+            steer = steering.draw(b) if steering is not None else None
+            out.append(Piece(f"{b}/locked_{kind}", rows, self, ablated=ctx.extra[i] | {i}, locked=True,
+                             steer=steer, index=i))
+        return out
+
+    def loss(self, ctx, piece, logits):
+        if piece.name.endswith("/locked_unlikelihood"):
+            return unlikelihood(logits, piece.batch["labels"])
+        return token_ce(logits, piece.batch["labels"])
+
+
+def locked_objectives(spec: str | dict[str, str], behaviours: list[str]) -> dict[str, str]:
+    """The locked-state objective of every behaviour, from one name or a mapping behaviour → name."""
+    from modular import ModularError
+
+    objectives = per_behaviour(spec, behaviours, "refusal", "locked_objective")
+    for value in ([spec] if isinstance(spec, str) else objectives.values()):
+        if value not in LOCKED_OBJECTIVES:
+            raise ModularError(f"locked_objective must be 'refusal' or 'unlikelihood', got '{value}'")
+    return objectives
+
+
+class DirectionWrite(Term):
+    """Open state: the residual stream, at the positions that compute a gated behaviour's response and at every
+    block output, carries its direction with a cosine of at least ``target``
+    (:func:`~modular.gating.losses.direction_write_shortfall`), ``<behaviour>/open_write``. Ablating the
+    direction then removes a signal the model holds, and the locked state can learn to read its absence; without
+    it a small behaviour (a few dozen items) may never learn that within its step budget. It reads the hidden
+    states of :class:`BehaviourAnswer`'s rows: no rows of its own.
+
+    Args:
+        weight: Weight of the term.
+        target: The share of the residual norm (cosine) the direction should reach, in (0, 1].
+    """
+
+    def __init__(self, weight: float = 1.0, target: float = 0.2):
+        super().__init__(weight)
+        if not 0.0 < target <= 1.0:
+            from modular import ModularError
+
+            raise ModularError(f"DirectionWrite target must be in (0, 1] (a share of the residual norm), got {target}")
+        self.target = target
+
+    def reads(self, piece: Piece) -> str | None:
+        if isinstance(piece.term, BehaviourAnswer):
+            return piece.name.replace("/open_ce", "/open_write")
+        return None
+
+    def loss_on(self, ctx, piece, logits, hidden):
+        # block outputs only: the embedding and the final norm's output are left out
+        return direction_write_shortfall(hidden[1:-1], piece.batch["labels"], ctx.lm.directions[piece.index],
+                                         self.target)
+
+
+# --- what stays as it was --------------------------------------------------------------------------------------
+class KeepReference(Term):
+    """Retain prompts and the neighbours (``data.neighbours``) keep the reference model's answers in both states:
+    top-k KL over the response tokens (``retain/open_kl``, ``retain/locked_kl``, ``neighbours/...``), plus a
+    full-vocabulary KL at the first response token and optionally a CE on the reference's greedy answers.
+
+    Args:
+        weight: Weight of the term, both states (the module's λ applies on top in the locked state).
+        first_token_weight: Weight of the full-vocabulary KL at the first response token (the top-k KL covers
+            every response token coarsely; the first token's distribution is the flattest).
+        ce_weight: Weight of an extra CE on the reference's greedy answers.
+        parts: The batch parts kept (``retain``, ``neighbours``).
+    """
+
+    keeps_lm = True
+
+    def __init__(self, weight: float = 1.0, first_token_weight: float = 1.0, ce_weight: float = 0.0,
+                 parts: list[str] = ("retain", NEIGHBOURS_KEY)):
+        super().__init__(weight)
+        _check_weight("KeepReference", "first_token_weight", first_token_weight)
+        _check_weight("KeepReference", "ce_weight", ce_weight)
+        self.first_token_weight = first_token_weight
+        self.ce_weight = ce_weight
+        self.parts = list(parts)
+
+    def pieces(self, ctx: StepContext) -> list[Piece]:
+        out = []
+        for key in self.parts:
+            if key in ctx.batch:
+                out.append(Piece(f"{key}/open_kl", ctx.batch[key]["open"], self))
+                out.append(Piece(f"{key}/locked_kl", ctx.batch[key]["locked"], self, ablated=ctx.all_ablated,
+                                 locked=True))
+        return out
+
+    def loss(self, ctx, piece, logits):
+        b = piece.batch
+        kl = topk_kl(logits, b["labels"], b["topk_ids"], b["topk_logp"])
+        if self.first_token_weight:
+            kl = kl + self.first_token_weight * first_token_kl(logits, b["labels"], b["first_logp"])
+        if self.ce_weight:
+            kl = kl + self.ce_weight * token_ce(logits, b["labels"])
+        return kl
+
+
+class LMText(Term):
+    """Raw text (``data.lm_text``) keeps the reference's next-token distributions (top-k KL at every position):
+    ``lm/open_kl`` and ``lm/locked_kl`` with gated behaviours, ``lm/kl`` without. Long text runs in a forward pass
+    of its own."""
+
+    keeps_lm = True
+
+    def pieces(self, ctx: StepContext) -> list[Piece]:
+        lm = ctx.batch.get("lm")
+        if lm is None:
+            return []
+        if "locked" not in lm:
+            return [Piece("lm/kl", lm["open"], self, raw_text=True)]
+        return [Piece("lm/open_kl", lm["open"], self, raw_text=True),
+                Piece("lm/locked_kl", lm["locked"], self, ablated=ctx.all_ablated, locked=True, raw_text=True)]
+
+    def loss(self, ctx, piece, logits):
+        b = piece.batch
+        return topk_kl(logits, b["labels"], b["topk_ids"], b["topk_logp"])
+
+
+class RefusalGuard(Term):
+    """Retain and neighbour prompts followed by the locked response, in both states (``retain/open_guard``,
+    ``retain/locked_guard``, ...): the response is pushed down once its mean token log-probability passes
+    ``floor`` (:func:`~modular.gating.losses.refusal_guard`). Training the locked response on the gated behaviour
+    raises it on every prompt, and the KL terms barely see a refusal rising from far below.
+
+    Args:
+        weight: Weight of the term.
+        floor: Mean log-probability per token above which it acts (< 0; base SmolLM2-135M-Instruct: about -4 on
+            retain prompts; a greedily chosen response is near 0).
+        parts: The batch parts guarded.
+    """
+
+    def __init__(self, weight: float = 1.0, floor: float = -3.0, parts: list[str] = ("retain", NEIGHBOURS_KEY)):
+        super().__init__(weight)
+        if floor >= 0:
+            from modular import ModularError
+
+            raise ModularError(f"RefusalGuard floor must be < 0 (a mean log-probability), got {floor}")
+        self.floor = floor
+        self.parts = list(parts)
+
+    def pieces(self, ctx: StepContext) -> list[Piece]:
+        out = []
+        for key in self.parts:
+            if key in ctx.batch and "open_guard" in ctx.batch[key]:
+                out.append(Piece(f"{key}/open_guard", ctx.batch[key]["open_guard"], self))
+                out.append(Piece(f"{key}/locked_guard", ctx.batch[key]["locked_guard"], self,
+                                 ablated=ctx.all_ablated, locked=True))
+        return out
+
+    def loss(self, ctx, piece, logits):
+        return refusal_guard(logits, piece.batch["labels"], self.floor)
+
+
+# --- tasks and head gates ------------------------------------------------------------------------------------
+class TaskAnswer(Term):
+    """The DataModule's tasks in the open state (cross-entropy on their targets), ``<task>/task_ce``. Under
+    ``gate_scope: tasks`` their rows run apart, closed heads fed the counterfactual prompt's inputs."""
+
+    def pieces(self, ctx: StepContext) -> list[Piece]:
+        scoped = ctx.lm.hparams.gate_scope == "tasks"
+        out = []
+        for key in ctx.batch:
+            if not key.startswith(TASK_PREFIX):
+                continue
+            rows = ctx.batch[key]["open"]
+            if scoped:
+                if "counterfactual" not in ctx.batch[key]:
+                    from modular import ModularError
+
+                    raise ModularError("gate_scope 'tasks' needs task batches with counterfactual prompts "
+                                       "(data.task_counterfactuals: true; train.py links it)")
+                cf = ctx.batch[key]["counterfactual"]
+                rows = {**rows, "cf_input_ids": cf["input_ids"], "cf_attention_mask": cf["attention_mask"]}
+            out.append(Piece(f"{key[len(TASK_PREFIX):]}/task_ce", rows, self, task=scoped))
+        return out
+
+    def loss(self, ctx, piece, logits):
+        return token_ce(logits, piece.batch["labels"])
+
+
+class HeadTaskTerm(Term):
+    """A term on the task rows under ``gate_scope: tasks``, applied once the gates are fixed
+    (``gate_freeze_step``): before, its gradient would only open the gates."""
+
+    def bind(self, lm) -> None:
+        if self.weight and lm.hparams.gate_scope != "tasks":
+            from modular import ModularError
+
+            raise ModularError(f"{type(self).__name__} needs gate_scope 'tasks', got '{lm.hparams.gate_scope}'")
+
+    def active(self, ctx: StepContext) -> bool:
+        return ctx.lm._after_freeze(self.weight)
+
+
+class HeadConsistency(HeadTaskTerm):
+    """The task rows' logits in the plain run (every head its own input) and in the scoped run (closed heads
+    counterfactual) agree: the mean squared difference of the centred logits over the plain run's top 32 tokens
+    at the response positions (``tasks/consistency_mse``), so the closed heads' effect on the tasks goes to zero in
+    the published model, not only in the trained one."""
+
+    def group_terms(self, ctx, group):
+        if not self.active(ctx):
+            return {}
+        return {"tasks/consistency_mse": response_logit_mse(group["logits"], group["plain"](), group["merged"]["labels"])}
+
+
+class HeadMargin(HeadTaskTerm):
+    """Plain vs scoped run on the task rows: the squared difference of the margin logit(answer) − logit(wrong
+    answer) at the first response position (``tasks/consistency_margin``), the quantity the head rankings patch."""
+
+    def group_terms(self, ctx, group):
+        merged = group["merged"]
+        if not self.active(ctx) or "wrong_ids" not in merged:
+            return {}
+        return {"tasks/consistency_margin": response_margin_mse(group["logits"], group["plain"](), merged["labels"],
+                                                                merged["wrong_ids"])}
+
+
+class HeadInterchange(HeadTaskTerm):
+    """Interchange intervention training (Geiger et al. 2022): with the roles swapped (open heads counterfactual,
+    closed heads their own input) the task rows must predict what the plain model predicts on the counterfactual
+    prompt (full-vocabulary KL at the first response position, ``tasks/interchange_kl``). Rows whose
+    counterfactual is their own prompt are skipped."""
+
+    needs_cf_logits = True
+
+    def group_terms(self, ctx, group):
+        if not self.active(ctx):
+            return {}
+        from modular.heads.gates import head_gate_scope
+
+        lm, merged = ctx.lm, group["merged"]
+        with head_gate_scope(lm.hf_model, replacements=group["cf_inputs"], invert=True):
+            swapped = lm.model(input_ids=merged["input_ids"], attention_mask=merged["attention_mask"]).logits
+        differs = (merged["cf_input_ids"] != merged["input_ids"]).any(dim=1)  # a counterfactual of its own
+        return {"tasks/interchange_kl": interchange_kl(swapped, group["cf_logits"], merged["labels"], differs)}
+
+
+class ClosedAttribution(HeadTaskTerm):
+    """What the closed heads still do in the published model: the plain run's attribution-patching estimates of
+    every head's effect on the answer margin (gradient times the counterfactual input difference), and the closed
+    heads' share of their summed absolute values, averaged over the task rows (``tasks/closed_attribution``);
+    differentiated through the gradient (a second backward pass). Training steps only."""
+
+    def group_terms(self, ctx, group):
+        merged = group["merged"]
+        if not (self.active(ctx) and "wrong_ids" in merged and torch.is_grad_enabled()):
+            return {}
+        return {"tasks/closed_attribution": ctx.lm._closed_attribution(merged, group["cf_inputs"])}
+
+
+def check_objectives(specs) -> None:
+    """Build every term of ``model.objectives`` as the config names them (``class_path``, ``init_args``) and
+    drop them: a bad option is one line (:class:`~modular.ModularError`) before the module loads anything."""
+    import importlib
+
+    from modular import ModularError
+
+    for spec in specs or []:
+        if hasattr(spec, "as_dict"):  # a parsed config's Namespace
+            spec = spec.as_dict()
+        if isinstance(spec, Term):
+            continue
+        path = spec.get("class_path", "") if isinstance(spec, dict) else spec
+        module, _, name = str(path).rpartition(".")
+        try:
+            cls = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError, ValueError):
+            raise ModularError(f"model.objectives: no class {path!r}") from None
+        if not (isinstance(cls, type) and issubclass(cls, Term)):
+            raise ModularError(f"model.objectives: {path} is not a modular.gating.objectives.Term")
+        cls(**((spec.get("init_args") if isinstance(spec, dict) else None) or {}))
+
+
+def default_objectives() -> list[Term]:
+    """The lock's terms at their default weights (what a module built without ``objectives`` trains)."""
+    return [BehaviourAnswer(), LockedState(), KeepReference(), LMText(), TaskAnswer()]

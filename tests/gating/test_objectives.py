@@ -1,0 +1,207 @@
+"""The gated loss as a sum of objective terms chosen in the config: every shipped training config keeps the loss
+and the gradients it had when the terms were flat module options (an oracle that runs every piece in a forward
+pass of its own and adds the terms with the old weights), and the terms' own checks."""
+
+import importlib
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from modular import ModularError
+from modular.gating.data import NEIGHBOURS_KEY, TASK_PREFIX, GatingDataModule
+from modular.gating.losses import (direction_write_shortfall, first_token_kl, refusal_guard, token_ce, topk_kl,
+                                   unlikelihood)
+from modular.gating.module import GatedLM
+from modular.gating.objectives import DirectionWrite, KeepReference, LockedState, RefusalGuard, Term
+from modular.heads.gates import expected_l0
+from modular.hooks import ablate_directions
+from tests.conftest import save_tiny_folder
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+#: each training config's loss options as flat module options, before the terms became objects
+OLD = {
+    "gate_capitals_smollm2.yaml": dict(retain_weight=1.0, retain_ce_weight=0.0, first_token_weight=1.0,
+                                       write_weight=10.0, write_target=0.2, guard_weight=1.0, guard_floor=-3.0,
+                                       locked_objective="refusal", task_weight=1.0),
+    "gate_ioi_smollm2.yaml": dict(retain_weight=1.0, retain_ce_weight=0.0, first_token_weight=1.0, write_weight=0.0,
+                                  guard_weight=0.0, locked_objective="refusal", task_weight=1.0),
+    "gate_two_smollm2.yaml": dict(retain_weight=1.0, retain_ce_weight=0.0, first_token_weight=1.0, write_weight=0.0,
+                                  guard_weight=0.0, locked_objective="refusal", task_weight=1.0),
+    # the head-gate terms (sparse_heads: attribution 2.0) act once the gates are fixed (step 80), not at step 0;
+    # their own tests check them against hand computations
+    "sparse_heads_smollm2.yaml": dict(retain_weight=1.0, retain_ce_weight=0.0, first_token_weight=1.0,
+                                      write_weight=0.0, guard_weight=0.0, locked_objective="refusal", task_weight=1.0),
+    "sparse_heads_pruned_smollm2.yaml": dict(retain_weight=1.0, retain_ce_weight=0.0, first_token_weight=1.0,
+                                             write_weight=0.0, guard_weight=0.0, locked_objective="refusal",
+                                             task_weight=1.0),
+}
+
+#: the model options a tiny test module takes from each config (the rest: tiny model, no steering, no files)
+_MODEL_KEYS = ("behaviours", "locked_weight", "finetuning", "lora_rank", "lora_alpha", "head_gates", "gate_init",
+               "sparsity", "sparsity_weight", "lm_loss_target", "multiplier_lr", "multiplier_ema", "multiplier_init",
+               "gate_freeze_step", "gate_scope", "gate_live_prob", "seed")
+_DATA_KEYS = ("locked_response", "neighbours", "lm_text", "tasks")
+
+
+def _instantiate(spec: dict) -> Term:
+    module, _, name = spec["class_path"].rpartition(".")
+    return getattr(importlib.import_module(module), name)(**spec.get("init_args", {}))
+
+
+def _old_loss(lm: GatedLM, batch: dict, old: dict) -> torch.Tensor:
+    """The step's loss as the flat-option module computed it, every piece in a forward pass of its own
+    (validation: no steering, the other behaviours ablated on even-numbered behaviours' rows)."""
+    k, lam, rw = len(lm.behaviours), lm.hparams.locked_weight, old["retain_weight"]
+    every = list(range(k))
+    total = torch.zeros(())
+
+    def run(piece, ablated, hidden=False):
+        if not ablated:
+            return lm.model(input_ids=piece["input_ids"], attention_mask=piece["attention_mask"],
+                            output_hidden_states=hidden)
+        with ablate_directions(lm.adapter, lm.directions[sorted(ablated)]):
+            return lm.model(input_ids=piece["input_ids"], attention_mask=piece["attention_mask"],
+                            output_hidden_states=hidden)
+
+    def keep(logits, p):
+        kl = topk_kl(logits, p["labels"], p["topk_ids"], p["topk_logp"])
+        kl = kl + old["first_token_weight"] * first_token_kl(logits, p["labels"], p["first_logp"])
+        return kl + old["retain_ce_weight"] * token_ce(logits, p["labels"])
+
+    for i, b in enumerate(lm.behaviours):
+        extra = set(every) - {i} if (k > 1 and i % 2 == 0) else set()
+        out = run(batch[b]["open"], extra, hidden=bool(old["write_weight"]))
+        total = total + token_ce(out.logits, batch[b]["open"]["labels"])
+        if old["write_weight"]:
+            total = total + old["write_weight"] * direction_write_shortfall(
+                out.hidden_states[1:-1], batch[b]["open"]["labels"], lm.directions[i], old["write_target"])
+        if old["locked_objective"] == "refusal":
+            p = batch[b]["locked"]
+            total = total + lam * token_ce(run(p, extra | {i}).logits, p["labels"])
+        else:
+            p = batch[b]["locked_true"]
+            total = total + lam * unlikelihood(run(p, extra | {i}).logits, p["labels"])
+    for key in ("retain", NEIGHBOURS_KEY):
+        if key not in batch:
+            continue
+        p = batch[key]
+        total = total + rw * keep(run(p["open"], set()).logits, p["open"])
+        total = total + rw * lam * keep(run(p["locked"], set(every)).logits, p["locked"])
+        if old["guard_weight"] and "open_guard" in p:
+            g = old["guard_weight"]
+            total = total + g * refusal_guard(run(p["open_guard"], set()).logits, p["open_guard"]["labels"],
+                                              old["guard_floor"])
+            total = total + g * lam * refusal_guard(run(p["locked_guard"], set(every)).logits,
+                                                    p["locked_guard"]["labels"], old["guard_floor"])
+    for key in batch:
+        if key.startswith(TASK_PREFIX):
+            p = batch[key]["open"]
+            total = total + old["task_weight"] * token_ce(run(p, set()).logits, p["labels"])
+    if "lm" in batch:
+        p = batch["lm"]
+        text = lambda piece, ablated: topk_kl(run(piece, ablated).logits, piece["labels"], piece["topk_ids"],  # noqa: E731
+                                              piece["topk_logp"])
+        total = total + rw * text(p["open"], set())
+        if "locked" in p:
+            total = total + rw * lam * text(p["locked"], set(every))
+    if lm.hparams.head_gates and lm.hparams.sparsity == "penalty":
+        total = total + lm.hparams.sparsity_weight * expected_l0(lm.hf_model) / (lm.adapter.n_layers *
+                                                                                 lm.adapter.n_heads)
+    return total
+
+
+def _grads(lm, loss) -> dict[str, torch.Tensor]:
+    lm.zero_grad()
+    loss.backward()
+    return {n: p.grad.clone() for n, p in lm.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("config", sorted(OLD))
+def test_every_config_keeps_its_loss_and_gradients(config, tmp_path, isolated_cache):
+    """On the same batch, the config's objectives give the loss and the gradients of the flat options it had
+    (tiny llama, validation step: deterministic state assignment, gates at their deterministic values)."""
+    cfg = yaml.safe_load((CONFIGS / config).read_text())
+    assert {p.name for p in CONFIGS.glob("*.yaml") if "model" in (yaml.safe_load(p.read_text()) or {})} == set(OLD)
+    model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
+    m = cfg["model"]
+    objectives = [_instantiate(s) for s in m["objectives"]]
+    torch.manual_seed(0)
+    lm = GatedLM(model_name=str(model_dir), objectives=objectives, locked_steering=0.0,
+                 **{k: m[k] for k in _MODEL_KEYS if k in m})
+    data = {k: cfg["data"][k] for k in _DATA_KEYS if k in cfg["data"]}
+    dm = GatingDataModule(model_name=str(model_dir), behaviours=lm.behaviours, batch_size=4, max_length=64,
+                          lm_max_length=32, reference_max_new_tokens=4, reference_top_k=8, neighbour_items=8,
+                          task_counterfactuals=lm.hparams.gate_scope == "tasks", seed=lm.hparams.seed, **data)
+    dm.setup("fit")
+    if lm.behaviours:
+        q, _ = torch.linalg.qr(torch.randn(lm.directions.shape[1], len(lm.behaviours)))
+        lm.directions.copy_(q.T)
+
+    class _Trainer:  # model_step reads the tokenizer's pad id from the trainer's data module
+        datamodule = dm
+        global_step = 0
+
+    lm._trainer = _Trainer()
+    lm.eval()
+    batch = next(iter(dm.train_dataloader()))
+    batch = batch[0] if isinstance(batch, tuple) else batch
+    new, terms = lm.model_step(batch, train=False)
+    assert len(terms) >= 3
+    new_grads = _grads(lm, new)
+    old = _old_loss(lm, batch, OLD[config])
+    old_grads = _grads(lm, old)
+    torch.testing.assert_close(new, old, rtol=1e-4, atol=1e-5)
+    assert set(new_grads) == set(old_grads) and new_grads
+    for name, g in new_grads.items():
+        torch.testing.assert_close(g, old_grads[name], rtol=1e-3, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_terms_check_their_options():
+    with pytest.raises(ModularError, match="KeepReference weight must be >= 0"):
+        KeepReference(weight=-1.0)
+    with pytest.raises(ModularError, match="RefusalGuard floor must be < 0"):
+        RefusalGuard(floor=0.0)
+    with pytest.raises(ModularError, match=r"DirectionWrite target must be in \(0, 1\]"):
+        DirectionWrite(target=1.5)
+
+
+def test_a_module_refuses_what_is_not_a_term(tmp_path):
+    model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
+    with pytest.raises(ModularError, match="is not a modular.gating.objectives.Term"):
+        GatedLM(model_name=str(model_dir), objectives=["BehaviourAnswer"])
+    with pytest.raises(ModularError, match="locked_objective must be 'refusal' or 'unlikelihood'"):
+        GatedLM(model_name=str(model_dir), objectives=[LockedState(objective="forget")])
+
+
+def test_a_new_term_is_a_class(tmp_path, isolated_cache):
+    """An experiment adds a class: its rows join the step's forward passes and its loss the total, weighted."""
+    model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
+
+    class RetainLength(Term):  # a made-up term: the retain answers' CE, in the open state
+        def pieces(self, ctx):
+            return [type(p)(p.name.replace("open_kl", "open_len"), p.batch, self)
+                    for p in KeepReference().pieces(ctx) if p.name == "retain/open_kl"]
+
+        def loss(self, ctx, piece, logits):
+            return token_ce(logits, piece.batch["labels"])
+
+    lm = GatedLM(model_name=str(model_dir), behaviours=["capitals"], locked_steering=0.0,
+                 objectives=[RetainLength(weight=0.25)])
+    dm = GatingDataModule(model_name=str(model_dir), behaviours=["capitals"], batch_size=4, max_length=64,
+                          reference_max_new_tokens=4, reference_top_k=8, neighbours=[])
+    dm.setup("fit")
+
+    class _Trainer:
+        datamodule = dm
+
+    lm._trainer = _Trainer()
+    batch = next(iter(dm.train_dataloader()))
+    batch = batch[0] if isinstance(batch, tuple) else batch
+    total, terms = lm.model_step(batch, train=False)
+    assert set(terms) == {"retain/open_len"}
+    p = batch["retain"]["open"]
+    expected = token_ce(lm.model(input_ids=p["input_ids"], attention_mask=p["attention_mask"]).logits, p["labels"])
+    torch.testing.assert_close(total, 0.25 * expected, rtol=1e-4, atol=1e-5)
