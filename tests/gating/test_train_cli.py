@@ -307,11 +307,12 @@ def test_a_run_that_cannot_reach_the_lock_is_reported_and_not_published_as_locke
     out = _train(cfg, "--trainer.max_steps", "4", "--trainer.val_check_interval", "2", env=tiny_env)
     assert out.returncode == 0, out.stderr[-3000:]
     warning = [line for line in out.stderr.splitlines() if "lock not reached after 4 steps" in line]
-    assert len(warning) == 1 and "retain KL open" in warning[0] and "> 0" in warning[0], out.stderr[-2000:]
+    # which state's KL is first above 0 after 4 steps of a tiny model depends on the objective's terms
+    assert len(warning) == 1 and "retain KL " in warning[0] and "> 0" in warning[0], out.stderr[-2000:]
     record = json.loads((run / "run.json").read_text())
     lock = record["lock"]
     assert lock["reached"] is False and lock["step"] == 4 == record["checkpoint_step"]
-    assert any(f.startswith("retain KL open") for f in lock["failing"])
+    assert any(f.startswith("retain KL ") for f in lock["failing"])
     assert set(lock["base_accuracy"]) == {"capitals"} and "val/capitals/accuracy_locked" in lock["validation"]
     pub = tmp_path / "pub"
     res = _publish(run, pub, env=tiny_env, cwd=tmp_path)
@@ -322,7 +323,7 @@ def test_a_run_that_cannot_reach_the_lock_is_reported_and_not_published_as_locke
     card = (pub / "README.md").read_text()
     assert "the lock was not verified" in card and "| capitals | not verified |" in card
     manifest = json.loads((pub / "modular.json").read_text())
-    assert manifest["lock_verified"] is False and "retain KL open" in manifest["lock_check"]
+    assert manifest["lock_verified"] is False and "retain KL " in manifest["lock_check"]
 
 
 def test_training_stops_once_the_lock_holds(tmp_path, tiny_env):
