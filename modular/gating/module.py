@@ -369,7 +369,7 @@ class GatedLM(L.LightningModule):
 
     def _closed_attribution(self, merged: dict, cf_inputs: dict[int, torch.Tensor]) -> torch.Tensor:
         """Mean over the task rows of the closed heads' share of the summed |attribution-patching estimates| of
-        every head's effect on the answer margin in the plain run (see ``gate_attribution_weight``),
+        every head's effect on the answer margin in the plain run (:class:`~modular.gating.objectives.ClosedAttribution`),
         differentiable in the weights."""
         closed = (deterministic_gate_values(self.hf_model) == 0).float()  # (layers, heads)
         # eager attention: SDPA kernels have no second derivative

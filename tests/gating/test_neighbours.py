@@ -96,7 +96,7 @@ def test_neighbours_are_trained_in_both_states_with_the_retain_weight(tiny_dm):
 
 
 def test_the_write_term_carries_the_direction_into_the_open_answers(tiny_dm):
-    """write_weight > 0: a term per gated behaviour, weighted by write_weight; minimising it makes the open-state
+    """DirectionWrite: a term per gated behaviour, weighted by its weight; minimising it makes the open-state
     residual carry the direction at the response positions."""
     from modular.gating.module import GatedLM
 
@@ -187,8 +187,8 @@ def test_a_small_behaviour_may_stop_after_min_passes():
 
 
 def test_the_refusal_guard_keeps_the_locked_response_unlikely_on_retain_and_neighbour_prompts(tiny_dm):
-    """guard_weight > 0: the retain and neighbour batches carry their prompts followed by the locked response, in
-    both states, weighted by guard_weight; minimising the guard lowers that response's likelihood there."""
+    """RefusalGuard: the retain and neighbour batches carry their prompts followed by the locked response, in
+    both states, weighted by its weight; minimising the guard lowers that response's likelihood there."""
     from modular.gating.module import GatedLM
 
     dm, model_dir = tiny_dm
