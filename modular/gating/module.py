@@ -291,6 +291,12 @@ class GatedLM(L.LightningModule):
         scoped = hp.gate_scope == "tasks"
         ctx = self._context(batch, train)
         pieces = [p for t in self.objectives for p in t.pieces(ctx) if p.batch["input_ids"].shape[0] > 0]
+        names = [p.name for p in pieces]
+        if len(set(names)) != len(names):
+            from modular import ModularError
+
+            twice = sorted({n for n in names if names.count(n) > 1})
+            raise ModularError(f"model.objectives: two terms compute {', '.join(twice)} (list each term once)")
         groups: dict[tuple[frozenset, bool, bool], list[Piece]] = {}
         for p in pieces:
             groups.setdefault((p.ablated, p.raw_text, scoped and p.task), []).append(p)

@@ -176,6 +176,23 @@ def test_a_module_refuses_what_is_not_a_term(tmp_path):
         GatedLM(model_name=str(model_dir), objectives=[LockedState(objective="forget")])
 
 
+def test_a_term_listed_twice_is_refused(tmp_path, isolated_cache):
+    model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
+    lm = GatedLM(model_name=str(model_dir), behaviours=["capitals"], locked_steering=0.0,
+                 objectives=[KeepReference(), KeepReference(weight=2.0)])
+    dm = GatingDataModule(model_name=str(model_dir), behaviours=["capitals"], batch_size=4, max_length=64,
+                          reference_max_new_tokens=4, reference_top_k=8, neighbours=[])
+    dm.setup("fit")
+
+    class _Trainer:
+        datamodule = dm
+
+    lm._trainer = _Trainer()
+    batch = next(iter(dm.train_dataloader()))
+    with pytest.raises(ModularError, match="two terms compute retain/locked_kl, retain/open_kl"):
+        lm.model_step(batch[0] if isinstance(batch, tuple) else batch, train=False)
+
+
 def test_a_new_term_is_a_class(tmp_path, isolated_cache):
     """An experiment adds a class: its rows join the step's forward passes and its loss the total, weighted."""
     model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
