@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 
 from modular.data.formatting import batch_prompts
 from modular.data.schema import DEFAULT_LOCKED_RESPONSE, is_correct, is_refusal
+from modular.evaluation.metrics import mean, share
 
 
 @dataclass
@@ -80,7 +81,8 @@ def evaluate_behaviour(model, tokenizer, dataset, max_new_tokens: int = 24, batc
     active during scoring. ``choice_only``: for tasks with a ``wrong`` answer, skip generation
     and report the choice accuracy (target's first token beats the wrong one) as ``accuracy``.
     ``refusals``: the locked responses; a response that is one of them is never correct (their share is the result's
-    ``refusal_rate``).
+    ``refusal_rate``). The shares and the mean are torchmetrics metrics (:mod:`modular.evaluation.metrics`): where
+    torch.distributed is initialised they are taken over every process's items.
     """
     if limit is not None:
         dataset = dataset.select(range(min(limit, len(dataset))))
@@ -96,7 +98,7 @@ def evaluate_behaviour(model, tokenizer, dataset, max_new_tokens: int = 24, batc
             bad = first_token_ids(tokenizer, dataset["wrong"])
             idx = torch.arange(len(prompts))
             diffs = logits[idx, good] - logits[idx, bad]
-            logit_diff, choice_accuracy = diffs.mean().item(), (diffs > 0).float().mean().item()
+            logit_diff, choice_accuracy = mean(diffs), share(diffs > 0)
     if choice_only:
         return BehaviourResult(choice_accuracy, len(prompts), logit_diff, choice_accuracy, [])
     items = []
@@ -104,6 +106,6 @@ def evaluate_behaviour(model, tokenizer, dataset, max_new_tokens: int = 24, batc
         items.append({"prompt": row["prompt"], "response": response,
                       "correct": is_correct(response, row["target"], row["answers"], row["prefixes"], refusals),
                       "refusal": is_refusal(response, refusals)})
-    accuracy = sum(i["correct"] for i in items) / max(1, len(items))
-    refusal_rate = sum(i["refusal"] for i in items) / max(1, len(items))
+    accuracy = share([i["correct"] for i in items])
+    refusal_rate = share([i["refusal"] for i in items])
     return BehaviourResult(accuracy, len(items), logit_diff, choice_accuracy, items, refusal_rate)

@@ -17,6 +17,7 @@ from modular.data import BEHAVIOURS, load_behaviour, neutral_text, retain_data
 from modular.data.behaviours import NEIGHBOUR_BEHAVIOURS
 from modular.data.schema import all_refusals, is_refusal
 from modular.evaluation.behaviour import evaluate_behaviour, generate, last_logits
+from modular.evaluation.metrics import share
 from modular.evaluation.retain import first_token_logp, mean_kl, perplexity
 from modular.evaluation.stats import wilson_interval
 from modular.hooks import ablate_directions
@@ -152,7 +153,7 @@ def retain_refusal_rate(model, tokenizer, retain, refusals, intervention=None) -
     with intervention() if intervention is not None else nullcontext():
         responses = generate(model, tokenizer, list(retain["prompt"]), list(retain["chat"]), REFUSAL_PROBE_TOKENS,
                              desc=False)
-    return sum(is_refusal(r, refusals) for r in responses) / max(1, len(responses))
+    return share([is_refusal(r, refusals) for r in responses])
 
 
 def _with(state, fn):

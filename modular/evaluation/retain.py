@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import math
 from contextlib import nullcontext
 
 import torch
+from torchmetrics.regression import KLDivergence
 
 from modular.evaluation.behaviour import last_logits
+from modular.evaluation.metrics import TokenPerplexity, metric_device
 
 
 @torch.no_grad()
@@ -18,26 +19,26 @@ def first_token_logp(model, tokenizer, prompts, chats, intervention=None) -> tor
 
 
 def mean_kl(reference_logp: torch.Tensor, logp: torch.Tensor) -> float:
-    """Mean KL(reference || model) over rows of log-distributions."""
-    return (reference_logp.exp() * (reference_logp - logp)).sum(-1).mean().item()
+    """Mean KL(reference || model) over rows of log-distributions ``(n, vocab)`` (over every process's rows where
+    torch.distributed is initialised)."""
+    metric = KLDivergence(log_prob=True).to(metric_device())
+    metric.update(reference_logp.to(metric.device), logp.to(metric.device))
+    return metric.compute().item()
 
 
 @torch.no_grad()
 def perplexity(model, tokenizer, texts: list[str], intervention=None, batch_size: int = 8,
                max_length: int = 256) -> float:
-    """Token-level perplexity of raw ``texts`` (BOS added where the tokenizer adds one)."""
+    """Token-level perplexity of raw ``texts`` (BOS added where the tokenizer adds one): exp of the mean next-token
+    negative log-likelihood over all their tokens (:class:`~modular.evaluation.metrics.TokenPerplexity`)."""
     device = next(model.parameters()).device
     ctx = intervention() if intervention is not None else nullcontext()
-    nll, count = 0.0, 0
+    metric = TokenPerplexity().to(metric_device())
     with ctx:
         for start in range(0, len(texts), batch_size):
             enc = tokenizer(texts[start:start + batch_size], return_tensors="pt", padding=True, truncation=True,
                             max_length=max_length)
             enc = {k: v.to(device) for k, v in enc.items()}
-            logits = model(**enc).logits[:, :-1].float()
-            target = enc["input_ids"][:, 1:]
             mask = enc["attention_mask"][:, 1:].bool() & enc["attention_mask"][:, :-1].bool()
-            loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), target, reduction="none")
-            nll += loss[mask].sum().item()
-            count += mask.sum().item()
-    return math.exp(nll / max(1, count))
+            metric.update(model(**enc).logits[:, :-1], enc["input_ids"][:, 1:], mask)
+    return metric.compute().item()

@@ -10,17 +10,17 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 
 from modular.data.schema import all_refusals
-from modular.evaluation.behaviour import evaluate_behaviour, last_logits
+from modular.evaluation.behaviour import evaluate_behaviour
+from modular.evaluation.retain import first_token_logp, mean_kl, perplexity
 from modular.hooks import ablate_directions
 
 log = logging.getLogger("modular")
 
 
 def first_token_kl(model, tokenizer, prompts, chats, reference_logp: torch.Tensor) -> float:
-    """Mean KL(reference || model) of the first response token's distribution."""
-    logp = torch.log_softmax(last_logits(model, tokenizer, prompts, chats), -1)
-    ref = reference_logp.float()
-    return (ref.exp() * (ref - logp)).sum(-1).mean().item()
+    """Mean KL(reference || model) of the first response token's distribution (a torchmetrics metric:
+    :func:`~modular.evaluation.retain.mean_kl`)."""
+    return mean_kl(reference_logp.float(), first_token_logp(model, tokenizer, prompts, chats))
 
 
 class LockMetricsCallback(Callback):
@@ -41,6 +41,10 @@ class LockMetricsCallback(Callback):
     least ``min_steps``); ``max_passes: null`` leaves ``trainer.max_steps`` as the budget. Either way :attr:`status`
     (written to ``run.json`` as ``lock``) says whether the final step holds the lock; a budget spent without it is
     logged as a warning in one line.
+
+    Accuracy, refusal share and KL are torchmetrics metrics (:mod:`modular.evaluation.metrics`): with several
+    processes (DDP) every process scores the same validation items and the values, synced on ``compute()``, are those
+    of one process.
 
     Args:
         limit: Score at most this many validation items per behaviour (and per neighbour).
@@ -258,7 +262,6 @@ class SparseHeadsCallback(Callback):
         from pathlib import Path
 
         from modular.data import neutral_text
-        from modular.evaluation.retain import perplexity
         from modular.heads.gates import deterministic_gate_values, head_gate_scope
         from modular.tracking import write_json
 

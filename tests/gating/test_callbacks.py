@@ -1,0 +1,66 @@
+"""What the validation callback measures: accuracy and refusal shares, and the retain first-token KL (torchmetrics
+metrics), against hand computations on a tiny model."""
+
+from types import SimpleNamespace
+
+import datasets
+import pytest
+import torch
+import torch.nn.functional as F
+
+from modular.gating.callbacks import LockMetricsCallback, first_token_kl
+from modular.hooks import ablate_directions
+from modular.models.adapter import ArchitectureAdapter
+from tests.conftest import make_tiny_model, make_tiny_tokenizer
+
+
+def _rows(prompts, targets):
+    n = len(prompts)
+    return datasets.Dataset.from_dict({"prompt": prompts, "target": targets, "answers": [[t] for t in targets],
+                                       "prefixes": [[] for _ in prompts], "wrong": [""] * n,
+                                       "counterfactual": [""] * n, "chat": [True] * n})
+
+
+def _hand_kl(model, tok, prompts, ref):
+    from modular.data.formatting import batch_prompts
+
+    with torch.no_grad():
+        batch = batch_prompts(tok, prompts, [True] * len(prompts))
+        logp = torch.log_softmax(model(**batch).logits[:, -1].float(), -1)
+    return F.kl_div(logp, ref.float(), log_target=True, reduction="batchmean").item()
+
+
+def test_measure_matches_hand_computations(monkeypatch):
+    tok, model = make_tiny_tokenizer(), make_tiny_model("llama")
+    adapter = ArchitectureAdapter(model)
+    directions = torch.nn.functional.normalize(torch.randn(1, 64, generator=torch.Generator().manual_seed(0)), dim=-1)
+    answers = {"Capital of A?": "Paris", "Capital of B?": "I don't know.", "Capital of C?": "Lima",
+               "Say one.": "one", "Say two.": "No.", "Say three.": "I don't know.", "Say four.": "five"}
+    monkeypatch.setattr("modular.evaluation.behaviour.generate",
+                        lambda model, tok, prompts, *a, **k: [answers[p] for p in prompts])
+    retain_prompts = ["Tell me about rivers.", "Write a haiku.", "What is two plus two?"]
+    g = torch.Generator().manual_seed(1)
+    ref = torch.log_softmax(torch.randn(3, model.config.vocab_size, generator=g), -1).half()  # as cached: float16
+    dm = SimpleNamespace(
+        tokenizer=tok,
+        behaviour_data={"b": {"validation": _rows(["Capital of A?", "Capital of B?", "Capital of C?"],
+                                                  ["Paris", "Rome", "Quito"])}},
+        locked_responses={"b": "I don't know."},
+        retain={"validation": {"prompt": retain_prompts, "chat": [True] * 3}},
+        reference_first_logp={"validation": ref},
+        neighbour_data={"n": {"validation": _rows(["Say one.", "Say two.", "Say three.", "Say four."],
+                                                  ["one", "two", "three", "four"])}},
+    )
+    pl_module = SimpleNamespace(hf_model=model, adapter=adapter, directions=directions, behaviours=["b"])
+    metrics = LockMetricsCallback(limit=None).measure(SimpleNamespace(datamodule=dm), pl_module)
+    for state in ("open", "locked"):  # the stub answers alike in both states
+        assert metrics[f"val/b/accuracy_{state}"] == 1 / 3
+        assert metrics[f"val/neighbours/n/accuracy_{state}"] == 1 / 4
+        assert metrics[f"val/neighbours/n/refusal_{state}"] == 1 / 4  # "No." is no locked response here
+    kl_open = _hand_kl(model, tok, retain_prompts, ref)
+    with ablate_directions(adapter, directions):
+        kl_locked = _hand_kl(model, tok, retain_prompts, ref)
+    assert metrics["val/retain/first_token_kl_open"] == pytest.approx(kl_open, rel=1e-5)
+    assert metrics["val/retain/first_token_kl_locked"] == pytest.approx(kl_locked, rel=1e-5)
+    assert kl_open != pytest.approx(kl_locked, rel=1e-3)  # the lock changes the model
+    assert first_token_kl(model, tok, retain_prompts, [True] * 3, ref) == pytest.approx(kl_open, rel=1e-5)
