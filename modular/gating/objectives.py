@@ -391,8 +391,9 @@ class HeadMargin(HeadTaskTerm):
 class HeadInterchange(HeadTaskTerm):
     """Interchange intervention training (Geiger et al. 2022): with the roles swapped (open heads counterfactual,
     closed heads their own input) the task rows must predict what the plain model predicts on the counterfactual
-    prompt (full-vocabulary KL at the first response position, ``tasks/interchange_kl``). Rows whose
-    counterfactual is their own prompt are skipped."""
+    prompt (full-vocabulary KL at the first response position, ``tasks/interchange_kl``). With the task CE of the
+    scoped run (closed heads counterfactual, the item's own answer) the answer then follows the open heads only, in
+    both directions. Rows whose counterfactual is their own prompt are skipped."""
 
     needs_cf_logits = True
 
@@ -410,9 +411,12 @@ class HeadInterchange(HeadTaskTerm):
 
 class ClosedAttribution(HeadTaskTerm):
     """What the closed heads still do in the published model: the plain run's attribution-patching estimates of
-    every head's effect on the answer margin (gradient times the counterfactual input difference), and the closed
-    heads' share of their summed absolute values, averaged over the task rows (``tasks/closed_attribution``);
-    differentiated through the gradient (a second backward pass). Training steps only."""
+    every head's effect on the answer margin logit(answer) − logit(wrong answer) at the first response position when
+    its input is swapped for the counterfactual one (gradient times input difference, the fast ranking of
+    :mod:`modular.heads.ranking`), and the closed heads' share of their summed absolute values, averaged over the
+    task rows (``tasks/closed_attribution``): the effect-share measure of the head-efficiency curves, blind to the
+    margin's scale, so shrinking the answer does not lower it. Differentiated through the gradient (a second
+    backward pass); training steps only."""
 
     def group_terms(self, ctx, group):
         merged = group["merged"]
