@@ -24,8 +24,7 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 #: each training config's loss options as flat module options, before the terms became objects
 OLD = {
     "gate_capitals_smollm2.yaml": dict(retain_weight=1.0, retain_ce_weight=0.0, first_token_weight=1.0,
-                                       write_weight=10.0, write_target=0.2, guard_weight=1.0, guard_floor=-3.0,
-                                       locked_objective="refusal", task_weight=1.0),
+                                       write_weight=0.0, guard_weight=0.0, locked_objective="refusal", task_weight=1.0),
     "gate_ioi_smollm2.yaml": dict(retain_weight=1.0, retain_ce_weight=0.0, first_token_weight=1.0, write_weight=0.0,
                                   guard_weight=0.0, locked_objective="refusal", task_weight=1.0),
     "gate_two_smollm2.yaml": dict(retain_weight=1.0, retain_ce_weight=0.0, first_token_weight=1.0, write_weight=0.0,
@@ -119,11 +118,26 @@ def _grads(lm, loss) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in lm.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("config", sorted(OLD))
+def _with_write_and_guard(cfg: dict) -> dict:
+    """The terms docs/locking.md adds for small behaviours (the write term at 10, the refusal guard)."""
+    objectives = [*cfg["model"]["objectives"],
+                  {"class_path": "modular.gating.objectives.DirectionWrite", "init_args": {"weight": 10.0}},
+                  {"class_path": "modular.gating.objectives.RefusalGuard"}]
+    return {**cfg, "model": {**cfg["model"], "objectives": objectives}}
+
+
+#: configs with terms added as the docs add them -> (the config, how, the flat options it equals)
+VARIANTS = {"gate_capitals_smollm2.yaml+write+guard": ("gate_capitals_smollm2.yaml", _with_write_and_guard,
+                                                       dict(OLD["gate_capitals_smollm2.yaml"], write_weight=10.0,
+                                                            write_target=0.2, guard_weight=1.0, guard_floor=-3.0))}
+
+
+@pytest.mark.parametrize("config", sorted(OLD) + sorted(VARIANTS))
 def test_every_config_keeps_its_loss_and_gradients(config, tmp_path, isolated_cache):
     """On the same batch, the config's objectives give the loss and the gradients of the flat options it had
     (tiny llama, validation step: deterministic state assignment, gates at their deterministic values)."""
-    cfg = yaml.safe_load((CONFIGS / config).read_text())
+    name, change, old_options = VARIANTS.get(config, (config, lambda c: c, OLD.get(config)))
+    cfg = change(yaml.safe_load((CONFIGS / name).read_text()))
     assert {p.name for p in CONFIGS.glob("*.yaml") if "model" in (yaml.safe_load(p.read_text()) or {})} == set(OLD)
     model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
     m = cfg["model"]
@@ -151,7 +165,7 @@ def test_every_config_keeps_its_loss_and_gradients(config, tmp_path, isolated_ca
     new, terms = lm.model_step(batch, train=False)
     assert len(terms) >= 3
     new_grads = _grads(lm, new)
-    old = _old_loss(lm, batch, OLD[config])
+    old = _old_loss(lm, batch, old_options)
     old_grads = _grads(lm, old)
     torch.testing.assert_close(new, old, rtol=1e-4, atol=1e-5)
     assert set(new_grads) == set(old_grads) and new_grads
