@@ -49,6 +49,11 @@ def concat_left_padded(batches: list[dict], pad_token_id: int) -> dict:
     return {k: torch.cat(v) for k, v in out.items()}
 
 
+def _rows(piece: Piece, merged: dict, row: int, n: int) -> Piece:
+    """``piece`` with its own ``n`` rows, from ``row`` on, of the merged (re-padded) batch it ran in."""
+    return Piece(**{**vars(piece), "batch": {key: v[row:row + n] for key, v in merged.items()}})
+
+
 #: where head gates act: ``all`` inputs (closing a head removes it from the model) or the ``tasks`` only (a closed
 #: head's input is swapped for its counterfactual one on task items; everything else runs the plain model)
 GATE_SCOPES = ("all", "tasks")
@@ -326,13 +331,13 @@ class GatedLM(L.LightningModule):
             for p in items:
                 n = p.batch["input_ids"].shape[0]
                 rows[id(p)] = (row, n)
-                sub = Piece(**{**vars(p), "batch": {key: v[row:row + n] for key, v in merged.items()}})
+                sub = _rows(p, merged, row, n)
                 terms[p.name] = p.term.loss(ctx, sub, logits[row:row + n])
                 weights[p.name] = p.term.weight * (hp.locked_weight if p.locked else 1.0)
                 row += n
             for t, p, name in readers:
                 row, n = rows[id(p)]
-                sub = Piece(**{**vars(p), "batch": {key: v[row:row + n] for key, v in merged.items()}})
+                sub = _rows(p, merged, row, n)
                 terms[name] = t.loss_on(ctx, sub, logits[row:row + n], tuple(h[row:row + n] for h in out.hidden_states))
                 weights[name] = t.weight * (hp.locked_weight if p.locked else 1.0)
             if task_group:

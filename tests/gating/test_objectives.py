@@ -190,21 +190,26 @@ def test_a_module_refuses_what_is_not_a_term(tmp_path):
         GatedLM(model_name=str(model_dir), objectives=[LockedState(objective="forget")])
 
 
-def test_a_term_listed_twice_is_refused(tmp_path, isolated_cache):
-    model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
-    lm = GatedLM(model_name=str(model_dir), behaviours=["capitals"], locked_steering=0.0,
-                 objectives=[KeepReference(), KeepReference(weight=2.0)])
+def _capitals_step(model_dir, objectives: list[Term]):
+    """A capitals module with ``objectives`` on a tiny model, wired to its data module, and one training batch."""
+    lm = GatedLM(model_name=str(model_dir), behaviours=["capitals"], locked_steering=0.0, objectives=objectives)
     dm = GatingDataModule(model_name=str(model_dir), behaviours=["capitals"], batch_size=4, max_length=64,
                           reference_max_new_tokens=4, reference_top_k=8, neighbours=[])
     dm.setup("fit")
 
-    class _Trainer:
+    class _Trainer:  # model_step reads the tokenizer's pad id from the trainer's data module
         datamodule = dm
 
     lm._trainer = _Trainer()
     batch = next(iter(dm.train_dataloader()))
+    return lm, batch[0] if isinstance(batch, tuple) else batch
+
+
+def test_a_term_listed_twice_is_refused(tmp_path, isolated_cache):
+    model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
+    lm, batch = _capitals_step(model_dir, [KeepReference(), KeepReference(weight=2.0)])
     with pytest.raises(ModularError, match="two terms compute retain/locked_kl, retain/open_kl"):
-        lm.model_step(batch[0] if isinstance(batch, tuple) else batch, train=False)
+        lm.model_step(batch, train=False)
 
 
 def test_a_new_term_is_a_class(tmp_path, isolated_cache):
@@ -219,18 +224,7 @@ def test_a_new_term_is_a_class(tmp_path, isolated_cache):
         def loss(self, ctx, piece, logits):
             return token_ce(logits, piece.batch["labels"])
 
-    lm = GatedLM(model_name=str(model_dir), behaviours=["capitals"], locked_steering=0.0,
-                 objectives=[RetainLength(weight=0.25)])
-    dm = GatingDataModule(model_name=str(model_dir), behaviours=["capitals"], batch_size=4, max_length=64,
-                          reference_max_new_tokens=4, reference_top_k=8, neighbours=[])
-    dm.setup("fit")
-
-    class _Trainer:
-        datamodule = dm
-
-    lm._trainer = _Trainer()
-    batch = next(iter(dm.train_dataloader()))
-    batch = batch[0] if isinstance(batch, tuple) else batch
+    lm, batch = _capitals_step(model_dir, [RetainLength(weight=0.25)])
     total, terms = lm.model_step(batch, train=False)
     assert set(terms) == {"retain/open_len"}
     p = batch["retain"]["open"]
