@@ -11,14 +11,22 @@ known, so weight merges of two runs can check that the locks survive.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal, get_args
+
+import yaml
+from jsonargparse import ArgumentError, ArgumentParser
 
 from modular import ModularError
 
-METHODS = ("ac", "average", "task_arithmetic", "ties")
+Method = Literal["ac", "average", "task_arithmetic", "ties"]
+Function = Literal["replace", "sum", "mean"]
+Map = Literal["auto", "identity", "fit"]
+Split = Literal["train", "validation", "test"]
+METHODS = get_args(Method)
 WEIGHT_METHODS = ("average", "task_arithmetic", "ties")
-MAPS = ("auto", "identity", "fit")
+MAPS = get_args(Map)
 
 
 @dataclass
@@ -27,13 +35,13 @@ class Pair:
 
     a: str
     b: str
-    method: str = "ac"
+    method: Method = "ac"
     name: str | None = None
     task: str | None = None
-    f: str = "replace"
+    f: Function = "replace"
     depth_a: float | None = None
     depth_b: float | None = None
-    map: str = "auto"
+    map: Map = "auto"
     base: str | None = None
     weight_a: float = 0.5
     density: float = 0.2
@@ -51,14 +59,14 @@ class MergeConfig:
 
     pairs: list[Pair] = field(default_factory=list)
     task: str = "capitals"
-    split: str = "test"
+    split: Split = "test"
     limit: int | None = 96
     max_new_tokens: int = 16
     batch_size: int = 16
     seed: int = 0
     depth: float = 0.5
-    neutral_fit_split: str = "train"
-    neutral_eval_split: str = "test"
+    neutral_fit_split: Split = "train"
+    neutral_eval_split: Split = "test"
     neutral_limit: int | None = None
     skip_positions: int = 2
     map_dir: str = "outputs/merge/maps"
@@ -89,67 +97,25 @@ def check_model_spec(spec, where: str) -> str:
     )
 
 
-def _known(cls) -> dict:
-    return {f.name: f for f in fields(cls)}
-
-
-def _typed(value, default, key: str, where: str):
-    """Coerce a YAML scalar to the type of the field's default (ints may stand for floats)."""
-    if value is None:
-        return None
-    kind = type(default) if default is not None else None
-    if key in ("limit", "neutral_limit", "lock_limit"):
-        kind = int
-    if key in ("depth_a", "depth_b"):
-        kind = float
-    if key in ("name", "task", "base"):
-        kind = str
-    if kind is bool:
-        if not isinstance(value, bool):
-            raise ModularError(f"{where}: '{key}' must be true or false, got {value!r}")
-        return value
-    if kind is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ModularError(f"{where}: '{key}' must be a number, got {value!r}")
-        return float(value)
-    if kind is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ModularError(f"{where}: '{key}' must be an integer, got {value!r}")
-        return value
-    if kind is str and not isinstance(value, str):
-        raise ModularError(f"{where}: '{key}' must be a string, got {value!r}")
-    return value
-
-
-def _check_keys(raw: dict, cls, where: str) -> None:
-    known = _known(cls)
-    for key in raw:
-        if key not in known:
-            raise ModularError(f"{where}: unknown key '{key}' (known: {', '.join(sorted(known))})")
+def _parse(cls, raw, where: str, skip: set[str] | None = None):
+    """``raw`` (a mapping from YAML) as a ``cls``: its keys and types checked by jsonargparse against the dataclass's
+    fields (unknown keys, missing values, wrong types, values outside a Literal), errors as one line."""
+    if not isinstance(raw, dict):
+        raise ModularError(f"{where}: must be a mapping of keys to values, got {raw!r}")
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(cls, skip=skip)
+    try:
+        values = parser.parse_object({k: v for k, v in raw.items() if k not in (skip or ())})
+    except ArgumentError as err:
+        raise ModularError(f"{where}: " + " ".join(line.strip() for line in str(err).splitlines())) from None
+    return cls(**{k: v for k, v in vars(values).items() if not k.startswith("__")})
 
 
 def parse_pair(raw, index: int) -> Pair:
-    where = f"pair {index}"
-    if not isinstance(raw, dict):
-        raise ModularError(f"{where}: each pair must be a mapping with keys a, b, method, ...")
-    _check_keys(raw, Pair, where)
-    for key in ("a", "b"):
-        if key not in raw:
-            raise ModularError(f"{where}: missing key '{key}' (the model spec of {key.upper()})")
-    defaults = Pair("", "")
-    values = {k: _typed(v, getattr(defaults, k), k, where) for k, v in raw.items()}
-    pair = Pair(**values)
+    pair = _parse(Pair, raw, f"pair {index}")
     where = f"pair {index} ({pair.label})"
     check_model_spec(pair.a, f"{where} 'a'")
     check_model_spec(pair.b, f"{where} 'b'")
-    if pair.method not in METHODS:
-        raise ModularError(f"{where}: unknown method '{pair.method}': use one of {', '.join(METHODS)}")
-    from modular.merge.communication import FUNCTIONS
-
-    if pair.f not in FUNCTIONS:
-        raise ModularError(f"{where}: unknown f '{pair.f}': use one of {', '.join(FUNCTIONS)}")
-    if pair.map not in MAPS:
-        raise ModularError(f"{where}: unknown map '{pair.map}': use one of {', '.join(MAPS)}")
     for key in ("depth_a", "depth_b"):
         v = getattr(pair, key)
         if v is not None and not 0.0 <= v <= 1.0:
@@ -163,21 +129,11 @@ def parse_pair(raw, index: int) -> Pair:
 
 def parse_config(raw) -> MergeConfig:
     """Validate a parsed pairs file (a mapping) and return the :class:`MergeConfig`."""
-    if not isinstance(raw, dict):
-        raise ModularError("the pairs file must be a mapping with a 'pairs' list")
-    _check_keys(raw, MergeConfig, "pairs file")
-    defaults = MergeConfig()
-    values = {k: _typed(v, getattr(defaults, k), k, "pairs file") for k, v in raw.items() if k != "pairs"}
-    cfg = MergeConfig(**values)
+    cfg = _parse(MergeConfig, raw, "pairs file", skip={"pairs"})
     pairs = raw.get("pairs")
     if not isinstance(pairs, list) or not pairs:
         raise ModularError("pairs file: 'pairs' must be a non-empty list of pairs")
     cfg.pairs = [parse_pair(p, i) for i, p in enumerate(pairs)]
-    if cfg.split not in ("train", "validation", "test"):
-        raise ModularError(f"pairs file: unknown split '{cfg.split}': use train, validation or test")
-    for key in ("neutral_fit_split", "neutral_eval_split"):
-        if getattr(cfg, key) not in ("train", "validation", "test"):
-            raise ModularError(f"pairs file: '{key}' must be train, validation or test")
     if not 0.0 <= cfg.depth <= 1.0:
         raise ModularError(f"pairs file: 'depth' must be in [0, 1], got {cfg.depth}")
     if cfg.bootstrap < 1:
@@ -191,8 +147,6 @@ def parse_config(raw) -> MergeConfig:
 
 def load_pairs(path: str | Path) -> MergeConfig:
     """Read and validate a pairs YAML file."""
-    import yaml
-
     path = Path(path)
     if not path.is_file():
         raise ModularError(f"pairs file not found: {path}")

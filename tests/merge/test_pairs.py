@@ -21,18 +21,20 @@ def test_defaults_and_labels():
 
 
 @pytest.mark.parametrize("raw, message", [
-    ({**cfg(), "tsk": "ioi"}, "pairs file: unknown key 'tsk'"),
-    (cfg(fn="sum"), "pair 0: unknown key 'fn'"),
-    (cfg(method="blend"), "unknown method 'blend'"),
-    (cfg(f="max"), "unknown f 'max'"),
-    (cfg(map="ridge"), "unknown map 'ridge'"),
+    ({**cfg(), "tsk": "ioi"}, "pairs file: Option 'tsk' is not accepted"),
+    (cfg(fn="sum"), "pair 0: Option 'fn' is not accepted"),
+    (cfg(method="blend"), 'pair 0: Parser key "method": Expected a typing.Literal'),
+    (cfg(f="max"), 'Parser key "f"'),
+    (cfg(map="ridge"), 'Parser key "map"'),
     (cfg(depth_a=2), "'depth_a' must be in [0, 1]"),
-    (cfg(depth_b="half"), "'depth_b' must be a number"),
+    (cfg(depth_b="half"), 'Parser key "depth_b"'),
+    ({**cfg(), "limit": 2.5}, 'pairs file: Parser key "limit"'),
     ({"pairs": [{"a": "no-such-model", "b": "gemma3-270m"}]}, "unknown model 'no-such-model'"),
     ({"pairs": [{"a": "./missing/folder", "b": "gemma3-270m"}]}, "unknown model './missing/folder'"),
-    ({"pairs": [{"a": "smollm2-135m-instruct"}]}, "missing key 'b'"),
+    ({"pairs": [{"a": "smollm2-135m-instruct"}]}, "pair 0: the following arguments are required: b"),
+    ({"pairs": ["smollm2-135m-instruct"]}, "pair 0: must be a mapping"),
     ({"pairs": []}, "non-empty list"),
-    ({**cfg(), "split": "dev"}, "unknown split 'dev'"),
+    ({**cfg(), "split": "dev"}, 'pairs file: Parser key "split"'),
 ])
 def test_errors_are_one_line(raw, message):
     with pytest.raises(ModularError) as err:
