@@ -39,8 +39,8 @@ from modular.heads.ranking import (
     task_batch,
 )
 from modular.hooks import replace_heads
-from modular.models.adapter import ArchitectureAdapter
 from modular.models import load_model, load_tokenizer
+from modular.models.adapter import ArchitectureAdapter
 from modular.tracking import write_json
 
 

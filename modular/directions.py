@@ -14,12 +14,14 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
 from modular import ModularError
 from modular.data.formatting import batch_prompts
 from modular.hooks import capture_residual
 from modular.models.adapter import ArchitectureAdapter
+from modular.runs import DIRECTIONS
 
 STRATEGIES = ("low_variance", "random", "diff_in_means", "file")
 
@@ -123,8 +125,6 @@ def load_direction_file(path: str | Path, d: int) -> torch.Tensor:
     if not path.is_file():
         raise ModularError(f"direction file not found: {path}")
     if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
         tensors = load_file(str(path))
         if "direction" not in tensors:
             raise ModularError(f"{path} holds no tensor named 'direction' (found {sorted(tensors)})")
@@ -147,12 +147,11 @@ def load_avoided_directions(paths: list[str | Path], d: int) -> torch.Tensor | N
     behaviour) as an ``(m, d)`` tensor, or None when no file is given."""
     if not paths:
         return None
-    from safetensors.torch import load_file
 
     found = []
     for path in map(Path, paths):
         if path.is_dir():
-            path = path / "directions.safetensors"
+            path = path / DIRECTIONS
         if not path.is_file():
             raise ModularError(f"directions to avoid not found: {path}")
         tensors = sorted(load_file(str(path)).items())

@@ -30,9 +30,12 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
+from itertools import permutations
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
 
 from modular import ModularError
@@ -137,8 +140,6 @@ def _apply_corrected(param: torch.Tensor, c: Component, sign: float, applied: tu
 def _prefixes(behaviours: list[str]) -> list[tuple[str, ...]]:
     """Every order in which keys may have been applied before another one: the ordered sequences of up to
     ``k − 1`` distinct behaviours, shorter before longer (only the empty one beyond ``MAX_PREFIX_BEHAVIOURS``)."""
-    from itertools import permutations
-
     if len(behaviours) > MAX_PREFIX_BEHAVIOURS:
         return [()]
     return [p for n in range(len(behaviours)) for p in permutations(behaviours, n)]
@@ -339,8 +340,6 @@ def save_key(key: Key, path: str | Path, locked_hash: str,
     """Write a key as safetensors; what it restores, where, the locked weights' hash, the hash of the weights it
     produces (``produces``: keys applied before, in order -> weights hash; see :func:`produced_hashes`) and a digest
     of the file's own content go in the metadata."""
-    from safetensors.torch import save_file
-
     tensors = {"direction": key.direction.contiguous()}
     entries = []
     for i, c in enumerate(key.components):
@@ -370,8 +369,6 @@ def save_key(key: Key, path: str | Path, locked_hash: str,
 def load_key(path: str | Path) -> tuple[Key, dict]:
     """Read a key file and check its content digest; returns the key and its metadata (with ``locked_hash`` and
     ``produces``). A file that is not a key, truncated or changed raises :class:`ModularError`."""
-    from safetensors import safe_open
-
     path = Path(path)
     if not path.is_file():
         raise ModularError(f"key file not found: {path}")

@@ -92,7 +92,7 @@ def check_output_folder(out: str | Path, inputs: list[str | Path] = (), overwrit
         if not out.is_dir() or out.is_symlink():
             raise ModularError(f"{option} {out} exists and is not a folder; choose another one")
         if not overwrite:
-            raise ModularError(f"{out} already exists (pass --overwrite to replace it)")
+            raise ModularError(f"{out} already exists (pass --overwrite true to replace it)")
         found = folder_kind(out)
         if found is None:
             raise ModularError(f"{out} exists and was not written by modular (no {MANIFEST}); refusing to replace it")

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 from modular import ModularError
 
@@ -39,8 +40,6 @@ class Run:
 
 def read_run(run_dir: str | Path) -> Run:
     """Read ``run.json`` and ``directions.safetensors`` of a run folder (no weights are loaded)."""
-    from safetensors.torch import load_file
-
     path = Path(run_dir)
     if not (path / RUN_RECORD).is_file():
         raise ModularError(f"{path} is not a finished training run (no {RUN_RECORD}); train with train.py fit first")

@@ -112,6 +112,16 @@ def save_tiny_folder(path, arch: str = "llama", seed: int = 0):
     return path
 
 
+@pytest.fixture(autouse=True)
+def _no_shared_wandb_service():
+    """A W&B service started in this test process (an in-process run logging offline) names itself in WANDB_SERVICE;
+    a subprocess inheriting it would share it, and a run resumed there finds its id "in use". Every test starts
+    without it and leaves without it."""
+    os.environ.pop("WANDB_SERVICE", None)
+    yield
+    os.environ.pop("WANDB_SERVICE", None)
+
+
 @pytest.fixture
 def isolated_cache(tmp_path, monkeypatch):
     """Keep reference/model caches of tiny-model tests out of the user's cache."""
@@ -121,7 +131,51 @@ def isolated_cache(tmp_path, monkeypatch):
 
 @pytest.fixture
 def tiny_env(isolated_cache):
-    """Environment of a subprocess on tiny models: W&B offline, the isolated cache."""
+    """Environment of a subprocess on tiny models: W&B offline, the isolated cache, and its own W&B service (a
+    service this test process started, named by WANDB_SERVICE, would hold every run id a subprocess used)."""
     import os
 
-    return dict(os.environ, WANDB_MODE="offline", MODULAR_CACHE=str(isolated_cache))
+    env = dict(os.environ, WANDB_MODE="offline", MODULAR_CACHE=str(isolated_cache))
+    env.pop("WANDB_SERVICE", None)
+    return env
+
+
+def describe_figure(fig) -> dict:
+    """What a matplotlib figure draws: per axes its title, axis labels, tick labels, line labels and lengths,
+    bar heights, texts (annotations) and legend entries; the figure's suptitle."""
+    from matplotlib.patches import Rectangle
+
+    axes = []
+    for ax in fig.axes:
+        legend = ax.get_legend()
+        axes.append({
+            "title": ax.get_title(), "xlabel": ax.get_xlabel(), "ylabel": ax.get_ylabel(),
+            "xticklabels": [t.get_text() for t in ax.get_xticklabels()],
+            "yticklabels": [t.get_text() for t in ax.get_yticklabels()],
+            "lines": {line.get_label(): list(line.get_ydata()) for line in ax.get_lines()},
+            "bars": [p.get_height() for p in ax.patches if isinstance(p, Rectangle)],
+            "texts": [t.get_text() for t in ax.texts],
+            "legend": [t.get_text() for t in legend.get_texts()] if legend else [],
+            "images": len(ax.images) + sum(1 for c in ax.collections if c.get_array() is not None),
+            "points": [[tuple(xy) for xy in line.get_xydata()] for line in ax.get_lines() if line.get_marker() == "o"],
+        })
+    suptitle = fig._suptitle.get_text() if getattr(fig, "_suptitle", None) else ""
+    return {"suptitle": suptitle, "axes": axes}
+
+
+@pytest.fixture
+def drawn(monkeypatch):
+    """What every figure saved during the test draws (:func:`describe_figure`), by file name."""
+    from pathlib import Path
+
+    from matplotlib.figure import Figure
+
+    seen: dict[str, dict] = {}
+    real = Figure.savefig
+
+    def savefig(self, fname, *args, **kwargs):
+        seen[Path(str(fname)).name] = describe_figure(self)
+        return real(self, fname, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", savefig)
+    return seen

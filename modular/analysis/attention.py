@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from modular import ModularError
 from modular.analysis.formats import with_positions
 from modular.data.formatting import LeftPadCollator
 from modular.models.attention import eager_attention
@@ -58,20 +59,18 @@ def top_heads(span_mass: torch.Tensor, k: int) -> list[tuple[int, int]]:
     return [(int(i) // n_heads, int(i) % n_heads) for i in idx]
 
 
-def parse_heads(text: str, n_layers: int, n_heads: int) -> list[tuple[int, int]]:
-    """``"3.1,12.4"`` -> ``[(3, 1), (12, 4)]`` (checked against the model's size)."""
-    from modular import ModularError
+def check_heads(heads, n_layers: int, n_heads: int) -> list[tuple[int, int]]:
+    """``[(3, 1), (12, 4)]`` (layer, head) pairs, checked against the model's size."""
 
-    heads = []
-    for part in (p.strip() for p in text.split(",") if p.strip()):
-        try:
-            layer, head = (int(x) for x in part.split("."))
-        except ValueError:
-            raise ModularError(f"bad head '{part}': write LAYER.HEAD, e.g. 3.1") from None
+    out = []
+    for pair in heads:
+        if len(pair) != 2:
+            raise ModularError(f"bad head {list(pair)}: give [LAYER, HEAD], e.g. [3, 1]")
+        layer, head = (int(x) for x in pair)
         if not (0 <= layer < n_layers and 0 <= head < n_heads):
-            raise ModularError(f"head {part} is outside the model ({n_layers} layers, {n_heads} heads)")
-        heads.append((layer, head))
-    return heads
+            raise ModularError(f"head [{layer}, {head}] is outside the model ({n_layers} layers, {n_heads} heads)")
+        out.append((layer, head))
+    return out
 
 
 def _plt():
@@ -135,3 +134,35 @@ def plot_sweep(sweep: dict[str, list[dict]], path, title: str):
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def span_attention(model, tokenizer, items, conditions: dict[str, str], instruction: str, n_items: int,
+                   heads: list[tuple[int, int]] | None = None, n_heads: int = 3, batch_size: int = 8) -> dict:
+    """Attention of the last prompt token by position, per condition (label -> inserted span, "" for none), for
+    the given heads or the ``n_heads`` with the most attention mass on the inserted span (mean over the conditions
+    with a span). Returns the heads ("L.H"), how they were chosen, the curves and spans by condition label, and
+    the span mass per head."""
+    from modular.analysis.insertion import render_with_span
+    from modular.models import ArchitectureAdapter
+
+    adapter = ArchitectureAdapter(model)
+    rows = items.select(range(min(n_items, len(items))))
+    rendered = {c: [render_with_span(tokenizer, r["prompt"], r["chat"], span, instruction) for r in rows]
+                for c, span in conditions.items()}
+    att = {c: last_token_attention(model, tokenizer, [x.ids for x in rendered[c]], [x.span for x in rendered[c]],
+                                   batch_size=batch_size) for c in conditions}
+    with_span = [c for c, span in conditions.items() if span]
+    if heads:
+        chosen, how = check_heads(heads, adapter.n_layers, adapter.n_heads), "given"
+    else:
+        chosen = top_heads(sum(att[c]["span_mass"] for c in with_span) / len(with_span), n_heads)
+        how = "most attention mass on the inserted span (mean over insertion kinds)"
+    names = [f"{layer}.{head}" for layer, head in chosen]
+    return {
+        "heads": names, "head_choice": how, "items": len(rows),
+        "curves": {c: {n: att[c]["mean"][layer, head].tolist() for n, (layer, head) in zip(names, chosen)}
+                   for c in conditions},
+        "spans": {c: rendered[c][0].span for c in conditions},
+        "span_mass": {c: {n: att[c]["span_mass"][layer, head].item() for n, (layer, head) in zip(names, chosen)}
+                      for c in with_span},
+    }

@@ -16,6 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from modular import ModularError
@@ -113,8 +114,6 @@ def best_direction(curves: dict[str, dict], max_kl: float | None = None) -> dict
 
 def save_directions(path: str | Path, directions: dict[str, torch.Tensor], metadata: dict[str, str]) -> Path:
     """One unit vector per format × layer (key ``<format>.layer<NN>``), with string metadata."""
-    from safetensors.torch import save_file
-
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {f"{fmt}.layer{i:02d}": d[i].contiguous().float() for fmt, d in directions.items() for i in range(len(d))}
@@ -205,3 +204,20 @@ def plot_designated(cosines: dict[str, list[float]], path: str | Path, title: st
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def directions_by_format(model, tokenizer, behaviour_prompts: list[str], contrast_prompts: list[str],
+                         formats: list[str], batch_size: int = 16, designated: torch.Tensor | None = None):
+    """:func:`find_directions` for every prompt format: the directions by format, and per format what the JSON
+    reports (the suffix positions, difference norms, the cross-layer cosine and, given the run's designated
+    direction, each layer's cosine to it)."""
+    found, report = {}, {}
+    for fmt in formats:
+        res = find_directions(model, tokenizer, behaviour_prompts, contrast_prompts, fmt, batch_size)
+        found[fmt] = res["directions"]
+        entry = {**res["suffix"].describe(tokenizer), "diff_norms": res["diff_norms"],
+                 "cross_layer_cosine": cross_layer_cosine(res["directions"])}
+        if designated is not None:
+            entry["designated_cosine"] = (res["directions"] @ designated).tolist()
+        report[fmt] = entry
+    return found, report

@@ -128,3 +128,63 @@ def render_with_span(tokenizer, prompt: str, chat: bool, span: str,
     if any(s < a or e > b for s, e in (enc["offset_mapping"][i] for i in inside)):
         raise ModularError("the inserted span merges with its neighbouring text into one token")
     return Rendered(ids, (inside[0], inside[0] + n))
+
+
+def pooled_items(task: str, tokenizer, seeds: list[int], splits: list[str], limit: int | None = None):
+    """The task's items of ``splits`` under every generator seed, duplicates (same prompt) dropped, at most
+    ``limit``; more seeds give more items for small built-in tasks."""
+    import datasets
+
+    from modular.data import load_behaviour
+
+    rows, seen = [], set()
+    for s in seeds:
+        data = load_behaviour(task, seed=s, tokenizer=tokenizer)
+        for split in splits:
+            for row in data[split]:
+                if row["prompt"] not in seen:
+                    seen.add(row["prompt"])
+                    rows.append(row)
+    if not rows:
+        raise ModularError(f"task '{task}' has no items in {', '.join(splits)}")
+    items = datasets.Dataset.from_list(rows)
+    return items if limit is None else items.select(range(min(limit, len(items))))
+
+
+def with_span(items, span: str, instruction: str = DEFAULT_INSTRUCTION):
+    """The items with ``span`` inserted into every prompt (:func:`insert`)."""
+    import datasets
+
+    prompts = [insert(p, c, span, instruction) for p, c in zip(items["prompt"], items["chat"])]
+    return datasets.Dataset.from_dict({**items.to_dict(), "prompt": prompts}, features=items.features)
+
+
+def insertion_accuracy(model, tokenizer, items, span: str, instruction: str = DEFAULT_INSTRUCTION,
+                       max_new_tokens: int = 24, batch_size: int = 16, desc: str | bool = False,
+                       checked: int | None = None) -> dict:
+    """Greedy accuracy on the items with ``span`` inserted: accuracy, n, correct and the 95% Wilson interval. The
+    span is first checked to keep its length in context on the first ``checked`` prompts (default: every one)."""
+    from modular.evaluation.behaviour import evaluate_behaviour
+    from modular.evaluation.stats import wilson_interval
+
+    for r in items.select(range(len(items) if checked is None else min(checked, len(items)))):
+        render_with_span(tokenizer, r["prompt"], r["chat"], span, instruction)
+    r = evaluate_behaviour(model, tokenizer, with_span(items, span, instruction), max_new_tokens, batch_size,
+                           desc=desc)
+    k = sum(i["correct"] for i in r.items)
+    return {"accuracy": r.accuracy, "n": r.n, "correct": k, "ci95": wilson_interval(k, r.n)}
+
+
+def length_sweep(model, tokenizer, items, kinds: list[str], lengths: list[int], symbol: str = "/",
+                 instruction: str = DEFAULT_INSTRUCTION, max_new_tokens: int = 24, batch_size: int = 16) -> dict:
+    """Accuracy vs number of inserted tokens, per insertion kind (by its figure label): rows of length and
+    :func:`insertion_accuracy` (each length's span checked in context on 4 prompts)."""
+    rows: dict[str, list[dict]] = {}
+    for kind in kinds:
+        rows[LABELS[kind]] = []
+        for n in lengths:
+            span = filler(tokenizer, kind, n, symbol)
+            rows[LABELS[kind]].append({"length": n, **insertion_accuracy(
+                model, tokenizer, items, span, instruction, max_new_tokens, batch_size, desc=f"{kind} ({n})",
+                checked=4)})
+    return rows

@@ -1,49 +1,53 @@
-"""The ``evaluate.py`` subcommands of ``modular.analysis``: ``directions`` and ``attention``."""
+"""``modular directions`` and ``modular attention``: load, call :mod:`modular.analysis`, write JSON and figures, log."""
 
 from __future__ import annotations
 
 import logging
 import re
 from pathlib import Path
+from typing import Literal
+
+import torch
+
+from modular import ModularError
+from modular.analysis.attention import plot_attention, plot_sweep, span_attention
+from modular.analysis.discovery import (
+    ablation_curve,
+    best_direction,
+    directions_by_format,
+    plot_ablation,
+    plot_designated,
+    plot_heatmaps,
+    save_directions,
+)
+from modular.analysis.insertion import LABELS, filler, insertion_accuracy, length_sweep, pooled_items
+from modular.app.options import Split
+from modular.data import load_behaviour, retain_data
+from modular.evaluation.behaviour import evaluate_behaviour
+from modular.evaluation.retain import first_token_logp
+from modular.evaluation.stats import wilson_interval
+from modular.plots import bar_chart
+from modular.runs import load_model_or_run, load_open_model, load_tokenizer_or_run, read_run
+from modular.tracking import log_to_wandb, write_json
 
 log = logging.getLogger("modular")
+Format = Literal["chat", "raw", "newline"]
 
 
 def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.+-]+", "_", Path(text).name or text).strip("_")
 
 
-def _names(text: str, allowed: tuple[str, ...], what: str) -> list[str]:
-    from modular import ModularError
-
-    names = [t.strip() for t in str(text).split(",") if t.strip()]
-    bad = [n for n in names if n not in allowed]
-    if bad or not names:
-        raise ModularError(f"unknown {what} '{','.join(bad) or text}': use {', '.join(allowed)} (comma-separated)")
-    return names
-
-
-def _ints(text: str | int | None, what: str) -> list[int] | None:
-    from modular import ModularError
-
-    if text is None or text == "":
-        return None
-    try:
-        return [int(t) for t in str(text).strip("[]() ").split(",") if t.strip()]
-    except ValueError:
-        raise ModularError(f"{what} must be comma-separated integers, got '{text}'") from None
-
-
 def directions(
     model: str | None = None,
     behaviour: str = "capitals",
-    formats: str = "chat,raw,newline",
+    formats: list[Format] = ("chat", "raw", "newline"),
     n_prompts: int = 64,
     limit: int | None = 32,
     retain_limit: int = 48,
-    ablate_formats: str | None = None,
-    layers: str | None = None,
-    metric: str = "auto",
+    ablate_formats: list[Format] | None = None,
+    layers: list[int] | None = None,
+    metric: Literal["auto", "generation", "choice"] = "auto",
     max_new_tokens: int = 16,
     kl_budget: float = 0.1,
     batch_size: int = 16,
@@ -61,56 +65,32 @@ def directions(
     its test split and mean first-token KL to the unablated model on held-out retain prompts.
 
     Args:
-        model: Built-in alias (smollm2-135m-instruct, gemma3-270m), .gguf file, local HF folder or hub id
-            (default: smollm2-135m-instruct, or the run's model with ``--run``).
+        model: Default: smollm2-135m-instruct, or the run's model with ``--run``.
         behaviour: Built-in behaviour (capitals, ioi, ...) or .jsonl file; its train prompts give the means.
-        formats: Prompt formats, comma-separated: chat (chat template), raw (prompt alone), newline (prompt + "\\n").
+        formats: Prompt formats: chat (chat template), raw (prompt alone), newline (prompt + "\\n").
         n_prompts: Behaviour prompts (and as many retain prompts) averaged per format.
-        limit: Test items scored per ablated direction (default 32; none: all).
+        limit: Test items scored per ablated direction (default 32).
         retain_limit: Held-out retain prompts for the first-token KL.
         ablate_formats: Formats whose directions are ablated layer by layer (default: all of ``formats``).
-        layers: Layers whose directions are ablated, comma-separated (default: all).
+        layers: Layers whose directions are ablated (default: all).
         metric: auto (choice accuracy when every item has a competing answer, else greedy generation),
             generation or choice.
-        max_new_tokens: Length of greedy responses when scoring by generation.
+        max_new_tokens: When scoring by generation.
         kl_budget: Also report the best direction among those whose retain KL stays within this budget.
-        batch_size: Prompts per forward pass.
         run: Gated training run folder: analyse its trained (open) model and report the cosine between each
             found direction and the run's designated direction for ``behaviour``.
-        seed: Seed of the data generators and splits.
-        out: Output folder (default: outputs/analysis/directions/<model>-<behaviour>).
+        out: Default: outputs/analysis/directions/<model>-<behaviour>.
     """
-    import torch
-
-    from modular import ModularError
-    from modular.analysis.discovery import (
-        ablation_curve,
-        best_direction,
-        cross_layer_cosine,
-        find_directions,
-        plot_ablation,
-        plot_designated,
-        plot_heatmaps,
-        save_directions,
-    )
-    from modular.analysis.formats import FORMATS
-    from modular.data import load_behaviour, retain_data
-    from modular.evaluation.behaviour import evaluate_behaviour
-    from modular.evaluation.retain import first_token_logp
-    from modular.evaluation.stats import wilson_interval
-    from modular.runs import load_model_or_run, load_tokenizer_or_run
-    from modular.tracking import log_to_wandb, write_json
-
-    fmts = _names(formats, FORMATS, "format")
-    ablate = _names(ablate_formats, tuple(fmts), "ablation format") if ablate_formats else fmts
-    if metric not in ("auto", "generation", "choice"):
-        raise ModularError(f"unknown metric '{metric}': use auto, generation or choice")
+    fmts = list(dict.fromkeys(formats))
+    if not fmts:
+        raise ModularError("give at least one format with --formats")
+    ablate = list(dict.fromkeys(ablate_formats)) if ablate_formats else fmts
+    if any(f not in fmts for f in ablate):
+        raise ModularError(f"ablate_formats must be among --formats ({', '.join(fmts)})")
     if n_prompts < 1 or retain_limit < 1:
         raise ModularError("n_prompts and retain_limit must be ≥ 1")
     designated = None
     if run is not None:
-        from modular.runs import load_open_model, read_run
-
         r = read_run(run)
         if behaviour not in r.directions:
             raise ModularError(f"run {run} gates {', '.join(r.behaviours)}, not '{behaviour}'")
@@ -119,40 +99,22 @@ def directions(
         designated = designated / designated.norm()
     model = model or "smollm2-135m-instruct"
     tokenizer = load_tokenizer_or_run(model)
-    data = load_behaviour(behaviour, seed=seed, tokenizer=tokenizer)
-    retain = retain_data(seed)
-    n = min(n_prompts, len(data["train"]), len(retain["train"]))
-    if n == 0:
-        raise ModularError(f"behaviour '{behaviour}' has no train prompts")
-    behaviour_prompts = list(data["train"]["prompt"][:n])
-    contrast_prompts = list(retain["train"]["prompt"][:n])
-    test = data["test"] if limit is None else data["test"].select(range(min(limit, len(data["test"]))))
-    if len(test) == 0:
-        raise ModularError(f"behaviour '{behaviour}' has no test items")
-    held = retain["test"].select(range(min(retain_limit, len(retain["test"]))))
-    has_wrong = all(test["wrong"])
-    if metric == "choice" and not has_wrong:
-        raise ModularError(f"behaviour '{behaviour}' has no competing answers: use --metric generation")
-    choice_only = has_wrong and metric != "generation"
+    behaviour_prompts, contrast_prompts, test, held, choice_only = _direction_data(
+        behaviour, tokenizer, seed, n_prompts, limit, retain_limit, metric)
+    n = len(behaviour_prompts)
     metric_name = "choice accuracy" if choice_only else "greedy generation"
 
     m = load_open_model(r) if run is not None else load_model_or_run(model)
     if designated is not None and designated.numel() != m.config.hidden_size:
         raise ModularError(f"the run's direction has {designated.numel()} entries, the model's width differs")
-    found, report_formats = {}, {}
-    for fmt in fmts:
-        res = find_directions(m, tokenizer, behaviour_prompts, contrast_prompts, fmt, batch_size)
-        found[fmt] = res["directions"]
-        cos = cross_layer_cosine(res["directions"])
-        entry = {**res["suffix"].describe(tokenizer), "diff_norms": res["diff_norms"],
-                 "cross_layer_cosine": cos}
-        if designated is not None:
-            entry["designated_cosine"] = (res["directions"] @ designated).tolist()
-        report_formats[fmt] = entry
-        log.info("%s: %d positions (%r); adjacent-layer cosine mean %.3f", fmt, res["suffix"].n_positions,
+    found, report_formats = directions_by_format(m, tokenizer, behaviour_prompts, contrast_prompts, fmts, batch_size,
+                                                 designated)
+    for fmt, entry in report_formats.items():
+        cos = entry["cross_layer_cosine"]
+        log.info("%s: %d positions (%r); adjacent-layer cosine mean %.3f", fmt, entry["n_positions"],
                  entry["suffix_text"], torch.diagonal(cos, 1).mean().item() if len(cos) > 1 else 1.0)
     n_layers = len(next(iter(found.values())))
-    chosen_layers = _ints(layers, "layers")
+    chosen_layers = list(layers) if layers is not None else None
     if chosen_layers is not None and any(not 0 <= i < n_layers for i in chosen_layers):
         raise ModularError(f"layers must lie in 0..{n_layers - 1}")
 
@@ -209,17 +171,37 @@ def directions(
     return report
 
 
+def _direction_data(behaviour: str, tokenizer, seed: int, n_prompts: int, limit: int | None, retain_limit: int,
+                    metric: str):
+    """The prompts whose means give the directions (behaviour train prompts, as many retain prompts), the test
+    items and held-out retain prompts the ablations are scored on, and whether scoring is by choice."""
+    data = load_behaviour(behaviour, seed=seed, tokenizer=tokenizer)
+    retain = retain_data(seed)
+    n = min(n_prompts, len(data["train"]), len(retain["train"]))
+    if n == 0:
+        raise ModularError(f"behaviour '{behaviour}' has no train prompts")
+    test = data["test"] if limit is None else data["test"].select(range(min(limit, len(data["test"]))))
+    if len(test) == 0:
+        raise ModularError(f"behaviour '{behaviour}' has no test items")
+    held = retain["test"].select(range(min(retain_limit, len(retain["test"]))))
+    has_wrong = all(test["wrong"])
+    if metric == "choice" and not has_wrong:
+        raise ModularError(f"behaviour '{behaviour}' has no competing answers: use --metric generation")
+    return (list(data["train"]["prompt"][:n]), list(retain["train"]["prompt"][:n]), test, held,
+            has_wrong and metric != "generation")
+
+
 def attention(
     model: str = "smollm2-135m-instruct",
     task: str = "capitals",
-    insert: str = "meaningless,meaningful",
+    insert: list[Literal["meaningless", "meaningful"]] = ("meaningless", "meaningful"),
     length: int = 55,
-    sweep: str | None = None,
-    splits: str = "test",
-    seeds: str = "0",
+    sweep: list[int] | None = None,
+    splits: list[Split] = ("test",),
+    seeds: list[int] = (0,),
     limit: int | None = None,
     sweep_limit: int | None = None,
-    heads: str | None = None,
+    heads: list[tuple[int, int]] | None = None,
     n_heads: int = 3,
     attention_items: int = 64,
     instruction: str = "Answer the following question.",
@@ -239,108 +221,54 @@ def attention(
     averaged over prompts.
 
     Args:
-        model: Built-in alias (smollm2-135m-instruct, gemma3-270m), .gguf file, local HF folder or hub id.
         task: Built-in behaviour (capitals, arithmetic, greater_than, ...) or a .jsonl file.
-        insert: Insertion kinds, comma-separated: meaningless, meaningful.
+        insert: Insertion kinds: meaningless, meaningful.
         length: Inserted tokens N.
-        sweep: Inserted lengths for an accuracy-vs-length sweep, comma-separated (e.g. 0,8,16,32,55; none: no sweep).
-        splits: Splits whose items are scored, comma-separated (e.g. validation,test).
-        seeds: Generator seeds whose items are pooled (duplicates dropped), comma-separated; more seeds give
+        sweep: Inserted lengths for an accuracy-vs-length sweep (e.g. '[0, 8, 16, 32, 55]'; not given: no sweep).
+        splits: Splits whose items are scored (e.g. '[validation, test]').
+        seeds: Generator seeds whose items are pooled (duplicates dropped); more seeds give
             more items for small built-in tasks (for capitals a seed's test countries may be another seed's
             train countries, which matters only for trained models).
-        limit: Items scored per condition (default: all pooled items).
+        limit: Items scored per condition.
         sweep_limit: Items scored per sweep point (default: ``limit``).
-        heads: Heads to plot, comma-separated LAYER.HEAD (default: the ``n_heads`` heads with the most attention
+        heads: Heads to plot, [LAYER, HEAD] pairs, e.g. '[[3, 1], [12, 4]]' (default: the ``n_heads`` heads with the most attention
             mass on the inserted span).
         n_heads: Heads chosen when ``heads`` is not given.
         attention_items: Prompts averaged for the attention curves.
         instruction: Instruction line of chat tasks whose prompt is a single line.
         symbol: The repeated symbol of meaningless filler.
-        max_new_tokens: Length of greedy responses.
-        batch_size: Prompts per generation batch.
-        out: Output folder (default: outputs/analysis/attention/<model>-<task>).
+        out: Default: outputs/analysis/attention/<model>-<task>.
     """
-    import datasets
-
-    from modular import ModularError
-    from modular.analysis.attention import last_token_attention, parse_heads, plot_attention, plot_sweep, top_heads
-    from modular.analysis.insertion import KINDS, LABELS, filler, render_with_span, insert as insert_span
-    from modular.data import load_behaviour
-    from modular.evaluation.behaviour import evaluate_behaviour
-    from modular.evaluation.stats import wilson_interval
-    from modular.models import ArchitectureAdapter
-    from modular.plots import bar_chart
-    from modular.runs import load_model_or_run, load_tokenizer_or_run
-    from modular.tracking import log_to_wandb, write_json
-
-    kinds = _names(insert, KINDS, "insertion")
-    split_names = _names(splits, ("train", "validation", "test"), "split")
-    seed_list = _ints(seeds, "seeds") or [0]
-    lengths = _ints(sweep, "sweep")
+    kinds = list(dict.fromkeys(insert))
+    split_names = list(dict.fromkeys(splits))
+    seed_list = list(dict.fromkeys(seeds)) or [0]
+    lengths = list(sweep) if sweep else None
+    if not kinds or not split_names:
+        raise ModularError("give at least one insertion kind (--insert) and one split (--splits)")
     if length < 1 or any(x < 0 for x in lengths or []):
         raise ModularError("length must be ≥ 1 and sweep lengths ≥ 0")
     tokenizer = load_tokenizer_or_run(model)
-    rows, seen = [], set()
-    for s in seed_list:
-        data = load_behaviour(task, seed=s, tokenizer=tokenizer)
-        for split in split_names:
-            for row in data[split]:
-                if row["prompt"] not in seen:
-                    seen.add(row["prompt"])
-                    rows.append(row)
-    if not rows:
-        raise ModularError(f"task '{task}' has no items in {splits}")
-    items = datasets.Dataset.from_list(rows)
-    if limit is not None:
-        items = items.select(range(min(limit, len(items))))
-
-    def inserted(ds, span):
-        prompts = [insert_span(p, c, span, instruction) for p, c in zip(ds["prompt"], ds["chat"])]
-        return datasets.Dataset.from_dict({**ds.to_dict(), "prompt": prompts}, features=ds.features)
-
-    def score(ds, desc):
-        r = evaluate_behaviour(m, tokenizer, ds, max_new_tokens, batch_size, desc=desc)
-        k = sum(i["correct"] for i in r.items)
-        return {"accuracy": r.accuracy, "n": r.n, "correct": k, "ci95": wilson_interval(k, r.n)}
-
+    items = pooled_items(task, tokenizer, seed_list, split_names, limit)
     fillers = {kind: filler(tokenizer, kind, length, symbol) for kind in kinds}
     m = load_model_or_run(model)
-    adapter = ArchitectureAdapter(m)
-    conditions = {"none": ""} | fillers
-    # every prompt is rendered once per condition to check that the span has exactly N tokens in context
-    rendered = {c: [render_with_span(tokenizer, r["prompt"], r["chat"], span, instruction) for r in items]
-                for c, span in conditions.items()}
-    accuracy = {c: score(inserted(items, span), f"{c} ({length})" if span else "no insertion")
+    conditions = {LABELS[c]: span for c, span in ({"none": ""} | fillers).items()}
+    accuracy = {c: insertion_accuracy(m, tokenizer, items, span, instruction, max_new_tokens, batch_size,
+                                      desc=f"{c} ({length})" if span else "no insertion")
                 for c, span in conditions.items()}
     for c, a in accuracy.items():
         log.info("%s: accuracy %.3f (%d/%d, 95%% CI %.3f-%.3f)", c, a["accuracy"], a["correct"], a["n"], *a["ci95"])
-
-    n_att = min(attention_items, len(items))
-    att = {c: last_token_attention(m, tokenizer, [x.ids for x in rendered[c][:n_att]],
-                                   [x.span for x in rendered[c][:n_att]], batch_size=max(1, batch_size // 2))
-           for c in conditions}
-    if heads:
-        chosen = parse_heads(heads, adapter.n_layers, adapter.n_heads)
-        how = "given"
-    else:
-        mass = sum(att[k]["span_mass"] for k in kinds) / len(kinds)
-        chosen = top_heads(mass, n_heads)
-        how = "most attention mass on the inserted span (mean over insertion kinds)"
-    curves = {LABELS[c]: {f"{layer}.{head}": att[c]["mean"][layer, head].tolist() for layer, head in chosen}
-              for c in conditions}
-    spans = {LABELS[c]: rendered[c][0].span for c in conditions}
-    span_mass = {LABELS[c]: {f"{layer}.{head}": att[c]["span_mass"][layer, head].item() for layer, head in chosen}
-                 for c in kinds}
+    att = span_attention(m, tokenizer, items, conditions, instruction, attention_items, heads, n_heads,
+                         batch_size=max(1, batch_size // 2))
 
     out_dir = Path(out or Path("outputs") / "analysis" / "attention" / f"{_slug(model)}-{_slug(task)}")
-    bar_labels = ["w/o"] + [f"w/ {LABELS[k]}" for k in kinds]
     figures = {
-        "accuracy": bar_chart(out_dir / "accuracy.png", bar_labels, [a["accuracy"] for a in accuracy.values()],
-                              f"Results on {task}", f"accuracy ({len(items)} items, N = {length})",
+        "accuracy": bar_chart(out_dir / "accuracy.png", ["w/o"] + [f"w/ {LABELS[k]}" for k in kinds],
+                              [a["accuracy"] for a in accuracy.values()], f"Results on {task}",
+                              f"accuracy ({len(items)} items, N = {length})",
                               [tuple(a["ci95"]) for a in accuracy.values()]),
-        "attention": plot_attention(curves, spans, out_dir / "attention.png",
+        "attention": plot_attention(att["curves"], att["spans"], out_dir / "attention.png",
                                     f"{Path(model).name}, {task}: attention of the last prompt token, "
-                                    f"{n_att} prompts, {length} inserted tokens"),
+                                    f"{att['items']} prompts, {length} inserted tokens"),
     }
     report = {
         "model": model, "task": task, "length": length, "kinds": kinds, "splits": split_names, "seeds": seed_list,
@@ -348,35 +276,24 @@ def attention(
         "placement": "chat: <instruction>\\n<filler>\\n<problem>; completion: <filler>\\n<text>",
         "fillers": {k: {"text": v, "tokens": len(tokenizer(v, add_special_tokens=False)["input_ids"])}
                     for k, v in fillers.items()},
-        "accuracy": {LABELS[c]: a for c, a in accuracy.items()},
-        "heads": [f"{layer}.{head}" for layer, head in chosen], "head_choice": how,
-        "attention": {"query": "last prompt token", "items": n_att, "spans": spans, "span_mass": span_mass,
-                      "curves": curves},
+        "accuracy": accuracy, "heads": att["heads"], "head_choice": att["head_choice"],
+        "attention": {"query": "last prompt token", "items": att["items"], "spans": att["spans"],
+                      "span_mass": att["span_mass"], "curves": att["curves"]},
         "sweep": {}, "complete": not lengths, "files": figures,
     }
     write_json(out_dir / "attention.json", report)  # written again with the sweep
-
-    sweep_rows = report["sweep"]
     if lengths:
         sub = items if sweep_limit is None else items.select(range(min(sweep_limit, len(items))))
-        for kind in kinds:
-            sweep_rows[LABELS[kind]] = []
-            for n in lengths:
-                span = filler(tokenizer, kind, n, symbol)
-                for r in sub.select(range(min(4, len(sub)))):
-                    render_with_span(tokenizer, r["prompt"], r["chat"], span, instruction)
-                sweep_rows[LABELS[kind]].append({"length": n, **score(inserted(sub, span), f"{kind} ({n})")})
-        figures["sweep"] = plot_sweep(sweep_rows, out_dir / "sweep.png",
+        report["sweep"] = length_sweep(m, tokenizer, sub, kinds, lengths, symbol, instruction, max_new_tokens,
+                                       batch_size)
+        figures["sweep"] = plot_sweep(report["sweep"], out_dir / "sweep.png",
                                       f"{task}: accuracy vs inserted tokens ({len(sub)} items)")
-        report["sweep_items"] = len(sub)
-        report["complete"] = True
+        report.update(sweep_items=len(sub), complete=True)
         write_json(out_dir / "attention.json", report)
-    summary = {"accuracy": {k: v["accuracy"] for k, v in report["accuracy"].items()}, "span_mass": span_mass}
+    summary = {"accuracy": {k: v["accuracy"] for k, v in accuracy.items()}, "span_mass": att["span_mass"]}
     log_to_wandb(out_dir, "evaluate-attention", summary,
                  config={k: report[k] for k in ("model", "task", "length", "kinds", "splits", "seeds", "n_items")},
-                 figures=figures, tables={f"sweep_{k}": v for k, v in sweep_rows.items()})
+                 figures=figures, tables={f"sweep_{k}": v for k, v in report["sweep"].items()})
     log.info("wrote %s, %s", out_dir / "attention.json", ", ".join(str(p) for p in figures.values()))
     return report
 
-
-COMMANDS: dict = {"directions": directions, "attention": attention}

@@ -1,12 +1,32 @@
-"""The ``evaluate.py`` subcommands (thin wrappers over the evaluation modules)."""
+"""``modular behaviour``, ``lock`` and ``attack``: load, call the evaluation modules, write JSON and figures, log."""
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from pathlib import Path
 
+from modular import ModularError
+from modular.app.options import Split
+from modular.data import BEHAVIOURS, load_behaviour, parse_behaviour, retain_data
+from modular.data.behaviours import builtin_neighbours
+from modular.data.schema import DEFAULT_LOCKED_RESPONSE
+from modular.evaluation.attack import relearn_attack, residual_scale, steering_attack, weight_attack
+from modular.evaluation.behaviour import evaluate_behaviour
+from modular.evaluation.lock import lock_report, plot_lock
 from modular.evaluation.stats import wilson_interval
+from modular.models import load_model, load_tokenizer
+from modular.plots import bar_chart
+from modular.runs import (
+    behaviour_sources,
+    checkpoint_step,
+    load_model_or_run,
+    load_open_model,
+    load_tokenizer_or_run,
+    read_run,
+)
+from modular.tracking import log_to_wandb, write_json
 
 log = logging.getLogger("modular")
 
@@ -17,8 +37,8 @@ def _slug(text: str) -> str:
 
 def behaviour(
     model: str = "smollm2-135m-instruct",
-    behaviour: str = "capitals",
-    split: str = "test",
+    behaviours: list[str] = ("capitals",),
+    split: Split = "test",
     limit: int | None = None,
     max_new_tokens: int = 24,
     batch_size: int = 16,
@@ -28,26 +48,11 @@ def behaviour(
     """Accuracy of a model on one or more behaviours (held-out split), written to behaviour.json and W&B.
 
     Args:
-        model: Built-in alias (smollm2-135m-instruct, gemma3-270m), .gguf file, local HF folder or hub id.
-        behaviour: Built-in behaviour name(s), comma-separated (capitals, ioi, ioi_long, greater_than,
-            docstring, agreement, arithmetic, commonsense), a .jsonl file, or hf:<dataset>.
-        split: Which split to score: train, validation or test (held-out entities).
-        limit: Score at most this many items per behaviour (default: all).
-        max_new_tokens: Length of each greedy response.
-        batch_size: Prompts per generation batch.
-        seed: Seed of the data generators and splits.
-        out: Output folder (default: outputs/behaviour/<model>).
+        out: Default: outputs/behaviour/<model>.
     """
-    from modular import ModularError
-    from modular.data import load_behaviour
-    from modular.evaluation.behaviour import evaluate_behaviour
-    from modular.plots import bar_chart
-    from modular.runs import load_model_or_run, load_tokenizer_or_run
-    from modular.tracking import log_to_wandb, write_json
-
-    if split not in ("train", "validation", "test"):
-        raise ModularError(f"unknown split '{split}': use train, validation or test")
-    names = [b.strip() for b in behaviour.split(",") if b.strip()]
+    names = list(behaviours)
+    if not names:
+        raise ModularError("give at least one behaviour with --behaviours")
     tokenizer = load_tokenizer_or_run(model)
     datasets_ = {name: load_behaviour(name, seed=seed, tokenizer=tokenizer)[split] for name in names}
     m = load_model_or_run(model)
@@ -80,24 +85,14 @@ def lock(run: str, out: str | None = None, other_limit: int = 64, harden: bool =
     share of answers that are the locked response) and far built-in behaviours; writes lock.json and lock.png.
 
     Args:
-        run: Training run folder (holds run.json, directions.safetensors, last.ckpt); lock.json records the
-            checkpoint's step.
-        out: Output folder (default: the run folder).
+        run: lock.json records the checkpoint's step.
+        out: Default: the run folder.
         other_limit: Items scored for each non-gated built-in behaviour.
         harden: Publish with hardened readers (as ``modular publish`` does by default).
-        max_new_tokens: Length of greedy responses for the gated behaviours and their neighbours.
-        neighbours: More neighbour behaviours to score (built-in names, .jsonl files, hf:<dataset> or
-            NAME=<source>), besides the built-in neighbours of the gated built-in behaviours and those the run
-            kept in training (run.json ``neighbour_sources``).
+        max_new_tokens: For the gated behaviours and their neighbours.
+        neighbours: More neighbours to score, besides the built-in neighbours of the gated built-in behaviours and
+            those the run kept in training (run.json ``neighbour_sources``).
     """
-    from modular.evaluation.lock import lock_report, plot_lock
-    from modular.models import load_model, load_tokenizer
-    from modular.runs import behaviour_sources, checkpoint_step, load_open_model, read_run
-    from modular.tracking import log_to_wandb, write_json
-
-    from modular.data import parse_behaviour
-    from modular.data.behaviours import builtin_neighbours
-
     r = read_run(run)
     trained = dict(r.record.get("neighbour_sources") or {})
     named = {n: n for n in builtin_neighbours(r.behaviours, "evaluate")}
@@ -119,7 +114,7 @@ def lock(run: str, out: str | None = None, other_limit: int = 64, harden: bool =
     return report
 
 
-def attack(model: str, behaviour: str | None = None, alphas: list[float] = (-1, -0.5, -0.25, -0.1, 0.1, 0.25, 0.5, 1),
+def attack(model: str, behaviours: list[str] | None = None, alphas: list[float] = (-1, -0.5, -0.25, -0.1, 0.1, 0.25, 0.5, 1),
            n_pairs: int = 128, n_examples: list[int] = (8, 32, 128), relearn_steps: int = 40,
            relearn_lr: float = 5e-5, limit: int | None = None, seed: int = 0, out: str | None = None,
            base: str | None = None) -> dict:
@@ -127,39 +122,27 @@ def attack(model: str, behaviour: str | None = None, alphas: list[float] = (-1, 
     weights and add it back, (b) difference-in-means steering, (c) relearning by fine-tuning; writes attack.json.
 
     Args:
-        model: Published model folder (from ``modular publish``).
-        behaviour: Locked behaviour(s) to attack, comma-separated (default: every behaviour listed in the folder's
-            modular.json). A behaviour gated from user data is given with its data: NAME=<.jsonl file or hf:dataset>.
+        model: A published folder (from ``modular publish``).
+        behaviours: The locked behaviours to attack (default: every behaviour listed in the folder's modular.json).
+            A behaviour gated from user data is given with its data: NAME=<.jsonl file or hf:dataset>.
         alphas: Scales scanned in (a) and (b), in units of the typical residual norm.
         n_pairs: Prompt pairs used for the difference-in-means direction in (b) (at most 128).
         n_examples: Training-set sizes N for relearning in (c).
         relearn_steps: Maximum fine-tuning steps per N in (c).
         relearn_lr: Learning rate of the relearning attack.
-        limit: Score at most this many test items per evaluation.
-        seed: Seed of the data splits.
-        out: Output folder (default: <model>/attack).
-        base: The base model the weights were trained from (default: the one the folder's modular.json names; a
+        limit: Test items per evaluation.
+        out: Default: <model>/attack.
+        base: Default: the one the folder's modular.json names; a
             base given as a local folder is named there by its last part only, so give it here).
     """
-    import json as _json
-
-    from modular import ModularError
-    from modular.data import BEHAVIOURS, load_behaviour, parse_behaviour, retain_data
-    from modular.evaluation.attack import relearn_attack, residual_scale, steering_attack, weight_attack
-    from modular.data.schema import DEFAULT_LOCKED_RESPONSE
-    from modular.evaluation.behaviour import evaluate_behaviour
-    from modular.models import load_model, load_tokenizer
-    from modular.plots import bar_chart
-    from modular.tracking import log_to_wandb, write_json
-
     folder = Path(model)
     manifest_path = folder / "modular.json"
     if not manifest_path.is_file():
         raise ModularError(f"{folder} is not a published modular model (no modular.json)")
-    manifest = _json.loads(manifest_path.read_text())
+    manifest = json.loads(manifest_path.read_text())
     if "locked_behaviours" not in manifest:
         raise ModularError(f"{folder} is not a published modular model (its modular.json lists no locked behaviours)")
-    specs = [b.strip() for b in behaviour.split(",") if b.strip()] if behaviour else manifest["locked_behaviours"]
+    specs = list(behaviours) if behaviours else manifest["locked_behaviours"]
     sources = {}
     for spec in specs:  # a locked behaviour's name, or a spec naming its data (a data file is named by its stem)
         name, source = (spec, spec) if spec in manifest["locked_behaviours"] else parse_behaviour(spec)
@@ -167,7 +150,7 @@ def attack(model: str, behaviour: str | None = None, alphas: list[float] = (-1, 
             raise ModularError(f"behaviour '{name}' is not locked in {folder} (locked: "
                                f"{', '.join(manifest['locked_behaviours'])})")
         if source == name and name not in BEHAVIOURS:
-            raise ModularError(f"behaviour '{name}' was gated from user data: give it as --behaviour "
+            raise ModularError(f"behaviour '{name}' was gated from user data: give it as --behaviours+="
                                f"{name}=<its .jsonl file or hf:dataset>")
         sources[name] = source
     refusals = manifest.get("locked_responses", {})
@@ -212,14 +195,3 @@ def attack(model: str, behaviour: str | None = None, alphas: list[float] = (-1, 
     log_to_wandb(out_dir, "evaluate-attack", report, config={"model": str(folder)}, figures={"attack": fig})
     log.info("wrote %s and %s", out_dir / "attack.json", fig)
     return report
-
-
-def _all_commands() -> dict:
-    from modular.analysis.commands import COMMANDS as analysis
-    from modular.heads.commands import COMMANDS as heads
-    from modular.merge.commands import COMMANDS as merge
-
-    return {"behaviour": behaviour, "lock": lock, "attack": attack, **heads, **merge, **analysis}
-
-
-COMMANDS = _all_commands()

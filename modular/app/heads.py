@@ -1,12 +1,38 @@
-"""The ``evaluate.py`` subcommands of ``modular.heads``."""
+"""``modular heads curve`` and ``modular heads ablation``: head-efficiency and head-ablation curves of models."""
 
 from __future__ import annotations
 
+import gc
+import json
 import logging
 import re
 from pathlib import Path
+from typing import Literal
 
 import torch
+
+from modular import ModularError
+from modular.app.options import Split
+from modular.data import load_behaviour, neutral_text
+from modular.evaluation.retain import perplexity
+from modular.heads.categories import (
+    ABLATION_KINDS,
+    CATEGORIES,
+    METHODS,
+    ablation_curve,
+    classify_heads,
+    curve_checks,
+    head_values,
+    joint_categories,
+    plot_ablation_grid,
+    response_batch,
+    single_head_effects,
+)
+from modular.heads.curves import multiplier, plot_efficiency_curves
+from modular.heads.efficiency import DEFINITIONS, RANKINGS, ig_steps_for, task_curves
+from modular.heads.loading import load_head_model, model_label
+from modular.heads.ranking import ABLATIONS
+from modular.tracking import log_to_wandb, write_json
 
 log = logging.getLogger("modular")
 
@@ -17,8 +43,6 @@ DEFINITION_TITLES = {"effect_share": "Effect share: Σ_top-k |e_h| / Σ_all |e_h
 
 
 def _labels(models: list[str]) -> list[str]:
-    from modular.heads.loading import model_label
-
     labels = []
     for spec in models:
         label = model_label(spec)
@@ -33,9 +57,6 @@ def _slug(text: str) -> str:
 
 
 def _items(name: str, split: str, tokenizer, seed: int, limit: int | None, shuffle: bool = False):
-    from modular import ModularError
-    from modular.data import load_behaviour
-
     data = load_behaviour(name, seed=seed, tokenizer=tokenizer)
     if split not in data:
         raise ModularError(f"behaviour '{name}' has no '{split}' split")
@@ -49,93 +70,95 @@ def _items(name: str, split: str, tokenizer, seed: int, limit: int | None, shuff
     return ds
 
 
-def heads(
-    curve: bool = False,
-    ablation: bool = False,
+def curve(
     models: list[str] = ("smollm2-135m-instruct",),
-    tasks: list[str] | None = None,
-    ranking: str = "exhaustive",
+    tasks: list[str] = CURVE_TASKS,
+    ranking: Literal["exhaustive", "attribution", "refined"] = "exhaustive",
     ig_steps: int | None = None,
     refine: int = 15,
-    definition: str = "effect_share",
-    ablation_kind: str | None = None,
+    definition: Literal["effect_share", "faithfulness"] = "effect_share",
+    kind: Literal["counterfactual", "mean", "zero"] = "counterfactual",
+    target: float = 0.9,
     limit: int | None = 48,
-    split: str = "test",
-    classify_split: str = "train",
-    threshold: float | None = None,
-    max_heads: int = 50,
-    categories: str = "joint",
-    band: float = 0.05,
+    split: Split = "test",
     seed: int = 0,
     out: str | None = None,
 ) -> dict:
-    """Head measures of one or more models: head-efficiency curves (``--curve``) or head-ablation curves
-    by category (``--ablation``); writes heads.json / ablation.json beside PNG figures and logs to W&B.
-
-    ``--curve``: per task and model, rank the heads (exhaustive single-head patching or attribution
-    patching), then compute the explained effect vs heads kept under both definitions (effect share and
-    faithfulness); the first model is the base: the multiplier of every other model is the heads the base
-    needs for the threshold (0.9) divided by the heads that model needs. ``--ablation``: classify heads per
-    task as Facilitation / Interference / Irrelevance from ablation effects on ``classify_split``
-    (single heads, then, by default, checked jointly) and plot Δ log p(target response) per example as
-    0…``max_heads`` heads of each class are ablated, on held-out ``split`` items.
+    """Head-efficiency curves: per task and model, rank the heads (exhaustive single-head patching or attribution
+    patching), then the explained effect vs heads kept under both definitions (effect share and faithfulness);
+    the first model is the base: the multiplier of every other model is the heads the base needs for ``target``
+    divided by the heads that model needs. Writes heads.json beside heads.png and logs to W&B.
 
     Args:
-        curve: Head-efficiency curves (tasks default: ioi ioi_long greater_than docstring).
-        ablation: Head-ablation curves by category (tasks default: agreement commonsense arithmetic).
-        models: Model references (alias, .gguf, HF folder, hub id) or training run folders (a sparse
-            head-gated run is evaluated with its gates); the first one is the base model.
-        tasks: Built-in behaviours (or .jsonl files); curve tasks need a ``wrong`` answer per item.
-        ranking: Head ranking for ``--curve``: exhaustive (L·H patched forwards), attribution (gradients) or
-            refined (gradients on the clean and the counterfactual run, then exact patching of the top
-            ``refine`` heads of the second half of the layers: close to exhaustive at a few forwards' cost).
+        models: A training run folder is evaluated with its head gates; the first model is the base.
+        tasks: Built-in behaviours (or .jsonl files) with a ``wrong`` answer per item.
+        ranking: Head ranking: exhaustive (L·H patched forwards), attribution (gradients) or refined (gradients on
+            the clean and the counterfactual run, then exact patching of the top ``refine`` heads of the second
+            half of the layers: close to exhaustive at a few forwards' cost).
         ig_steps: Integrated-gradient points of attribution and refined ranking, ends included (default 1 for
             attribution: plain attribution patching; 2 for refined: the clean and the ablated run).
         refine: Refined ranking: how many heads of the second half of the layers (the top-scored there) to
             patch exactly.
-        definition: The plotted definition of ``--curve``: effect_share or faithfulness (both go to JSON).
-        ablation_kind: counterfactual (default of ``--curve``), mean (default of ``--ablation``) or zero.
-        limit: Items per task (and per split for ``--ablation``); default 48.
-        split: Items the curves are measured on (held-out entities in test).
-        classify_split: ``--ablation``: items the categories are chosen on (different from ``split``).
-        threshold: ``--curve``: the explained effect to reach (default 0.9); ``--ablation``: |Δ log p| in
-            nats per example below which a head is Irrelevance (default 0.02).
-        max_heads: ``--ablation``: ablate up to this many heads of each category.
-        categories: ``--ablation``: how heads are classed: joint (default: single-head candidates that
-            keep their class with the class's heads chosen before them ablated too) or single
-            (single-head effects only).
-        band: ``--ablation``, joint: largest mean |Δ log p| per example, in nats, of all chosen Irrelevance heads
-            ablated together.
-        seed: Seed of the data generators and splits.
-        out: Output folder (default: outputs/heads/<curve|ablation>-<models>).
+        definition: The plotted definition (both go to JSON).
+        kind: What an ablated head's output is replaced by.
+        target: The explained effect to reach (heads needed for it, multipliers).
+        limit: Default 48.
+        out: Default: outputs/heads/curve-<models>.
     """
-    from modular import ModularError
+    models = _check_models(models)
+    out_dir = Path(out or Path("outputs") / "heads" / f"curve-{_slug('+'.join(_labels(models)))}")
+    return _curve(models, list(tasks), ranking, ig_steps, refine, definition, kind, limit, split, target, seed,
+                  out_dir)
 
-    if curve == ablation:
-        raise ModularError("choose exactly one of --curve and --ablation")
+
+def ablation(
+    models: list[str] = ("smollm2-135m-instruct",),
+    tasks: list[str] = ABLATION_TASKS,
+    kind: Literal["mean", "zero"] = "mean",
+    irrelevance: float = 0.02,
+    max_heads: int = 50,
+    categories: Literal["joint", "single"] = "joint",
+    band: float = 0.05,
+    limit: int | None = 48,
+    split: Split = "test",
+    classify_split: Split = "train",
+    seed: int = 0,
+    out: str | None = None,
+) -> dict:
+    """Head-ablation curves by category: classify heads per task as Facilitation / Interference / Irrelevance from
+    ablation effects on ``classify_split`` (single heads, then, by default, checked jointly) and plot Δ log p(target
+    response) per example as 0…``max_heads`` heads of each class are ablated, on held-out ``split`` items. Writes
+    ablation.json beside ablation.png and logs to W&B; a run cut short resumes from its partial ablation.json.
+
+    Args:
+        models: A training run folder is evaluated with its head gates.
+        tasks: Built-in behaviours (or .jsonl files).
+        kind: What an ablated head's output is replaced by.
+        irrelevance: |Δ log p| in nats per example below which a head is Irrelevance.
+        max_heads: Ablate up to this many heads of each category.
+        categories: How heads are classed: joint (single-head candidates that keep their class with the class's
+            heads chosen before them ablated too) or single (single-head effects only).
+        band: joint: largest mean |Δ log p| per example, in nats, of all chosen Irrelevance heads ablated together.
+        limit: Items per task and per split; default 48.
+        classify_split: Items the categories are chosen on (different from ``split``).
+        out: Default: outputs/heads/ablation-<models>.
+    """
+    models = _check_models(models)
+    out_dir = Path(out or Path("outputs") / "heads" / f"ablation-{_slug('+'.join(_labels(models)))}")
+    return _ablation(models, list(tasks), kind, limit, split, classify_split, irrelevance, max_heads, categories,
+                     band, seed, out_dir)
+
+
+def _check_models(models) -> list[str]:
     models = list(models)
     if not models:
         raise ModularError("give at least one model with --models")
-    mode = "curve" if curve else "ablation"
-    out_dir = Path(out or Path("outputs") / "heads" / f"{mode}-{_slug('+'.join(_labels(models)))}")
-    if curve:
-        return _curve(models, list(tasks or CURVE_TASKS), ranking, ig_steps, refine, definition,
-                      ablation_kind or "counterfactual", limit, split, 0.9 if threshold is None else threshold,
-                      seed, out_dir)
-    return _ablation(models, list(tasks or ABLATION_TASKS), ablation_kind or "mean", limit, split, classify_split,
-                     0.02 if threshold is None else threshold, max_heads, categories, band, seed, out_dir)
+    return models
 
 
 def _curve(models, tasks, ranking, ig_steps, refine, definition, ablation_kind, limit, split, threshold, seed,
            out_dir) -> dict:
-    import gc
 
-    from modular import ModularError
-    from modular.heads.curves import multiplier, plot_efficiency_curves
-    from modular.heads.efficiency import DEFINITIONS, RANKINGS, ig_steps_for, task_curves
-    from modular.heads.loading import load_head_model
-    from modular.heads.ranking import ABLATIONS
-    from modular.tracking import log_to_wandb, write_json
 
     if definition not in DEFINITIONS:
         raise ModularError(f"unknown definition '{definition}': use one of {DEFINITIONS}")
@@ -148,8 +171,6 @@ def _curve(models, tasks, ranking, ig_steps, refine, definition, ablation_kind, 
     if refine < 0:
         raise ModularError("refine must be ≥ 0")
     ig_steps = ig_steps_for(ranking, ig_steps)
-    from modular.data import neutral_text
-    from modular.evaluation.retain import perplexity
 
     labels = _labels(models)
     results: dict[str, dict[str, dict]] = {t: {} for t in tasks}
@@ -206,22 +227,7 @@ def _curve(models, tasks, ranking, ig_steps, refine, definition, ablation_kind, 
 
 def _ablation(models, tasks, kind, limit, split, classify_split, threshold, max_heads, method, band, seed,
               out_dir) -> dict:
-    import gc
 
-    from modular import ModularError
-    from modular.heads.categories import (
-        ABLATION_KINDS,
-        CATEGORIES,
-        METHODS,
-        ablation_curve,
-        classify_heads,
-        curve_checks,
-        head_values,
-        joint_categories,
-        response_batch,
-        single_head_effects,
-    )
-    from modular.heads.loading import load_head_model
 
     if kind not in ABLATION_KINDS:
         raise ModularError(f"unknown ablation kind '{kind}' for --ablation: use one of {ABLATION_KINDS}")
@@ -279,7 +285,6 @@ def _ablation(models, tasks, kind, limit, split, classify_split, threshold, max_
 def _resume(path: Path, settings: dict, specs: dict[str, str], results: dict[str, dict]) -> None:
     """Take over the (task, model) results of a run cut short (``partial`` report in the same folder, same
     settings, same model for the label), so that a restarted run measures only what is missing."""
-    import json
 
     if not path.is_file():
         return
@@ -301,8 +306,6 @@ def _resume(path: Path, settings: dict, specs: dict[str, str], results: dict[str
 
 def _write_ablation(out_dir, results, labels, models, tasks, kind, threshold, split, classify_split, limit, max_heads,
                     method, band, seed, partial: bool) -> dict:
-    from modular.heads.categories import CATEGORIES, plot_ablation_grid
-    from modular.tracking import log_to_wandb, write_json
 
     specs = dict(zip(labels, models))
     tasks = [t for t in tasks if results[t]]
@@ -340,4 +343,3 @@ METHOD_TEXT = {
              "by a mean |Δ| ≤ {band} nats)",
 }
 
-COMMANDS: dict = {"heads": heads}

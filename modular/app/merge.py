@@ -1,9 +1,14 @@
-"""The ``evaluate.py`` subcommands of ``modular.merge``."""
+"""``modular merge``: merge gain of model pairs vs. the similarity of their activation spaces."""
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
+
+from modular.merge.pairs import load_pairs
+from modular.merge.plots import gain_scatter
+from modular.merge.runner import MergeRunner
+from modular.tracking import log_to_wandb, write_json
 
 log = logging.getLogger("modular")
 
@@ -19,15 +24,9 @@ def merge(pairs: str = "configs/merge_pairs.yaml", out: str | None = None, limit
 
     Args:
         pairs: Pairs file (YAML; see configs/merge_pairs.yaml, every key commented).
-        out: Output folder (default: outputs/merge/<pairs file name>).
-        limit: Override the pairs file's items per task (for quick runs).
-        progress: Show progress bars.
+        out: Default: outputs/merge/<pairs file name>.
+        limit: Overrides the pairs file's items per task (for quick runs).
     """
-    from modular.merge.pairs import load_pairs
-    from modular.merge.plots import gain_scatter
-    from modular.merge.runner import MergeRunner
-    from modular.tracking import log_to_wandb, write_json
-
     cfg = load_pairs(pairs)
     if limit is not None:
         cfg.limit = limit
@@ -61,6 +60,3 @@ def merge(pairs: str = "configs/merge_pairs.yaml", out: str | None = None, limit
                  r["similarity"]["cka"])
     log.info("wrote %s, %s and %s", out_dir / "merge.json", figures["frobenius"], figures["cka"])
     return report
-
-
-COMMANDS: dict = {"merge": merge}

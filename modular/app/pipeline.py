@@ -12,6 +12,11 @@ from pathlib import Path
 import yaml
 
 from modular import ModularError
+from modular.app.evaluations import attack, lock
+from modular.app.publishing import publish, unlock
+from modular.app.train import main as train
+from modular.publish import key_path, keys_folder_for
+from modular.runs import RUN_RECORD, behaviour_sources, checkpoint_step, lock_verdict, read_run
 
 log = logging.getLogger("modular")
 DEFAULT_CONFIG = "gate_capitals_smollm2.yaml"
@@ -38,13 +43,22 @@ def run_folder_of(config: Path) -> Path:
     return Path(root)
 
 
+def main_job(config: str | None = None, out: str | None = None, skip_attack: bool = False) -> None:
+    """The default pipeline: train the gated model, evaluate the lock, publish (keys in their own folder), unlock
+    with the key(s), attack the published weights, and print a table of the results with the paths of the figures.
+
+    Args:
+        config: Training config (YAML), resolved from the current directory; its ``trainer.default_root_dir`` is the
+            run folder (relative to the current directory). Default: the built-in capitals config
+            (gate_capitals_smollm2.yaml, shipped with the package).
+        out: Folder for the published and unlocked models, the keys and the attack (default: the run folder).
+        skip_attack: Skip the attack evaluation.
+    """
+    run_pipeline(config, out, skip_attack)
+
+
 def run_pipeline(config: str | None = None, out: str | None = None, skip_attack: bool = False) -> dict:
     """Run every stage for ``config`` (default: the built-in capitals config) and return the summary's numbers."""
-    from modular.cli import publish, unlock
-    from modular.evaluation.commands import attack, lock
-    from modular.publish import key_path, keys_folder_for
-    from modular.runs import RUN_RECORD, behaviour_sources, checkpoint_step, lock_verdict, read_run
-    from modular.train_cli import main as train
 
     config = Path(config) if config else builtin_config()
     if not config.is_file():
@@ -65,7 +79,7 @@ def run_pipeline(config: str | None = None, out: str | None = None, skip_attack:
     verified, why = lock_verdict(run, checkpoint_step(run))
     if not verified:  # the numbers are shown, nothing is published as locked
         summarise(run_dir, out_dir)
-        raise ModularError(f"{run_dir}: {why}; nothing was published (modular publish --allow_failed_lock publishes "
+        raise ModularError(f"{run_dir}: {why}; nothing was published (modular publish --allow_failed_lock true publishes "
                            "it with a card that says so)")
     publish(run=str(run_dir), out=str(published), keys=str(keys_dir), overwrite=True)
     behaviours = json.loads((published / "modular.json").read_text())["locked_behaviours"]
@@ -76,14 +90,12 @@ def run_pipeline(config: str | None = None, out: str | None = None, skip_attack:
         current = target
     if not skip_attack:
         sources = behaviour_sources(run)
-        attack(model=str(published), behaviour=",".join(f"{b}={s}" if s != b else b for b, s in sources.items()),
+        attack(model=str(published), behaviours=[f"{b}={s}" if s != b else b for b, s in sources.items()],
                out=str(out_dir / "attack"), base=run.model_name)
     return summarise(run_dir, out_dir)
 
 
 def summarise(run_dir: Path, out_dir: Path) -> dict:
-    from modular.publish import keys_folder_for
-
     lock = json.loads((run_dir / "lock.json").read_text())
     lines = []
     gated = lock["gated"]

@@ -1,5 +1,5 @@
-"""The training command: a LightningCLI over :class:`~modular.gating.module.GatedLM` and
-:class:`~modular.gating.data.GatingDataModule` (``python train.py fit --config ...``; ``modular main`` calls it
+"""``modular train``: a LightningCLI over :class:`~modular.gating.module.GatedLM` and
+:class:`~modular.gating.data.GatingDataModule` (``modular train fit --config ...``, or ``python train.py fit ...``; ``modular main`` calls it
 in-process). ``fit --help`` documents every option. A killed run resumes from ``last.ckpt`` in its run folder when
 started again with the same command (``--ckpt_path null`` starts afresh).
 
@@ -10,6 +10,7 @@ training starts it checks that the checkpoint it would resume from can be read.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import sys
@@ -18,6 +19,7 @@ from pathlib import Path
 
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.loggers import WandbLogger
 
 from modular import ModularError
 from modular.data import load_jsonl, parse_behaviour
@@ -99,9 +101,7 @@ def follow_run_folder(trainer) -> None:
     run_dir = trainer.get("default_root_dir")
     if not run_dir:
         return
-    import inspect
 
-    from lightning.pytorch.loggers import WandbLogger
 
     unset = (None, "", inspect.signature(WandbLogger).parameters["save_dir"].default)  # the parser fills defaults in
     for lg in _wandb_loggers(trainer):

@@ -11,6 +11,7 @@ import logging
 from contextlib import nullcontext
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from modular.data import BEHAVIOURS, load_behaviour, neutral_text, retain_data
@@ -166,8 +167,6 @@ def _with(state, fn):
 
 def _grouped_bars(ax, report: dict, states: list[str], group: str, names: list[str], title: str) -> None:
     """Accuracy per state of each behaviour in ``group`` (``behaviours`` or ``neighbours``), with 95% intervals."""
-    import numpy as np
-
     x = np.arange(len(states))
     width = 0.8 / max(1, len(names))
     for j, b in enumerate(names):
@@ -205,7 +204,6 @@ def lock_figure(report: dict):
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
 
     states = list(report["states"])
     neighbours = report.get("neighbours", [])

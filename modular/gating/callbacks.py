@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import logging
 import math
+from pathlib import Path
 
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 
+from modular import ModularError
 from modular.data.schema import all_refusals
 from modular.evaluation.behaviour import evaluate_behaviour
 from modular.evaluation.retain import first_token_logp, mean_kl, perplexity
@@ -63,8 +65,6 @@ class LockMetricsCallback(Callback):
     def __init__(self, limit: int | None = 64, max_new_tokens: int = 24, locked_accuracy: float = 0.05,
                  open_drop: float = 0.0, retain_kl: float = 0.05, stop: bool = True, min_steps: int = 0,
                  max_passes: float | None = None, min_passes: float | None = None):
-        from modular import ModularError
-
         for name, value in (("locked_accuracy", locked_accuracy), ("open_drop", open_drop), ("retain_kl", retain_kl)):
             if value < 0:
                 raise ModularError(f"LockMetricsCallback {name} must be >= 0, got {value}")
@@ -259,7 +259,6 @@ class SparseHeadsCallback(Callback):
     def on_validation_epoch_end(self, trainer, pl_module) -> None:
         if trainer.sanity_checking or not pl_module.hparams.head_gates:
             return
-        from pathlib import Path
 
         from modular.data import neutral_text
         from modular.heads.gates import deterministic_gate_values, head_gate_scope
@@ -305,7 +304,6 @@ class RunRecordCallback(Callback):
     def on_fit_end(self, trainer, pl_module) -> None:
         if not trainer.is_global_zero:
             return
-        from pathlib import Path
 
         from modular.runs import RUN_RECORD, read_checkpoint
         from modular.tracking import write_json

@@ -12,6 +12,7 @@ import torch
 from lightning.pytorch.utilities import CombinedLoader
 from torch.utils.data import DataLoader, Dataset
 
+from modular import ModularError
 from modular.data import behaviour_name, load_behaviour, parse_behaviour, retain_data
 from modular.data.behaviours import builtin_neighbours, is_jsonl
 from modular.data.formatting import IGNORE, LeftPadCollator, encode_example
@@ -98,8 +99,6 @@ def per_behaviour(spec, behaviours: list[str], default, option: str) -> dict:
         return {b: spec for b in behaviours}
     unknown = sorted(set(spec) - set(behaviours))
     if unknown:
-        from modular import ModularError
-
         raise ModularError(f"{option} names behaviours that are not gated: {', '.join(unknown)}")
     return {b: spec.get(b, default) for b in behaviours}
 
@@ -115,8 +114,6 @@ def _named(specs, option: str) -> dict[str, str]:
     for spec in specs:
         name = behaviour_name(spec)
         if name in out:
-            from modular import ModularError
-
             raise ModularError(f"{option}: '{out[name]}' and '{spec}' are both named '{name}'; "
                                f"name one of them (NAME=<source>)")
         out[name] = str(spec)
@@ -132,8 +129,6 @@ NEIGHBOURS_KEY = "neighbours"
 def neighbour_specs(spec, behaviours: list[str]) -> dict[str, str]:
     """{short name: spec} of the neighbours kept during training: ``auto`` (the built-in neighbours of the gated
     built-in behaviours), a list of specs, or ``None``/``[]`` (none). A gated behaviour is not its own neighbour."""
-    from modular import ModularError
-
     if spec is None:
         return {}
     if isinstance(spec, str):
@@ -150,8 +145,6 @@ def neighbour_specs(spec, behaviours: list[str]) -> dict[str, str]:
 def neighbour_data(name: str, data, limit: int | None = None, seed: int = 0):
     """A neighbour's data checked for training (train items needed), its train split cut to ``limit`` items (an
     even sample by ``seed``)."""
-    from modular import ModularError
-
     if not len(data["train"]):
         counts = ", ".join(f"{s} {len(data[s])}" for s in ("train", "validation", "test"))
         raise ModularError(f"neighbour '{name}' has no train items ({counts}): training keeps its train items")
@@ -163,8 +156,6 @@ def neighbour_data(name: str, data, limit: int | None = None, seed: int = 0):
 
 def check_data_options(options) -> None:
     """One line for a data option out of range (``batch_size`` needs an open and a locked half), before any work."""
-    from modular import ModularError
-
     for option in ("batch_size", "max_length", "lm_max_length", "reference_max_new_tokens", "reference_top_k",
                    "num_workers", "neighbour_items"):
         low, value = (2 if option == "batch_size" else 0 if option == "num_workers" else 1), options[option]
@@ -177,7 +168,6 @@ def training_data(name: str, data, batch_size: int) -> tuple:
     """A behaviour's (or task's) data checked for training: train items, at least ``batch_size`` of them, and a
     validation split (where the data has none, one is carved from train:
     :func:`~modular.data.behaviours.carve_validation`). Returns the data and the number of items carved."""
-    from modular import ModularError
     from modular.data.behaviours import carve_validation
 
     counts = ", ".join(f"{s} {len(data[s])}" for s in ("train", "validation", "test"))
@@ -264,12 +254,8 @@ class GatingDataModule(L.LightningDataModule):
         self.refusals = all_refusals(self.locked_responses) if self.behaviours else ()
         self.neighbour_specs = neighbour_specs(neighbours, self.behaviours)
         if lm_text not in (None, "neutral"):
-            from modular import ModularError
-
             raise ModularError(f"lm_text must be 'neutral' or null, got '{lm_text}'")
         if not self.behaviours and not self.tasks:
-            from modular import ModularError
-
             raise ModularError("nothing to train: give at least one behaviour or one task")
         check_data_options(self.hparams)
         self._warned: set[str] = set()
@@ -436,8 +422,6 @@ class GatingDataModule(L.LightningDataModule):
         item["wrong_id"] = wrong[0] if wrong else -1
         if hp.task_counterfactuals:
             if not r.get("counterfactual"):
-                from modular import ModularError
-
                 raise ModularError(f"task item without a counterfactual prompt: {r['prompt'][:60]!r}; "
                                    "gate_scope: tasks needs one for every task item")
             cf = encode_example(self.tokenizer, r["counterfactual"], r["target"], r["chat"], hp.max_length)

@@ -10,7 +10,9 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from safetensors.torch import load_file, save_file
 
+from modular import ModularError
 from modular.data.formatting import IGNORE
 from modular.gating.losses import response_margins
 from modular.gating.objectives import HeadTaskTerm, Piece, StepContext, Term, check_objectives, default_objectives
@@ -18,6 +20,7 @@ from modular.heads.gates import deterministic_gate_values, head_gate_scope
 from modular.hooks import ablate_directions, add_vectors, capture_head_inputs
 from modular.models.adapter import ArchitectureAdapter
 from modular.models.attention import eager_attention
+from modular.runs import DIRECTIONS
 
 log = logging.getLogger("modular")
 
@@ -71,8 +74,6 @@ _RANGES = {
 
 def check_model_options(options) -> None:
     """One line for the first numeric option out of range (before anything is loaded)."""
-    from modular import ModularError
-
     for option, (low, inclusive) in _RANGES.items():
         value = options.get(option)
         if value is not None and (value < low if inclusive else value <= low):
@@ -178,10 +179,8 @@ class GatedLM(L.LightningModule):
     ):
         super().__init__()
         self.save_hyperparameters(ignore=["objectives"])
-        from modular import ModularError
-        from modular.models import load_model
-
         from modular.heads.sparsity import make_sparsity
+        from modular.models import load_model
 
         check_model_options(self.hparams)
         self.objectives = list(default_objectives() if objectives is None else objectives)
@@ -250,10 +249,8 @@ class GatedLM(L.LightningModule):
             return
         dm = self.trainer.datamodule
         run_dir = Path(self.trainer.default_root_dir)
-        path = run_dir / "directions.safetensors"
+        path = run_dir / DIRECTIONS
         if path.exists():
-            from safetensors.torch import load_file
-
             saved = load_file(str(path))
             self.directions.copy_(torch.stack([saved[b] for b in self.behaviours]))
             return
@@ -267,8 +264,6 @@ class GatedLM(L.LightningModule):
                                  avoid=avoid)
         self.directions.copy_(dirs.to(self.directions))
         if self.trainer.is_global_zero:
-            from safetensors.torch import save_file
-
             run_dir.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(f".{path.name}.tmp")
             save_file({b: dirs[i].contiguous() for i, b in enumerate(self.behaviours)}, str(tmp))
@@ -298,8 +293,6 @@ class GatedLM(L.LightningModule):
         pieces = [p for t in self.objectives for p in t.pieces(ctx) if p.batch["input_ids"].shape[0] > 0]
         names = [p.name for p in pieces]
         if len(set(names)) != len(names):
-            from modular import ModularError
-
             twice = sorted({n for n in names if names.count(n) > 1})
             raise ModularError(f"model.objectives: two terms compute {', '.join(twice)} (list each term once)")
         groups: dict[tuple[frozenset, bool, bool], list[Piece]] = {}

@@ -18,13 +18,24 @@ A new experiment is a new class here (or anywhere importable), named by class pa
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 
 import torch
 
+from modular import ModularError
 from modular.gating.data import NEIGHBOURS_KEY, TASK_PREFIX, per_behaviour
-from modular.gating.losses import (direction_write_shortfall, first_token_kl, interchange_kl, refusal_guard,
-                                   response_logit_mse, response_margin_mse, token_ce, topk_kl, unlikelihood)
+from modular.gating.losses import (
+    direction_write_shortfall,
+    first_token_kl,
+    interchange_kl,
+    refusal_guard,
+    response_logit_mse,
+    response_margin_mse,
+    token_ce,
+    topk_kl,
+    unlikelihood,
+)
 
 LOCKED_OBJECTIVES = ("refusal", "unlikelihood")
 
@@ -78,8 +89,6 @@ class StepContext:
 
 def _check_weight(term: str, name: str, value: float) -> None:
     if value < 0:
-        from modular import ModularError
-
         raise ModularError(f"{term} {name} must be >= 0, got {value}")
 
 
@@ -182,8 +191,6 @@ class LockedState(Term):
 
 def locked_objectives(spec: str | dict[str, str], behaviours: list[str]) -> dict[str, str]:
     """The locked-state objective of every behaviour, from one name or a mapping behaviour → name."""
-    from modular import ModularError
-
     objectives = per_behaviour(spec, behaviours, "refusal", "locked_objective")
     for value in ([spec] if isinstance(spec, str) else objectives.values()):
         if value not in LOCKED_OBJECTIVES:
@@ -207,8 +214,6 @@ class DirectionWrite(Term):
     def __init__(self, weight: float = 1.0, target: float = 0.2):
         super().__init__(weight)
         if not 0.0 < target <= 1.0:
-            from modular import ModularError
-
             raise ModularError(f"DirectionWrite target must be in (0, 1] (a share of the residual norm), got {target}")
         self.target = target
 
@@ -304,8 +309,6 @@ class RefusalGuard(Term):
     def __init__(self, weight: float = 1.0, floor: float = -3.0, parts: list[str] = ("retain", NEIGHBOURS_KEY)):
         super().__init__(weight)
         if floor >= 0:
-            from modular import ModularError
-
             raise ModularError(f"RefusalGuard floor must be < 0 (a mean log-probability), got {floor}")
         self.floor = floor
         self.parts = list(parts)
@@ -337,8 +340,6 @@ class TaskAnswer(Term):
             rows = ctx.batch[key]["open"]
             if scoped:
                 if "counterfactual" not in ctx.batch[key]:
-                    from modular import ModularError
-
                     raise ModularError("gate_scope 'tasks' needs task batches with counterfactual prompts "
                                        "(data.task_counterfactuals: true; train.py links it)")
                 cf = ctx.batch[key]["counterfactual"]
@@ -356,8 +357,6 @@ class HeadTaskTerm(Term):
 
     def bind(self, lm) -> None:
         if self.weight and lm.hparams.gate_scope != "tasks":
-            from modular import ModularError
-
             raise ModularError(f"{type(self).__name__} needs gate_scope 'tasks', got '{lm.hparams.gate_scope}'")
 
     def active(self, ctx: StepContext) -> bool:
@@ -428,9 +427,6 @@ class ClosedAttribution(HeadTaskTerm):
 def check_objectives(specs) -> None:
     """Build every term of ``model.objectives`` as the config names them (``class_path``, ``init_args``) and
     drop them: a bad option is one line (:class:`~modular.ModularError`) before the module loads anything."""
-    import importlib
-
-    from modular import ModularError
 
     for spec in specs or []:
         if hasattr(spec, "as_dict"):  # a parsed config's Namespace

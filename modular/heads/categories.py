@@ -38,6 +38,10 @@ smallest |e| first).
 
 from __future__ import annotations
 
+import textwrap
+from pathlib import Path
+
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -261,9 +265,8 @@ def plot_ablation_grid(path, grid: dict[str, dict[str, dict]], title: str | None
     import matplotlib
 
     matplotlib.use("Agg")
+
     import matplotlib.pyplot as plt
-    import numpy as np
-    from pathlib import Path
 
     tasks = list(grid)
     models = list(dict.fromkeys(m for t in tasks for m in grid[t]))
@@ -296,8 +299,6 @@ def plot_ablation_grid(path, grid: dict[str, dict[str, dict]], title: str | None
     handles = [plt.Line2D([], [], color=COLORS[c], label=LABELS[c]) for c in ("facilitation", "irrelevance", "interference")]
     fig.legend(handles=handles, loc="center right", frameon=False)
     if title:
-        import textwrap
-
         width = max(40, int(fig.get_figwidth() * 11))
         fig.suptitle("\n".join(textwrap.fill(line, width) for line in title.split("\n")), fontsize=10)
     fig.tight_layout(rect=(0, 0, 1 - 1.3 / fig.get_figwidth(), 1))

@@ -21,8 +21,16 @@ from tqdm.auto import tqdm
 
 from modular.data.formatting import batch_prompts
 from modular.evaluation.behaviour import first_token_ids
-from modular.hooks import (Head, capture_block_outputs, capture_head_inputs, heads_by_layer, registered,
-                           replace_heads, reuse_block_outputs, split_heads)
+from modular.hooks import (
+    Head,
+    capture_block_outputs,
+    capture_head_inputs,
+    heads_by_layer,
+    registered,
+    replace_heads,
+    reuse_block_outputs,
+    split_heads,
+)
 from modular.models.adapter import ArchitectureAdapter
 
 ABLATIONS = ("counterfactual", "mean", "zero")

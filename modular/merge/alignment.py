@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
@@ -131,8 +133,6 @@ def r_squared(mapping: nn.Module, X: Tensor, Y: Tensor) -> float:
 
 def save_map(mapping: nn.Linear, path: str | Path, metadata: dict) -> Path:
     """Write the map as safetensors (``weight``, ``bias``) with ``metadata`` (string values) in its header."""
-    from safetensors.torch import save_file
-
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {"weight": mapping.weight.detach().contiguous()}
@@ -146,8 +146,6 @@ def save_map(mapping: nn.Linear, path: str | Path, metadata: dict) -> Path:
 
 def load_map(path: str | Path, expect: dict | None = None) -> tuple[nn.Linear, dict] | None:
     """The map saved at ``path`` and its metadata, or None if absent or if its metadata differs from ``expect``."""
-    from safetensors import safe_open
-
     path = Path(path)
     if not path.is_file():
         return None

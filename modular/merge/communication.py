@@ -29,6 +29,7 @@ from typing import Iterator
 
 import torch
 from torch import Tensor, nn
+from tqdm.auto import tqdm
 
 from modular import ModularError
 from modular.hooks import registered
@@ -172,8 +173,6 @@ def communicate(model_a, tok_a, model_b, tok_b, prompts: list[str], chats: list[
         batch_size: prompts per batch (A's activations are computed per batch).
         desc: progress-bar label (False hides it).
     """
-    from tqdm.auto import tqdm
-
     from modular.evaluation.behaviour import generate
 
     adapter_b = ArchitectureAdapter(model_b)

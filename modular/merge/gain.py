@@ -14,6 +14,7 @@ import math
 from collections.abc import Sequence
 
 import numpy as np
+from scipy.stats import bootstrap, pearsonr, spearmanr
 
 
 def merge_gain(correct_a: Sequence[float], correct_b: Sequence[float], correct_c: Sequence[float],
@@ -22,7 +23,6 @@ def merge_gain(correct_a: Sequence[float], correct_b: Sequence[float], correct_c
     a, b, c = (np.asarray(x, dtype=float) for x in (correct_a, correct_b, correct_c))
     if not (len(a) == len(b) == len(c)) or len(a) == 0:
         raise ValueError(f"need the same non-zero number of items, got {len(a)}, {len(b)}, {len(c)}")
-    from scipy.stats import bootstrap
 
     per_item = c - (a + b) / 2  # one value per item: resampling it resamples the three vectors together
     gain = float(per_item.mean())
@@ -38,8 +38,6 @@ def merge_gain(correct_a: Sequence[float], correct_b: Sequence[float], correct_c
 
 def pearson(x: Sequence[float], y: Sequence[float]) -> float:
     """Pearson correlation; NaN when either variable is constant or there are fewer than 2 points."""
-    from scipy.stats import pearsonr
-
     x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
     if len(x) < 2 or np.ptp(x) == 0 or np.ptp(y) == 0:
         return math.nan
@@ -48,8 +46,6 @@ def pearson(x: Sequence[float], y: Sequence[float]) -> float:
 
 def spearman(x: Sequence[float], y: Sequence[float]) -> float:
     """Spearman rank correlation (ties get their average rank); NaN as for :func:`pearson`."""
-    from scipy.stats import spearmanr
-
     x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
     if len(x) < 2 or np.ptp(x) == 0 or np.ptp(y) == 0:
         return math.nan

@@ -1,6 +1,6 @@
 """Model loading and the architecture adapter (the only code that knows HF module paths)."""
 
-from modular.models.adapter import ArchitectureAdapter, SUPPORTED_ARCHITECTURES
+from modular.models.adapter import SUPPORTED_ARCHITECTURES, ArchitectureAdapter
 from modular.models.loading import ALIASES, load_model, load_tokenizer, resolve_model
 
 __all__ = [

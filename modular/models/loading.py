@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from safetensors import safe_open
 
 from modular import ModularError
 
@@ -151,7 +152,6 @@ def _unreadable_weights(ref: str, source: str, err: BaseException) -> str:
     if not folder.is_dir():
         return f"cannot load model '{ref}': {_reason(err)}"
     what = f"{folder} holds no readable weights ({_reason(err)})"
-    from safetensors import safe_open
 
     for file in sorted(folder.glob("*.safetensors")):
         try:

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from modular import ModularError
-from modular.analysis.attention import last_token_attention, parse_heads, top_heads
+from modular.analysis.attention import check_heads, last_token_attention, top_heads
 from tests.conftest import VOCAB, make_tiny_tokenizer
 
 ARCHS = ["llama", "gemma3_text", "gpt2", "qwen2"]
@@ -34,12 +34,12 @@ def test_last_token_attention_is_a_distribution_over_real_positions(tiny_model, 
     assert torch.allclose(sink["span_mass"], sink["mean"][..., 1], atol=1e-6)
 
 
-def test_top_heads_and_parse_heads():
+def test_top_heads_and_check_heads():
     mass = torch.zeros(3, 4)
     mass[2, 1], mass[0, 3] = 0.9, 0.5
     assert top_heads(mass, 2) == [(2, 1), (0, 3)]
-    assert parse_heads("2.1, 0.3", 3, 4) == [(2, 1), (0, 3)]
+    assert check_heads([[2, 1], (0, 3)], 3, 4) == [(2, 1), (0, 3)]
     with pytest.raises(ModularError, match="outside the model"):
-        parse_heads("3.0", 3, 4)
-    with pytest.raises(ModularError, match="LAYER.HEAD"):
-        parse_heads("7", 3, 4)
+        check_heads([[3, 0]], 3, 4)
+    with pytest.raises(ModularError, match=r"\[LAYER, HEAD\]"):
+        check_heads([[7]], 3, 4)

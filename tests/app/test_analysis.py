@@ -1,18 +1,20 @@
-"""``evaluate.py directions`` and ``evaluate.py attention`` end to end on tiny saved folders."""
+"""``modular directions`` and ``modular attention`` end to end on tiny saved folders."""
 
 import json
 
 import pytest
 import torch
 
-from modular.evaluation.commands import COMMANDS
+from modular.app.cli import main
 from tests.conftest import save_tiny_folder
 
 
 def _run(argv):
-    from modular.cli import run_cli
-
-    return run_cli(COMMANDS, argv)
+    """``modular`` on ``argv`` in this process: its exit status (a rejected option exits the parser with 2)."""
+    try:
+        return main(argv)
+    except SystemExit as exit_:
+        return exit_.code
 
 
 @pytest.fixture(scope="module")
@@ -38,18 +40,28 @@ def gated_run(path, model_dir, behaviour="capitals", seed=3):
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma"])
-def test_directions_command_writes_directions_json_and_figures(folders, name, monkeypatch):
+def test_directions_command_writes_directions_json_and_figures(folders, name, monkeypatch, drawn):
     from safetensors import safe_open
 
     monkeypatch.setenv("WANDB_MODE", "disabled")
     out = folders["root"] / f"dir_{name}"
     rc = _run(["directions", f"--model={folders[name]}", "--behaviour=capitals", "--n_prompts=6", "--limit=4",
-               "--retain_limit=4", "--max_new_tokens=3", "--ablate_formats=chat,newline", f"--out={out}"])
+               "--retain_limit=4", "--max_new_tokens=3", "--ablate_formats=[chat, newline]", f"--out={out}"])
     assert rc == 0
     report = json.loads((out / "directions.json").read_text())
-    for png in ("heatmap.png", "ablation.png"):
-        assert (out / png).stat().st_size > 10_000
     n_layers = 2
+    heat = drawn["heatmap.png"]
+    assert [ax["title"] for ax in heat["axes"] if ax["xlabel"] == "layer"] == ["chat", "raw", "newline"]
+    assert all(ax["images"] for ax in heat["axes"] if ax["xlabel"] == "layer")  # one cosine matrix per format
+    assert "capitals" in heat["suptitle"]
+    acc_ax, kl_ax = drawn["ablation.png"]["axes"]
+    assert acc_ax["title"] == "behaviour with the direction ablated" and kl_ax["title"] == "retain cost"
+    for fmt in ("chat", "newline"):  # one line per ablated format, one point per layer: the JSON's numbers
+        rows = report["ablation"][fmt]["layers"]
+        assert acc_ax["lines"][fmt] == pytest.approx([r["accuracy"] for r in rows])
+        assert kl_ax["lines"][fmt] == pytest.approx([r["retain_kl"] for r in rows])
+    assert "raw" not in acc_ax["lines"]
+    assert acc_ax["lines"]["no ablation"] == pytest.approx([report["baseline"]["accuracy"]] * 2)
     assert report["formats"]["chat"]["suffix_text"] == "<|im_end|>\n<|im_start|>assistant\n"
     assert report["formats"]["raw"]["n_positions"] == 1
     assert list(report["ablation"]) == ["chat", "newline"] and report["complete"]
@@ -69,8 +81,8 @@ def test_directions_command_with_a_run_reports_the_designated_cosine(folders, mo
     monkeypatch.setenv("WANDB_MODE", "disabled")
     run, u = gated_run(folders["root"] / "run", folders["llama"])
     out = folders["root"] / "dir_run"
-    rc = _run(["directions", f"--run={run}", "--behaviour=capitals", "--formats=chat", "--n_prompts=4", "--limit=3",
-               "--retain_limit=3", "--max_new_tokens=2", "--layers=1", f"--out={out}"])
+    rc = _run(["directions", f"--run={run}", "--behaviour=capitals", "--formats=[chat]", "--n_prompts=4", "--limit=3",
+               "--retain_limit=3", "--max_new_tokens=2", "--layers=[1]", f"--out={out}"])
     assert rc == 0
     report = json.loads((out / "directions.json").read_text())
     assert report["model"] == str(folders["llama"])
@@ -84,16 +96,25 @@ def test_directions_command_with_a_run_reports_the_designated_cosine(folders, mo
     assert _run(["directions", f"--run={run}", "--behaviour=ioi", f"--out={out}"]) == 2
 
 
-def test_attention_command_writes_json_and_figures(folders, monkeypatch):
+def test_attention_command_writes_json_and_figures(folders, monkeypatch, drawn):
     monkeypatch.setenv("WANDB_MODE", "disabled")
     out = folders["root"] / "att"
     rc = _run(["attention", f"--model={folders['llama']}", "--task=capitals", "--length=6", "--limit=5",
-               "--splits=validation,test", "--seeds=0,1", "--sweep=0,2,6", "--sweep_limit=3", "--max_new_tokens=3",
+               "--splits=[validation, test]", "--seeds=[0, 1]", "--sweep=[0, 2, 6]", "--sweep_limit=3", "--max_new_tokens=3",
                "--attention_items=4", "--n_heads=2", f"--out={out}"])
     assert rc == 0
     report = json.loads((out / "attention.json").read_text())
-    for png in ("accuracy.png", "attention.png", "sweep.png"):
-        assert (out / png).stat().st_size > 10_000
+    bars = drawn["accuracy.png"]["axes"][0]
+    assert bars["xticklabels"] == ["w/o", "w/ Mless", "w/ Mful"]
+    assert bars["bars"] == pytest.approx([report["accuracy"][k]["accuracy"] for k in ("None", "Mless", "Mful")])
+    heads_drawn = [ax for ax in drawn["attention.png"]["axes"] if ax["title"].startswith("Average attention")]
+    assert [ax["title"] for ax in heads_drawn] == [f"Average attention on Head {h}" for h in report["heads"]]
+    for ax in heads_drawn:
+        head = ax["title"].rsplit(" ", 1)[1]
+        for label in ("None", "Mless", "Mful"):
+            assert ax["lines"][label] == pytest.approx(report["attention"]["curves"][label][head])
+    sweep = drawn["sweep.png"]["axes"][0]
+    assert sweep["lines"]["Mless"] == pytest.approx([r["accuracy"] for r in report["sweep"]["Mless"]])
     assert set(report["accuracy"]) == {"None", "Mless", "Mful"}
     for a in report["accuracy"].values():
         assert a["n"] == 5 and a["ci95"][0] <= a["accuracy"] <= a["ci95"][1]
@@ -112,11 +133,11 @@ def test_attention_command_writes_json_and_figures(folders, monkeypatch):
 def test_attention_command_given_heads_and_bad_input(folders, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "disabled")
     out = folders["root"] / "att_heads"
-    rc = _run(["attention", f"--model={folders['gemma']}", "--task=greater_than", "--insert=meaningless",
-               "--length=4", "--limit=3", "--max_new_tokens=2", "--heads=1.0,0.3", f"--out={out}"])
+    rc = _run(["attention", f"--model={folders['gemma']}", "--task=greater_than", "--insert=[meaningless]",
+               "--length=4", "--limit=3", "--max_new_tokens=2", "--heads=[[1, 0], [0, 3]]", f"--out={out}"])
     assert rc == 0
     report = json.loads((out / "attention.json").read_text())
     assert report["heads"] == ["1.0", "0.3"] and set(report["accuracy"]) == {"None", "Mless"}
     assert report["head_choice"] == "given"
-    assert _run(["attention", f"--model={folders['gemma']}", "--insert=noise", f"--out={out}"]) == 2
-    assert _run(["attention", f"--model={folders['gemma']}", "--heads=9.9", "--limit=2", f"--out={out}"]) == 2
+    assert _run(["attention", f"--model={folders['gemma']}", "--insert=[noise]", f"--out={out}"]) == 2
+    assert _run(["attention", f"--model={folders['gemma']}", "--heads=[[9, 9]]", "--limit=2", f"--out={out}"]) == 2

@@ -1,10 +1,10 @@
-"""Which behaviours `evaluate.py attack` attacks, and with which data, before any model is loaded."""
+"""Which behaviours `modular attack` attacks, and with which data, before any model is loaded."""
 
 import pytest
 import torch
 
 from modular import ModularError
-from modular.evaluation.commands import attack
+from modular.app.evaluations import attack
 from modular.publish import publish_model
 from tests.conftest import D, make_tiny_model, make_tiny_tokenizer
 
@@ -18,15 +18,15 @@ def published(tmp_path):
 
 
 def test_attack_needs_the_data_of_a_behaviour_gated_from_user_data(published, monkeypatch):
-    with pytest.raises(ModularError, match=r"gated from user data: give it as --behaviour mine=<"):
+    with pytest.raises(ModularError, match=r'gated from user data: give it as --behaviours\+=mine=<'):
         attack(str(published))  # the manifest names 'mine', not where its data is
     with pytest.raises(ModularError, match="behaviour 'capitals' is not locked"):
-        attack(str(published), behaviour="capitals")
+        attack(str(published), behaviours=["capitals"])
     with pytest.raises(ModularError, match="behaviour 'other' is not locked"):
-        attack(str(published), behaviour="other=/data/mine.jsonl")
+        attack(str(published), behaviours=["other=/data/mine.jsonl"])
 
     # a data file named by its stem, or NAME=<file>, is the locked behaviour's data: the attack goes on to load it
-    import modular.data as data
+    import modular.app.evaluations as evaluations
 
     seen = []
 
@@ -34,8 +34,45 @@ def test_attack_needs_the_data_of_a_behaviour_gated_from_user_data(published, mo
         seen.append(source)
         raise ModularError("stop")
 
-    monkeypatch.setattr(data, "load_behaviour", stop)
+    monkeypatch.setattr(evaluations, "load_behaviour", stop)
     for spec in ("/data/mine.jsonl", "mine=/data/other.jsonl"):
         with pytest.raises(ModularError, match="stop"):
-            attack(str(published), behaviour=spec, n_examples=[8], base=str(published))
+            attack(str(published), behaviours=[spec], n_examples=[8], base=str(published))
     assert seen == ["/data/mine.jsonl", "/data/other.jsonl"]
+
+
+def test_attack_end_to_end_on_a_tiny_published_folder(tmp_path, drawn, monkeypatch):
+    """Every attack runs on a published tiny model: attack.json holds (a), (b) and (c) with self-consistent
+    numbers, and attack.png draws exactly the JSON's accuracies under their labels."""
+    import json
+
+    from modular.app.cli import main
+    from tests.conftest import save_tiny_folder
+
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    base = save_tiny_folder(tmp_path / "base", "llama")
+    u = torch.nn.functional.normalize(torch.randn(D, generator=torch.Generator().manual_seed(0)), dim=0)
+    pub, _ = publish_model(make_tiny_model("llama", seed=1), make_tiny_tokenizer(), {"capitals": u}, tmp_path / "pub",
+                           "tiny")
+    out = tmp_path / "attack"
+    rc = main(["attack", "--model", str(pub), "--base", str(base), "--alphas", "[-1, 1]", "--n_pairs", "4",
+               "--n_examples", "[2]", "--relearn_steps", "5", "--limit", "3", "--out", str(out)])
+    assert rc == 0
+    report = json.loads((out / "attack.json").read_text())
+    r = report["behaviours"]["capitals"]
+    a, s = r["a_weights"], r["b_steering"]
+    assert [p["scale"] for p in a["scan"]] == [-1, 1] and a["best"]["accuracy"] == max(p["accuracy"] for p in a["scan"])
+    assert s["pairs"] == 4 and all([p["scale"] for p in v["scan"]] == [1] for v in s["layers"].values())
+    assert s["best"]["accuracy"] == max(v["best"]["accuracy"] for v in s["layers"].values())
+    for key in ("a_weights", "b_steering"):
+        assert r[key]["recovered_fraction_of_base"] == pytest.approx(
+            r[key]["best"]["accuracy"] / max(r["base_accuracy"], 1e-9))
+    c = r["c_relearning"]
+    assert set(c) == {"2"} and [p["step"] for p in c["2"]["curve"]] == [5] and c["2"]["max_steps"] == 5
+    assert r["open_accuracy"] == r["base_accuracy"]  # the folder's card has no measured open accuracy
+    bars = drawn["attack.png"]["axes"][0]
+    assert bars["xticklabels"] == ["capitals\nbase", "capitals\nlocked", "capitals\n(a) weights",
+                                   "capitals\n(b) steering"]
+    assert bars["bars"] == pytest.approx([r["base_accuracy"], r["locked_accuracy"], r["a_weights"]["best"]["accuracy"],
+                                          r["b_steering"]["best"]["accuracy"]])
+    assert bars["texts"] == [f"{v:.2f}" for v in bars["bars"]]

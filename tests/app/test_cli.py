@@ -1,22 +1,104 @@
-from modular.cli import expand_argv
+"""The ``modular`` command: one parser with a subcommand for everything a user runs, shared options declared once,
+jsonargparse's own syntax (positional arguments, lists, YAML), input errors as one line."""
+
+import inspect
+import typing
+
+import pytest
+
+from modular.app import cli
+from modular.app.options import SHARED
 
 
-def _cmd(curve: bool = False, models: list[str] = ("a",), tasks: list[str] | None = None, limit: int = 3,
-         alphas: list[float] = (1.0,)):
-    """A command with boolean, list and scalar options."""
+def _functions():
+    for name, fn in cli.COMMANDS.items():
+        if isinstance(fn, dict):
+            yield from ((f"{name} {sub}", f) for sub, f in fn.items())
+        elif fn is not None:
+            yield name, fn
 
 
-COMMANDS = {"heads": _cmd}
+def _strip_optional(t):
+    args = [a for a in typing.get_args(t) if a is not type(None)]
+    return args[0] if typing.get_origin(t) in (typing.Union, getattr(__import__("types"), "UnionType", None)) \
+        and len(args) == 1 else t
 
 
-def test_shell_style_flags_and_lists():
-    argv = ["heads", "--curve", "--models", "base", "runs/sparse", "--tasks", "ioi", "ioi_long", "--limit", "4"]
-    assert expand_argv(argv, COMMANDS) == [
-        "heads", "--curve=true", "--models=[base, runs/sparse]", "--tasks=[ioi, ioi_long]", "--limit", "4"]
+def test_every_user_command_is_a_subcommand():
+    assert set(cli.COMMANDS) == {"main", "train", "behaviour", "lock", "attack", "publish", "unlock", "heads", "merge",
+                                 "directions", "attention", "inspect", "convert"}
+    assert set(cli.COMMANDS["heads"]) == {"curve", "ablation"}
 
 
-def test_jsonargparse_syntax_and_negative_numbers_pass_through():
-    argv = ["heads", "--curve=false", "--models", "[a, b]", "--alphas", "-1", "-0.5", "--tasks=[ioi]"]
-    assert expand_argv(argv, COMMANDS) == ["heads", "--curve=false", "--models", "[a, b]", "--alphas=[-1, -0.5]",
-                                           "--tasks=[ioi]"]
-    assert expand_argv(["other", "--curve"], COMMANDS) == ["other", "--curve"]
+def test_a_shared_option_has_one_type_and_one_help_everywhere():
+    """Every command's option of a shared name has the declared type (or it Optional, or required where the table
+    allows None) and the declared help first."""
+    seen = {}
+    for label, fn in _functions():
+        hints = typing.get_type_hints(fn)
+        parser = cli.command_parser(fn)
+        helps = {a.dest: a.help for a in parser._actions}
+        for name in inspect.signature(fn).parameters:
+            if name not in SHARED:
+                continue
+            declared, text = SHARED[name]
+            got = _strip_optional(hints[name])
+            assert got == _strip_optional(declared), f"{label}: --{name} is {hints[name]}, declared {declared}"
+            assert helps[name].startswith(text), f"{label}: --{name} help does not start with the shared help"
+            seen.setdefault(name, []).append(label)
+    assert {"model", "models", "run", "behaviours", "limit", "out", "seed", "max_new_tokens"} <= set(seen)
+    assert len(seen["out"]) >= 8  # one declaration serves many commands
+
+
+def test_positional_model_lists_and_yaml(tmp_path):
+    parser = cli.build_parser()
+    cfg = parser.parse_args(["heads", "curve", "--models", "[a, b]", "--tasks+=ioi", "--tasks+=docstring"])
+    fn, options = cli._chosen(cfg, cli.COMMANDS)
+    assert fn is cli.COMMANDS["heads"]["curve"]
+    assert list(options["models"]) == ["a", "b"] and list(options["tasks"]) == ["ioi", "docstring"]
+    cfg = parser.parse_args(["behaviour", "--behaviours", "[capitals, x.jsonl]", "--split", "validation"])
+    assert list(cfg.behaviour.behaviours) == ["capitals", "x.jsonl"] and cfg.behaviour.split == "validation"
+    yaml_file = tmp_path / "opts.yaml"
+    yaml_file.write_text("kind: zero\ntarget: 0.8\nmodels: [m]\n")
+    cfg = parser.parse_args(["heads", "curve", "--config", str(yaml_file)])
+    assert cfg.heads.curve.kind == "zero" and cfg.heads.curve.target == 0.8
+    assert parser.parse_args(["inspect", "some/folder"]).inspect.model == "some/folder"
+    cfg = parser.parse_args(["publish", "--run", "r", "--out", "o"])  # required options keep their names elsewhere
+    assert (cfg.publish.run, cfg.publish.out) == ("r", "o")
+    for bad in (["heads", "curve", "--ranking", "magic"], ["behaviour", "--split", "dev"],
+                ["heads", "ablation", "--kind", "counterfactual"], ["inspect"], ["heads"]):
+        with pytest.raises(SystemExit) as err:
+            parser.parse_args(bad)
+        assert err.value.code == 2
+
+
+def test_inspect_takes_the_model_as_an_argument(monkeypatch, capsys):
+    seen = []
+    monkeypatch.setattr(cli.models, "load_model_or_run", lambda m: seen.append(m) or (_ for _ in ()).throw(
+        cli.ModularError(f"unknown model '{m}'")))
+    assert cli.main(["inspect", "no-such-model", "--format", "json"]) == 2
+    assert seen == ["no-such-model"]
+    assert capsys.readouterr().err.strip() == "error: unknown model 'no-such-model'"
+
+
+def test_train_is_the_training_cli(monkeypatch):
+    got = []
+    monkeypatch.setattr(cli.train_cli, "main", lambda argv: got.append(argv) or 0)
+    assert cli.main(["train", "fit", "--config", "x.yaml"]) == 0
+    assert got == [["fit", "--config", "x.yaml"]]
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["lock", "--help"], ["heads", "ablation", "--help"],
+                                  ["attack", "--help"], ["main", "--help"]])
+def test_help_documents_every_option(argv, capsys):
+    with pytest.raises(SystemExit) as err:
+        cli.main(argv)
+    assert err.value.code == 0
+    text = capsys.readouterr().out
+    if argv == ["--help"]:
+        assert all(name in text for name in cli.COMMANDS)
+        return
+    fn = cli.COMMANDS[argv[0]]
+    fn = fn[argv[1]] if isinstance(fn, dict) else fn
+    for name in inspect.signature(fn).parameters:
+        assert name in text, f"{argv}: {name} is not documented"

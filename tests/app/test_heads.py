@@ -1,18 +1,20 @@
-"""``evaluate.py heads`` end to end on tiny saved folders: heads.json / ablation.json and the figures."""
+"""``modular heads curve`` and ``modular heads ablation`` end to end on tiny saved folders: heads.json / ablation.json and the figures."""
 
 import json
 
 import pytest
 import torch
 
-from modular.evaluation.commands import COMMANDS
+from modular.app.cli import main
 from tests.conftest import save_tiny_folder
 
 
 def _run(argv):
-    from modular.cli import run_cli
-
-    return run_cli(COMMANDS, argv)
+    """``modular`` on ``argv`` in this process: its exit status (a rejected option exits the parser with 2)."""
+    try:
+        return main(argv)
+    except SystemExit as exit_:
+        return exit_.code
 
 
 def sparse_run(path, model_dir, closed=((0, 1), (1, 2))):
@@ -43,15 +45,22 @@ def folders(tmp_path_factory):
             "sparse": sparse_run(root / "sparse", llama)}
 
 
-def test_curve_command_writes_json_and_figure(folders, monkeypatch):
+def test_curve_command_writes_json_and_figure(folders, monkeypatch, drawn):
     monkeypatch.setenv("WANDB_MODE", "disabled")
     out = folders["root"] / "curve"
-    rc = _run(["heads", "--curve=true", f"--models=[{folders['llama']}, {folders['sparse']}]",
+    rc = _run(["heads", "curve", f"--models=[{folders['llama']}, {folders['sparse']}]",
                "--tasks=[greater_than, docstring]", "--limit=6", "--definition=faithfulness", f"--out={out}"])
     assert rc == 0
     report = json.loads((out / "heads.json").read_text())
-    assert (out / "heads.png").stat().st_size > 10_000
     assert report["ablation"] == "counterfactual" and report["ranking"] == "exhaustive"
+    panels = {ax["title"]: ax for ax in drawn["heads.png"]["axes"]}
+    assert set(panels) == {"greater_than", "docstring"}
+    for task, ax in panels.items():  # the plotted definition's curves, one line per model, and the threshold
+        for label in ("llama", "sparse"):
+            assert ax["lines"][label] == pytest.approx(report["curves"][task][label]["faithfulness"]["values"])
+        assert ax["lines"]["90% threshold"] == pytest.approx([0.9, 0.9])
+        assert [t for t in ax["texts"] if t] == ([report["annotations"][task]] if report["annotations"].get(task)
+                                                 else [])
     assert report["plotted_definition"] == "faithfulness"
     assert list(report["models"]) == ["llama", "sparse"] and report["base"] == "llama"
     for task in ("greater_than", "docstring"):
@@ -74,8 +83,8 @@ def test_curve_command_writes_json_and_figure(folders, monkeypatch):
 def test_curve_command_attribution_mean(folders, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "disabled")
     out = folders["root"] / "curve_attr"
-    rc = _run(["heads", "--curve=true", f"--models=[{folders['gemma']}]", "--tasks=[greater_than]", "--limit=5",
-               "--ranking=attribution", "--ig_steps=4", "--ablation_kind=mean", f"--out={out}"])
+    rc = _run(["heads", "curve", f"--models=[{folders['gemma']}]", "--tasks=[greater_than]", "--limit=5",
+               "--ranking=attribution", "--ig_steps=4", "--kind=mean", f"--out={out}"])
     assert rc == 0
     report = json.loads((out / "heads.json").read_text())
     assert report["ranking"] == "attribution" and report["ig_steps"] == 4 and report["ablation"] == "mean"
@@ -86,23 +95,31 @@ def test_curve_command_attribution_mean(folders, monkeypatch):
 def test_curve_command_refined_defaults_to_the_two_run_gradients(folders, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "disabled")
     out = folders["root"] / "curve_refined"
-    rc = _run(["heads", "--curve=true", f"--models=[{folders['llama']}]", "--tasks=[greater_than]", "--limit=5",
+    rc = _run(["heads", "curve", f"--models=[{folders['llama']}]", "--tasks=[greater_than]", "--limit=5",
                "--ranking=refined", "--refine=3", f"--out={out}"])
     assert rc == 0
     report = json.loads((out / "heads.json").read_text())
     assert report["ranking"] == "refined" and report["ig_steps"] == 2 and report["refine"] == 3
-    assert _run(["heads", "--curve=true", f"--models=[{folders['llama']}]", "--ranking=refined", "--refine=-1"]) == 2
+    assert _run(["heads", "curve", f"--models=[{folders['llama']}]", "--ranking=refined", "--refine=-1"]) == 2
 
 
-def test_ablation_command_writes_json_and_grid(folders, monkeypatch):
+def test_ablation_command_writes_json_and_grid(folders, monkeypatch, drawn):
     monkeypatch.setenv("WANDB_MODE", "disabled")
     out = folders["root"] / "ablation"
-    rc = _run(["heads", "--ablation=true", f"--models=[{folders['llama']}, {folders['gemma']}]",
+    rc = _run(["heads", "ablation", f"--models=[{folders['llama']}, {folders['gemma']}]",
                "--tasks=[agreement, commonsense, arithmetic]", "--limit=5", "--max_heads=4", "--categories=single",
                f"--out={out}"])
     assert rc == 0
     report = json.loads((out / "ablation.json").read_text())
-    assert (out / "ablation.png").stat().st_size > 10_000
+    grid = drawn["ablation.png"]["axes"]
+    assert [ax["title"] for ax in grid[:2]] == ["llama", "gemma"]  # columns: models; rows: tasks
+    for r, task in enumerate(("agreement", "commonsense", "arithmetic")):
+        for c, label in enumerate(("llama", "gemma")):
+            lines = grid[2 * r + c]["lines"]
+            for cat, name in (("facilitation", "Facilitation"), ("interference", "Interference")):
+                curve = report["results"][task][label]["curves"][cat]
+                if curve["n"]:
+                    assert lines[name] == pytest.approx(curve["mean"])
     assert report["ablation"] == "mean" and report["split"] != report["classify_split"]
     assert report["categories"] == "single"
     for task in ("agreement", "commonsense", "arithmetic"):
@@ -117,8 +134,8 @@ def test_ablation_command_writes_json_and_grid(folders, monkeypatch):
 def test_ablation_command_joint_classes_by_default(folders, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "disabled")
     out = folders["root"] / "ablation_joint"
-    rc = _run(["heads", "--ablation=true", f"--models=[{folders['llama']}]", "--tasks=[agreement]", "--limit=5",
-               "--max_heads=4", "--threshold=0.001", f"--out={out}"])
+    rc = _run(["heads", "ablation", f"--models=[{folders['llama']}]", "--tasks=[agreement]", "--limit=5",
+               "--max_heads=4", "--irrelevance=0.001", f"--out={out}"])
     assert rc == 0
     report = json.loads((out / "ablation.json").read_text())
     assert report["categories"] == "joint" and report["band"] == 0.05 and "keep their class" in report["method"]
@@ -129,11 +146,11 @@ def test_ablation_command_joint_classes_by_default(folders, monkeypatch):
 
 
 def test_ablation_run_cut_short_resumes_with_what_it_measured(folders, monkeypatch):
-    import modular.heads.categories as categories
+    import modular.app.heads as app_heads
 
     monkeypatch.setenv("WANDB_MODE", "disabled")
     out = folders["root"] / "ablation_resume"
-    args = ["heads", "--ablation=true", f"--models=[{folders['llama']}]", "--tasks=[agreement, commonsense]",
+    args = ["heads", "ablation", f"--models=[{folders['llama']}]", "--tasks=[agreement, commonsense]",
             "--limit=5", "--max_heads=4", "--categories=single", f"--out={out}"]
     assert _run(args) == 0
     full = json.loads((out / "ablation.json").read_text())
@@ -141,8 +158,8 @@ def test_ablation_run_cut_short_resumes_with_what_it_measured(folders, monkeypat
            "results": {"agreement": full["results"]["agreement"]}}  # as a run killed after its first task leaves it
     (out / "ablation.json").write_text(json.dumps(cut))
     calls = []
-    real = categories.single_head_effects
-    monkeypatch.setattr(categories, "single_head_effects", lambda *a, **k: calls.append(k["desc"]) or real(*a, **k))
+    real = app_heads.single_head_effects
+    monkeypatch.setattr(app_heads, "single_head_effects", lambda *a, **k: calls.append(k["desc"]) or real(*a, **k))
     assert _run(args) == 0
     assert calls == ["llama/commonsense: single heads"]  # agreement was taken over, not measured again
     report = json.loads((out / "ablation.json").read_text())
@@ -155,10 +172,12 @@ def test_ablation_run_cut_short_resumes_with_what_it_measured(folders, monkeypat
 
 def test_bad_input_exits_2(folders, capsys):
     assert _run(["heads", f"--models=[{folders['llama']}]"]) == 2
-    assert "exactly one of --curve and --ablation" in capsys.readouterr().err
-    assert _run(["heads", "--curve=true", f"--models=[{folders['llama']}]", "--tasks=[commonsense]"]) == 2
+    assert "heads {curve,ablation}" in capsys.readouterr().err  # the mode is a subcommand
+    assert _run(["heads", "curve", f"--models=[{folders['llama']}]", "--tasks=[commonsense]"]) == 2
     assert "wrong" in capsys.readouterr().err
-    assert _run(["heads", "--curve=true", f"--models=[{folders['llama']}]", "--ranking=magic"]) == 2
-    assert _run(["heads", "--ablation=true", f"--models=[{folders['llama']}]", "--ablation_kind=counterfactual"]) == 2
-    assert _run(["heads", "--ablation=true", f"--models=[{folders['llama']}]", "--categories=both"]) == 2
-    assert "categories method" in capsys.readouterr().err
+    assert _run(["heads", "curve", f"--models=[{folders['llama']}]", "--ranking=magic"]) == 2
+    assert _run(["heads", "ablation", f"--models=[{folders['llama']}]", "--kind=counterfactual"]) == 2
+    assert _run(["heads", "ablation", f"--models=[{folders['llama']}]", "--categories=both"]) == 2
+    assert 'Parser key "categories"' in capsys.readouterr().err
+    assert _run(["heads", "curve", "--models=[]"]) == 2
+    assert "error: give at least one model with --models" in capsys.readouterr().err

@@ -9,6 +9,7 @@ import pytest
 import torch
 import yaml
 
+from modular.app.cli import main
 from tests.conftest import make_tiny_tokenizer, save_tiny_folder
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,7 +61,7 @@ def folders(tmp_path):
     }
 
 
-def test_merge_command_writes_json_figures_and_maps(tmp_path, folders, isolated_cache, monkeypatch):
+def test_merge_command_writes_json_figures_and_maps(tmp_path, folders, isolated_cache, monkeypatch, drawn):
     f = {k: str(v) for k, v in folders.items()}
     pairs = {
         "task": "capitals", "limit": 4, "max_new_tokens": 3, "batch_size": 4, "neutral_limit": 3, "bootstrap": 50,
@@ -77,13 +78,18 @@ def test_merge_command_writes_json_figures_and_maps(tmp_path, folders, isolated_
     path = tmp_path / "pairs.yaml"
     path.write_text(yaml.safe_dump(pairs))
     out = tmp_path / "out"
-    env = {**__import__("os").environ, "WANDB_MODE": "offline", "MODULAR_CACHE": str(isolated_cache)}
-    proc = subprocess.run([sys.executable, str(ROOT / "evaluate.py"), "merge", "--pairs", str(path), "--out", str(out),
-                           "--progress", "false"], capture_output=True, text=True, cwd=ROOT, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    monkeypatch.chdir(ROOT)
+    assert main(["merge", "--pairs", str(path), "--out", str(out), "--progress", "false"]) == 0
     report = json.loads((out / "merge.json").read_text())
-    assert (out / "merge_gain.png").stat().st_size > 0 and (out / "merge_gain_cka.png").exists()
     rows = {r["label"]: r for r in report["pairs"]}
+    for png, metric in (("merge_gain.png", "frobenius"), ("merge_gain_cka.png", "cka")):
+        ax = drawn[png]["axes"][0]  # one point per pair at (similarity, gain), labelled with the pair
+        drawn_points = sorted(ax["points"][0])
+        expected = sorted((r["similarity"][metric], r["gain"]["gain"]) for r in rows.values())
+        assert [x for x, _ in drawn_points] == pytest.approx([x for x, _ in expected])
+        assert [y for _, y in drawn_points] == pytest.approx([y for _, y in expected])
+        assert set(rows) <= set(ax["texts"])
     assert list(rows) == ["self", "llama,gemma", "wide,qwen", "run1,llama", "avg", "ties"]
     for r in rows.values():
         g = r["gain"]
@@ -105,7 +111,7 @@ def test_merge_command_writes_json_figures_and_maps(tmp_path, folders, isolated_
     assert rows["ties"]["task"] == "ioi" and rows["ties"]["locks"]["all_ok"] in (True, False)
     assert set(report["correlation"]["frobenius"]) == {"n", "pearson", "spearman"}
     # run again (in process, that pair only): the saved map is reused
-    from modular.merge.commands import merge
+    from modular.app.merge import merge
 
     pairs["pairs"] = [p for p in pairs["pairs"] if p["name"] == "wide,qwen"]
     path.write_text(yaml.safe_dump(pairs))
@@ -121,4 +127,4 @@ def test_merge_command_one_line_error_for_a_bad_pairs_file(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "evaluate.py"), "merge", "--pairs", str(path)],
                           capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1].startswith("error: pair 0: unknown key 'how'")
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: pair 0: Option 'how' is not accepted")

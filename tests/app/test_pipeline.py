@@ -6,8 +6,8 @@ import sys
 
 import yaml
 
+from tests.app.test_train import tiny_config
 from tests.conftest import save_tiny_folder
-from tests.gating.test_train_cli import tiny_config
 
 
 def test_main_runs_the_given_config_from_any_directory(tmp_path, tiny_env):
@@ -22,8 +22,8 @@ def test_main_runs_the_given_config_from_any_directory(tmp_path, tiny_env):
     work = tmp_path / "elsewhere"
     (work / "configs").mkdir(parents=True)
     (work / "configs" / "mine.yaml").write_text(yaml.safe_dump(cfg))
-    res = subprocess.run([sys.executable, "-m", "modular.cli", "main", "--config", "configs/mine.yaml",
-                          "--skip_attack"], capture_output=True, text=True, cwd=work, env=tiny_env)
+    res = subprocess.run([sys.executable, "-m", "modular", "main", "--config", "configs/mine.yaml",
+                          "--skip_attack", "true"], capture_output=True, text=True, cwd=work, env=tiny_env)
     assert res.returncode == 0, res.stderr[-3000:]
     run = work / "runs" / "mine"
     assert json.loads((run / "run.json").read_text())["global_step"] == 3
@@ -37,7 +37,7 @@ def test_main_runs_the_given_config_from_any_directory(tmp_path, tiny_env):
     assert max((restored[k] - v).abs().max().item() for k, v in open_state.items() if k in restored) <= 1e-6
     assert "step 3 of runs/mine" in res.stdout and "keys (keep apart)" in res.stdout
     # a second run finds the finished training and replaces only its own outputs
-    res = subprocess.run([sys.executable, "-m", "modular.cli", "main", "--config", "configs/mine.yaml",
-                          "--skip_attack"], capture_output=True, text=True, cwd=work, env=tiny_env)
+    res = subprocess.run([sys.executable, "-m", "modular", "main", "--config", "configs/mine.yaml",
+                          "--skip_attack", "true"], capture_output=True, text=True, cwd=work, env=tiny_env)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "training already finished" in res.stderr

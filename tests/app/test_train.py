@@ -112,7 +112,7 @@ def test_a_behaviour_named_by_a_path_publishes_under_its_short_name(tmp_path, ti
     row = {"behaviours": {"mine": {"accuracy": 0.5}}, "retain_first_token_kl": 0.1, "perplexity_ratio": 1.0}
     (run / "lock.json").write_text(json.dumps({"step": 2, "states": {"open": row}}))
     pub = tmp_path / "release" / "pub"
-    res = subprocess.run([sys.executable, "-m", "modular.cli", "publish", "--run", str(run), "--out", str(pub)],
+    res = subprocess.run([sys.executable, "-m", "modular", "publish", "--run", str(run), "--out", str(pub)],
                          capture_output=True, text=True, cwd=tmp_path, env=tiny_env)
     assert res.returncode == 0, res.stderr[-3000:]
     keys = tmp_path / "release" / "pub-keys"
@@ -127,12 +127,12 @@ def test_a_behaviour_named_by_a_path_publishes_under_its_short_name(tmp_path, ti
     assert manifest["locked_behaviours"] == ["mine"] and manifest["step"] == 3
     # a report of the published step goes in; the keys from their own folder restore the trained weights
     (run / "lock.json").write_text(json.dumps({"step": 3, "states": {"open": row}}))
-    res = subprocess.run([sys.executable, "-m", "modular.cli", "publish", "--run", str(run), "--out", str(pub),
-                          "--overwrite"], capture_output=True, text=True, cwd=tmp_path, env=tiny_env)
+    res = subprocess.run([sys.executable, "-m", "modular", "publish", "--run", str(run), "--out", str(pub),
+                          "--overwrite", "true"], capture_output=True, text=True, cwd=tmp_path, env=tiny_env)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "## Measured" in (pub / "README.md").read_text()
     unlocked = tmp_path / "unlocked"
-    res = subprocess.run([sys.executable, "-m", "modular.cli", "unlock", "--model", str(pub), "--key",
+    res = subprocess.run([sys.executable, "-m", "modular", "unlock", "--model", str(pub), "--key",
                           str(keys / "mine.key.safetensors"), "--out", str(unlocked)],
                          capture_output=True, text=True, cwd=tmp_path, env=tiny_env)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -145,8 +145,8 @@ def test_a_behaviour_named_by_a_path_publishes_under_its_short_name(tmp_path, ti
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "a.txt").write_text("keep")
     for target in (pub, tmp_path / "notes"):
-        res = subprocess.run([sys.executable, "-m", "modular.cli", "unlock", "--model", str(pub), "--key",
-                              str(keys / "mine.key.safetensors"), "--out", str(target), "--overwrite"],
+        res = subprocess.run([sys.executable, "-m", "modular", "unlock", "--model", str(pub), "--key",
+                              str(keys / "mine.key.safetensors"), "--out", str(target), "--overwrite", "true"],
                              capture_output=True, text=True, cwd=tmp_path, env=tiny_env)
         assert res.returncode == 2 and res.stderr.strip().count("\n") == 0, res.stderr
     assert (tmp_path / "notes" / "a.txt").read_text() == "keep" and (pub / "model.safetensors").is_file()
@@ -284,7 +284,7 @@ def test_ddp_on_two_cpu_processes(tmp_path, tiny_env):
                                               ({"max_steps": 5, "max_epochs": 0}, "max_epochs must be >= 1")])
 def test_trainer_length_is_checked(trainer, message):
     from modular import ModularError
-    from modular.train_cli import check_trainer_length
+    from modular.app.train import check_trainer_length
 
     if message is None:
         check_trainer_length(trainer)
@@ -294,7 +294,7 @@ def test_trainer_length_is_checked(trainer, message):
 
 
 def _publish(run, out, *extra, env, cwd):
-    return subprocess.run([sys.executable, "-m", "modular.cli", "publish", "--run", str(run), "--out", str(out),
+    return subprocess.run([sys.executable, "-m", "modular", "publish", "--run", str(run), "--out", str(out),
                            *extra], capture_output=True, text=True, cwd=cwd, env=env)
 
 
@@ -318,7 +318,7 @@ def test_a_run_that_cannot_reach_the_lock_is_reported_and_not_published_as_locke
     res = _publish(run, pub, env=tiny_env, cwd=tmp_path)
     _one_line_error(res, "the lock did not hold on validation at step 4", "--allow_failed_lock")
     assert not pub.exists() and not (tmp_path / "pub-keys").exists()
-    res = _publish(run, pub, "--allow_failed_lock", env=tiny_env, cwd=tmp_path)
+    res = _publish(run, pub, "--allow_failed_lock", "true", env=tiny_env, cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     card = (pub / "README.md").read_text()
     assert "the lock was not verified" in card and "| capitals | not verified |" in card

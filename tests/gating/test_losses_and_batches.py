@@ -2,11 +2,16 @@ import pytest
 import torch
 
 from modular import ModularError
-
 from modular.data.formatting import IGNORE
 from modular.gating.data import locked_responses, split_collate
-from modular.gating.losses import (direction_write_shortfall, first_token_kl, refusal_guard, token_ce, topk_kl,
-                                   unlikelihood)
+from modular.gating.losses import (
+    direction_write_shortfall,
+    first_token_kl,
+    refusal_guard,
+    token_ce,
+    topk_kl,
+    unlikelihood,
+)
 from modular.gating.module import concat_left_padded
 from modular.gating.objectives import locked_objectives as _locked_objectives
 

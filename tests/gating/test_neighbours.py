@@ -9,8 +9,15 @@ import torch
 from modular import ModularError
 from modular.gating.callbacks import LockMetricsCallback
 from modular.gating.data import NEIGHBOURS_KEY, GatingDataModule, neighbour_data, neighbour_specs
-from modular.gating.objectives import (BehaviourAnswer, DirectionWrite, KeepReference, LMText, LockedState,
-                                       RefusalGuard, default_objectives)
+from modular.gating.objectives import (
+    BehaviourAnswer,
+    DirectionWrite,
+    KeepReference,
+    LMText,
+    LockedState,
+    RefusalGuard,
+    default_objectives,
+)
 from tests.conftest import save_tiny_folder
 
 

@@ -11,8 +11,14 @@ import yaml
 
 from modular import ModularError
 from modular.gating.data import NEIGHBOURS_KEY, TASK_PREFIX, GatingDataModule
-from modular.gating.losses import (direction_write_shortfall, first_token_kl, refusal_guard, token_ce, topk_kl,
-                                   unlikelihood)
+from modular.gating.losses import (
+    direction_write_shortfall,
+    first_token_kl,
+    refusal_guard,
+    token_ce,
+    topk_kl,
+    unlikelihood,
+)
 from modular.gating.module import GatedLM
 from modular.gating.objectives import DirectionWrite, KeepReference, LockedState, RefusalGuard, Term
 from modular.heads.gates import expected_l0

@@ -15,8 +15,13 @@ from modular import ModularError
 from modular.gating.data import GatingDataModule
 from modular.gating.losses import first_token_kl, token_ce, topk_kl
 from modular.gating.module import GatedLM
-from modular.gating.objectives import (ClosedAttribution, HeadConsistency, HeadInterchange, HeadMargin,
-                                       default_objectives)
+from modular.gating.objectives import (
+    ClosedAttribution,
+    HeadConsistency,
+    HeadInterchange,
+    HeadMargin,
+    default_objectives,
+)
 from modular.heads.gates import GatedOutputProjection, deterministic_gate_values, head_gate_modules
 from modular.models import load_model
 from modular.models.adapter import ArchitectureAdapter

@@ -177,12 +177,19 @@ def test_curve_checks_on_constructed_curves():
     assert curve_checks({"facilitation": {"mean": [0]}})["facilitation_falls"] is None
 
 
-def test_plot_grid(tmp_path):
+def test_plot_grid(tmp_path, drawn):
     c = {"n": [0, 1, 2], "mean": [0, -1, -2], "sem": [0, 0.1, 0.1]}
-    grid = {t: {m: {"facilitation": c, "irrelevance": c, "interference": c} for m in ("a", "b")}
+    i = {"n": [0, 1, 2], "mean": [0, 0.5, 0.7], "sem": [0, 0.1, 0.1]}
+    grid = {t: {m: {"facilitation": c, "irrelevance": c, "interference": i} for m in ("a", "b")}
             for t in ("agreement", "arithmetic")}
-    path = plot_ablation_grid(tmp_path / "g.png", grid, title="t")
-    assert path.stat().st_size > 10_000
+    grid["arithmetic"]["b"] = {"facilitation": c}  # a class with no heads draws no line
+    plot_ablation_grid(tmp_path / "g.png", grid, title="t")
+    fig = drawn["g.png"]
+    panels = fig["axes"][:4]  # rows: tasks, columns: models (then the right-hand task labels)
+    assert [p["title"] for p in panels] == ["a", "b", "", ""]
+    assert panels[0]["lines"]["Facilitation"] == [0, -1, -2] and panels[0]["lines"]["Interference"] == [0, 0.5, 0.7]
+    assert "Interference" not in panels[3]["lines"] and panels[3]["xlabel"] == "Number of Ablated Heads"
+    assert {"Syntax", "Math"} == {ax["ylabel"] for ax in fig["axes"][4:]}
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "gemma3_text"])

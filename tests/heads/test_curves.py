@@ -1,5 +1,3 @@
-import shutil
-
 import pytest
 import torch
 
@@ -105,7 +103,7 @@ def test_area_under_curve():
     assert area_under_curve([0, 0.6, 0.8, 1, 1], range(5), n_heads_total=4) == pytest.approx(0.725)
 
 
-def test_plot_writes_png_with_multiplier(tmp_path):
+def test_plot_writes_png_with_multiplier(tmp_path, drawn):
     ks = list(range(0, 17))
     base = [min(1.0, k / 16) for k in ks]  # reaches .9 at k = 15
     sparse = [min(1.0, k / 5) for k in ks]  # reaches .9 at k = 5
@@ -117,20 +115,26 @@ def test_plot_writes_png_with_multiplier(tmp_path):
     }
     path, annotations = plot_efficiency_curves(tmp_path / "curves.png", panels, "Effect share",
                                                subtitle="counterfactual ablation")
-    assert path.exists() and path.stat().st_size > 0
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert annotations == {"capitals": "3.0x"}
-    shutil.copy(path, "/tmp/curves_example.png")
+    fig = drawn["curves.png"]
+    assert [ax["title"] for ax in fig["axes"]] == ["capitals", "arithmetic"]
+    capitals, arithmetic = fig["axes"]
+    assert capitals["lines"]["base"] == pytest.approx(base) and capitals["lines"]["sparse"] == pytest.approx(sparse)
+    assert [t for t in capitals["texts"] if t] == ["3.0x"]  # the multiplier between the two crossings
+    assert [t for t in arithmetic["texts"] if t] == []  # the sparse curve never reaches the threshold
+    assert capitals["xlabel"] == "Number of Heads Kept" and "Effect share" in fig["suptitle"]
 
 
-def test_plot_allows_overshoot_without_annotation_for_one_model(tmp_path):
+def test_plot_allows_overshoot_without_annotation_for_one_model(tmp_path, drawn):
     panels = {"task": {"model": {"ks": [0, 1, 2, 3], "values": [0.0, 1.3, 0.7, 1.0]}}}
     path, annotations = plot_efficiency_curves(tmp_path / "f.png", panels, "Faithfulness")
-    assert path.stat().st_size > 0
     assert annotations == {}
+    ax = drawn["f.png"]["axes"][0]
+    assert ax["lines"]["model"] == pytest.approx([0.0, 1.3, 0.7, 1.0]) and [t for t in ax["texts"] if t] == []
 
 
-def test_plot_with_three_models_gives_each_later_model_its_multiplier(tmp_path):
+def test_plot_with_three_models_gives_each_later_model_its_multiplier(tmp_path, drawn):
     ks = list(range(0, 17))
     lines = {"base": [min(1.0, k / 16) for k in ks],  # 0.9 at k = 15
              "sparse": [min(1.0, k / 5) for k in ks],  # 0.9 at k = 5
@@ -138,5 +142,7 @@ def test_plot_with_three_models_gives_each_later_model_its_multiplier(tmp_path):
              "never": [0.5 for _ in ks]}
     panels = {"ioi": {name: {"ks": ks, "values": v} for name, v in lines.items()}}
     path, annotations = plot_efficiency_curves(tmp_path / "f.png", panels, "Effect share")
-    assert path.stat().st_size > 0
     assert annotations == {"ioi": "sparse: 3.0x; other: 1.7x"}
+    ax = drawn["f.png"]["axes"][0]
+    assert {"base", "sparse (3.0x)", "other (1.7x)", "never"} <= set(ax["lines"])  # each multiplier in its label
+    assert ax["lines"]["never"] == pytest.approx(lines["never"])

@@ -66,8 +66,8 @@ def test_plain_attribution_is_the_total_derivative(arch):
     t = 1e-2
     tiny = {i: z[i] + t * (cf[i] - z[i]) for i in z}  # patch 1 % of the way to the counterfactual
     exact = torch.zeros(adapter.n_layers, adapter.n_heads, dtype=torch.float64)
-    from modular.hooks import replace_heads
     from modular.heads.ranking import last_position_logits, logit_diff
+    from modular.hooks import replace_heads
 
     with torch.no_grad():
         clean = logit_diff(last_position_logits(model, batch["clean"]), batch["good"], batch["bad"])
@@ -85,8 +85,8 @@ def test_plain_attribution_is_the_total_derivative(arch):
 def test_integrated_gradients_on_the_embedding_path_sums_to_the_total_effect(arch):
     """With inputs interpolated, the IG scores of all heads add up to about m(counterfactual) − m(clean)
     when every head is patched, i.e. the path's completeness (a check that the path and deltas match)."""
-    from modular.hooks import replace_heads
     from modular.heads.ranking import ablation_values, last_position_logits, logit_diff
+    from modular.hooks import replace_heads
     from modular.models.adapter import ArchitectureAdapter
     from tests.conftest import make_tiny_model
 

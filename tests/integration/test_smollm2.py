@@ -24,7 +24,7 @@ def smollm2():
 
 
 def test_inspect_reports_the_real_architecture():
-    out = subprocess.run([sys.executable, "-m", "modular.cli", "inspect", MODEL, "--json"], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "modular", "inspect", MODEL, "--format", "json"], capture_output=True,
                          text=True, check=True, cwd=ROOT)
     info = json.loads(out.stdout)
     assert (info["n_layers"], info["n_heads"], info["head_dim"], info["d_model"]) == (30, 9, 64, 576)
@@ -69,7 +69,7 @@ def test_evaluate_behaviour_cli_on_held_out_countries(tmp_path):
 
 
 def test_unknown_model_is_one_line(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "modular.cli", "inspect", "no-such-model"], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "modular", "inspect", "no-such-model"], capture_output=True,
                          text=True, cwd=ROOT)
     assert out.returncode == 2
     assert out.stderr.strip().count("\n") == 0 and "unknown model 'no-such-model'" in out.stderr

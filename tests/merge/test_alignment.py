@@ -4,7 +4,14 @@ import pytest
 import torch
 
 from modular.merge.alignment import (
-    TextActivations, fit_linear_map, load_map, paired_matrices, r_squared, save_map, similarity, text_activations,
+    TextActivations,
+    fit_linear_map,
+    load_map,
+    paired_matrices,
+    r_squared,
+    save_map,
+    similarity,
+    text_activations,
 )
 from modular.merge.similarity import frobenius_similarity, linear_cka
 from tests.conftest import make_tiny_model, make_tiny_tokenizer

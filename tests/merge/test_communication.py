@@ -6,7 +6,13 @@ import torch
 from modular import ModularError
 from modular.hooks import capture_residual
 from modular.merge.communication import (
-    FUNCTIONS, combine, communicate, inject_last_token, last_token_states, layer_at_depth, run_to_layer,
+    FUNCTIONS,
+    combine,
+    communicate,
+    inject_last_token,
+    last_token_states,
+    layer_at_depth,
+    run_to_layer,
 )
 from modular.models.adapter import ArchitectureAdapter
 from tests.conftest import make_tiny_model, make_tiny_tokenizer

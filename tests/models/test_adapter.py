@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from modular import ModularError
-from modular.models.adapter import ArchitectureAdapter, check_supported, SUPPORTED_ARCHITECTURES
-from tests.conftest import ARCHS, D, HEADS, LAYERS
+from modular.models.adapter import SUPPORTED_ARCHITECTURES, ArchitectureAdapter, check_supported
+from tests.conftest import ARCHS, HEADS, LAYERS, D
 
 
 def test_every_supported_architecture_is_tested():
@@ -53,7 +53,7 @@ def test_inspect_cli_on_saved_folder(tmp_path, arch):
 
     make_tiny_model(arch).save_pretrained(tmp_path / arch)
     out = subprocess.run(
-        [sys.executable, "-m", "modular.cli", "inspect", str(tmp_path / arch), "--json"],
+        [sys.executable, "-m", "modular", "inspect", str(tmp_path / arch), "--format", "json"],
         capture_output=True, text=True, check=True,
     )
     info = json.loads(out.stdout)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from modular import ModularError
-from modular.cli import main
+from modular.app.cli import main
 from modular.models.loading import load_model, load_tokenizer
 from modular.runs import Run, load_open_model
 from tests.conftest import save_tiny_folder

@@ -1,0 +1,42 @@
+"""Options shared by the commands, declared once: an option of one of these names has this type and this help in
+every command that takes it (a command's own docstring line for it, if any, is appended: its default, its use
+there). ``tests/app/test_cli.py`` checks every command against this table."""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+Split = Literal["train", "validation", "test"]
+
+MODEL_REFERENCE = ("Built-in alias (smollm2-135m-instruct, gemma3-270m), .gguf file, local Hugging Face folder, hub id, "
+                   "or a training run folder (its trained model: LoRA merged, head gates folded in).")
+BEHAVIOUR_REFERENCE = ("Built-in names (capitals, ioi, ioi_long, greater_than, docstring, agreement, arithmetic, "
+                       "commonsense, continents, languages, currencies, ioi_thanks), .jsonl files, hf:<dataset>, or "
+                       "NAME=<source>.")
+LIST_SYNTAX = "A list: --{name} '[a, b]' or --{name}+=a --{name}+=b."
+
+# name -> (type, help); Optional[...] of the type is the same option with "not given" allowed
+SHARED: dict[str, tuple[object, str]] = {
+    "model": (str, "The model: " + MODEL_REFERENCE),
+    "models": (list[str], "The models, each as --model: " + MODEL_REFERENCE + " " + LIST_SYNTAX),
+    "base": (Optional[str], "The base model the run or published folder was trained from: " + MODEL_REFERENCE),
+    "run": (str, "Training run folder (holds run.json, directions.safetensors, last.ckpt)."),
+    "behaviours": (list[str], "Behaviours: " + BEHAVIOUR_REFERENCE + " " + LIST_SYNTAX),
+    "tasks": (list[str], "Tasks (behaviours scored per head): " + BEHAVIOUR_REFERENCE + " " + LIST_SYNTAX),
+    "neighbours": (list[str], "Neighbour behaviours (close to the gated ones): " + BEHAVIOUR_REFERENCE + " "
+                   + LIST_SYNTAX),
+    "split": (Split, "Which split is scored: train, validation or test (held-out entities)."),
+    "limit": (Optional[int], "Score at most this many items per behaviour or task (not given: all)."),
+    "max_new_tokens": (int, "Length of each greedy response, in tokens."),
+    "batch_size": (int, "Prompts per forward or generation batch."),
+    "seed": (int, "Seed of the data generators and splits."),
+    "out": (Optional[str], "Output folder."),
+    "overwrite": (bool, "Replace the output folder if it exists and modular wrote it (never an input folder)."),
+    "progress": (bool, "Show progress bars."),
+}
+
+
+def shared_help(name: str, own: str | None) -> str:
+    """The help of a shared option, then the command's own line for it."""
+    text = SHARED[name][1]
+    return f"{text} {own.strip()}" if own and own.strip() and own.strip() != text else text

@@ -1,0 +1,71 @@
+"""``modular publish`` and ``modular unlock``: the locked weights as a plain Hugging Face folder, the keys apart."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from modular import ModularError
+from modular.models import load_tokenizer
+from modular.publish import check_output_folder, keys_folder_for, publish_model, unlock_folder
+from modular.runs import LOCK_REPORT, checkpoint_step, load_open_model, lock_verdict, read_run
+
+log = logging.getLogger("modular")
+
+
+def publish(run: str, out: str, keys: str | None = None, harden: bool = True, overwrite: bool = False,
+            allow_failed_lock: bool = False) -> str:
+    """Write a gated run's locked weights as a plain Hugging Face folder (what users upload; it holds no key), and
+    the keys, one file per behaviour, in a folder of their own (kept by the publisher and handed out apart).
+
+    Args:
+        out: For the published model (written atomically).
+        keys: Output folder for the keys (default: <out>-keys beside the published folder; never inside it).
+        harden: Also make the readers ignore the directions, so that adding them back does nothing.
+        overwrite: The keys folder too.
+        allow_failed_lock: Publish a run whose training did not verify the lock (run.json ``lock``); its model
+            card and modular.json then say that the behaviours may not be locked. Without it such a run is refused.
+    """
+    keys = keys or str(keys_folder_for(out))
+    check_output_folder(out, [run], overwrite)  # before any work: nothing is loaded for a refused folder
+    check_output_folder(keys, [run], overwrite, option="--keys", kind="keys")
+    r = read_run(run)
+    step = checkpoint_step(r)
+    verified, why = lock_verdict(r, step)
+    if not verified and not allow_failed_lock:
+        raise ModularError(f"{run}: {why}; refusing to publish it as locked (train longer, or pass "
+                           "--allow_failed_lock true to publish it with a card that says so)")
+    if not verified:
+        log.warning("publishing %s although %s", run, why)
+    measured = None
+    lock_path = Path(run) / LOCK_REPORT
+    if lock_path.is_file():
+        report = json.loads(lock_path.read_text())
+        if report.get("step") == step:
+            measured = report
+        else:
+            log.warning(
+                "%s describes step %s, the checkpoint holds step %s: the model card gets no measured numbers "
+                "(run evaluate.py lock --run %s again)", lock_path, report.get("step"), step, run)
+    folder, keys_dir = publish_model(load_open_model(r), load_tokenizer(r.model_name), r.directions, out,
+                                     r.model_name, measured, harden=harden, overwrite=overwrite, keys_out=keys,
+                                     step=step, locked_responses=r.record.get("locked_responses"), inputs=[run],
+                                     lock_check={"verified": verified, "detail": why})
+    print(folder)
+    print(f"keys: {keys_dir}  (secret: hand them out apart from the published folder)")
+    return str(folder)
+
+
+def unlock(model: str, key: str, out: str, overwrite: bool = False) -> str:
+    """Apply a key to a published (locked) model folder and write the unlocked model. Refuses a key of other
+    weights, a damaged key and a result that is not what the key was made to produce; nothing is written then.
+
+    Args:
+        model: A published folder (from ``modular publish``) or a folder unlocked by another key.
+        key: Key file of one behaviour (``<keys folder>/<behaviour>.key.safetensors``).
+        out: For the unlocked model (written atomically; never inside ``model``).
+    """
+    folder = unlock_folder(model, key, out, overwrite=overwrite)
+    print(folder)
+    return str(folder)
