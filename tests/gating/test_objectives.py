@@ -27,10 +27,12 @@ from tests.conftest import save_tiny_folder
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
-#: each training config's loss options as flat module options, before the terms became objects
+#: each training config's loss options as flat module options, before the terms became objects (the capitals config
+#: has the refusal guard in it: guard_weight 1 at floor -3)
 OLD = {
     "gate_capitals_smollm2.yaml": dict(retain_weight=1.0, retain_ce_weight=0.0, first_token_weight=1.0,
-                                       write_weight=0.0, guard_weight=0.0, locked_objective="refusal", task_weight=1.0),
+                                       write_weight=0.0, guard_weight=1.0, guard_floor=-3.0, locked_objective="refusal",
+                                       task_weight=1.0),
     "gate_ioi_smollm2.yaml": dict(retain_weight=1.0, retain_ce_weight=0.0, first_token_weight=1.0, write_weight=0.0,
                                   guard_weight=0.0, locked_objective="refusal", task_weight=1.0),
     "gate_two_smollm2.yaml": dict(retain_weight=1.0, retain_ce_weight=0.0, first_token_weight=1.0, write_weight=0.0,
@@ -124,18 +126,17 @@ def _grads(lm, loss) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in lm.named_parameters() if p.grad is not None}
 
 
-def _with_write_and_guard(cfg: dict) -> dict:
-    """The terms docs/locking.md adds for small behaviours (the write term at 10, the refusal guard)."""
+def _with_write(cfg: dict) -> dict:
+    """The term docs/locking.md adds for small behaviours (the write term at 10)."""
     objectives = [*cfg["model"]["objectives"],
-                  {"class_path": "modular.gating.objectives.DirectionWrite", "init_args": {"weight": 10.0}},
-                  {"class_path": "modular.gating.objectives.RefusalGuard"}]
+                  {"class_path": "modular.gating.objectives.DirectionWrite", "init_args": {"weight": 10.0}}]
     return {**cfg, "model": {**cfg["model"], "objectives": objectives}}
 
 
 #: configs with terms added as the docs add them -> (the config, how, the flat options it equals)
-VARIANTS = {"gate_capitals_smollm2.yaml+write+guard": ("gate_capitals_smollm2.yaml", _with_write_and_guard,
-                                                       dict(OLD["gate_capitals_smollm2.yaml"], write_weight=10.0,
-                                                            write_target=0.2, guard_weight=1.0, guard_floor=-3.0))}
+VARIANTS = {"gate_capitals_smollm2.yaml+write": ("gate_capitals_smollm2.yaml", _with_write,
+                                                 dict(OLD["gate_capitals_smollm2.yaml"], write_weight=10.0,
+                                                      write_target=0.2))}
 
 
 @pytest.mark.parametrize("config", sorted(OLD) + sorted(VARIANTS))
