@@ -1,6 +1,6 @@
 """``modular train``: a LightningCLI over :class:`~modular.gating.module.GatedLM` and
-:class:`~modular.gating.data.GatingDataModule` (``modular train fit --config ...``, or ``python train.py fit ...``; ``modular main`` calls it
-in-process). ``fit --help`` documents every option. A killed run resumes from ``last.ckpt`` in its run folder when
+:class:`~modular.gating.data.GatingDataModule` (``modular train fit --config ...`` or ``python train.py fit ...``;
+``modular main`` calls it in-process). ``fit --help`` documents every option. A killed run resumes from ``last.ckpt`` in its run folder when
 started again with the same command (``--ckpt_path null`` starts afresh).
 
 Before anything is instantiated, ``fit`` checks the trainer's length: ``trainer.max_steps`` must be at least 1, or -1

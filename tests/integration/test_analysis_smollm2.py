@@ -43,8 +43,8 @@ def test_smollm2_template_suffix_and_fillers(tokenizer):
 
 
 def test_directions_cli_on_smollm2(tmp_path):
-    out = _evaluate("directions", "--model", MODEL, "--behaviour", "capitals", "--formats", "chat,newline",
-                    "--n_prompts", "8", "--limit", "4", "--retain_limit", "4", "--layers", "15",
+    out = _evaluate("directions", "--model", MODEL, "--behaviour", "capitals", "--formats", "[chat, newline]",
+                    "--n_prompts", "8", "--limit", "4", "--retain_limit", "4", "--layers", "[15]",
                     "--max_new_tokens", "12", "--out", str(tmp_path))
     assert out.returncode == 0, out.stderr[-2000:]
     report = json.loads((tmp_path / "directions.json").read_text())

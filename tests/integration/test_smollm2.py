@@ -58,7 +58,7 @@ def test_hook_lock_equals_published_weights_on_smollm2(smollm2):
 
 
 def test_evaluate_behaviour_cli_on_held_out_countries(tmp_path):
-    out = subprocess.run([sys.executable, "evaluate.py", "behaviour", "--model", MODEL, "--behaviour", "capitals,ioi",
+    out = subprocess.run([sys.executable, "evaluate.py", "behaviour", "--model", MODEL, "--behaviours", "[capitals, ioi]",
                           "--limit", "16", "--out", str(tmp_path)], capture_output=True, text=True, cwd=ROOT,
                          env={**__import__("os").environ, "WANDB_MODE": "offline"})
     assert out.returncode == 0, out.stderr[-2000:]
