@@ -11,12 +11,16 @@ residual stream does nothing; on the locked model's own residual (which has no
 
 Every removed component is rank-1 per module and behaviour: ``W ← W − a bᵀ``.
 A key is the list of ``(module, a, b)`` for one behaviour: applying it adds
-``a bᵀ`` back. Adding back in the weights' precision rounds, and where ``a bᵀ``
-is large (hardened readers behind tiny norm gains, ``u / g``) the rounding
-exceeds the trained weights' own precision; each component therefore also
-carries the few entries whose restored value would be off by more than
-``exact_tol`` and the exact correction for them, so one key restores the trained
-weights to within ``exact_tol``. With several behaviours the rounding also
+``a bᵀ`` back. Both are computed in float64 and rounded once to the weights'
+precision (float32, bfloat16 or float16: a model publishes in its own precision).
+The rounding of the locked weights is not undone by adding back, and where
+``a bᵀ`` is large (hardened readers behind tiny norm gains, ``u / g``) it exceeds
+the trained weights' own precision; each component therefore also carries the
+few entries whose restored value would be off by more than the tolerance and the
+exact correction for them, so one key restores the trained weights to within it:
+``exact_tol`` (absolute) in float32, ``ulp_tol`` units in the last place of each
+trained weight in bfloat16 and float16 (a bit-exact key, ``ulp_tol=0``, carries
+a correction for most entries a key touches). With several behaviours the rounding also
 depends on which keys were applied before; each component carries corrections
 for every order of the other behaviours' keys before it (up to
 ``MAX_PREFIX_BEHAVIOURS`` behaviours), so any number of keys, applied in any
@@ -41,7 +45,10 @@ from torch import nn
 from modular import ModularError
 from modular.models.adapter import ArchitectureAdapter, weight_out_in
 
-KEY_FORMAT = "modular-key/2"  # /2: keys carry a digest of their content and of the weights they produce
+KEY_FORMAT = "modular-key/3"  # /3: float64 arithmetic rounded once; /2: digests of content and of what it produces
+#: formats still applied (a /2 key adds a bᵀ rounded to the weights' dtype, then rounds the sum, as it was made)
+READABLE_FORMATS = (KEY_FORMAT, "modular-key/2")
+MANTISSA_BITS = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}
 #: corrections are recorded for every ordered prefix of the other keys up to this many behaviours (beyond it only
 #: for each key applied first: a 5th key would need 65 sets)
 MAX_PREFIX_BEHAVIOURS = 4
@@ -59,6 +66,7 @@ class Component:
     fix_value: torch.Tensor | None = None  # the correction added there after ``a bᵀ``
     # the same for this key applied after other keys: {behaviours applied before, in order: (index, value)}
     fix_after: dict[tuple[str, ...], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    legacy: bool = False  # made by a modular-key/2 key: the update is rounded before it is added
 
     def fix_for(self, applied: tuple[str, ...]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The correction for this key applied after the keys ``applied`` (in that order)."""
@@ -109,19 +117,30 @@ def _orth_dual(vectors: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-def _subtract(param: torch.Tensor, a: torch.Tensor, b: torch.Tensor, transposed: bool, sign: float = -1.0):
-    update = torch.outer(a, b).to(param.dtype)
-    with torch.no_grad():
-        param.add_(update.T if transposed else update, alpha=sign)
-
-
 @torch.no_grad()
 def _apply_component(param: torch.Tensor, c: Component, sign: float) -> None:
-    """``param ← param + sign · a bᵀ`` (a 1-D parameter takes ``a · b``), exactly as :func:`apply_key` does it."""
+    """``param ← param + sign · a bᵀ`` (a 1-D parameter takes ``a · b``), exactly as :func:`apply_key` does it:
+    in float64, rounded once to the parameter's dtype, on the parameter's device."""
+    a, b = c.a.to(param.device, torch.float64), c.b.to(param.device, torch.float64)
     if param.ndim == 1:
-        param.add_((c.a * c.b).to(param.dtype), alpha=sign)
+        update = a * b
     else:
-        _subtract(param, c.a.double(), c.b.double(), c.transposed, sign=sign)
+        update = torch.outer(a, b)
+        update = update.T if c.transposed else update
+    if c.legacy:  # as modular-key/2 keys were made: the update rounded first, then added in the dtype
+        if param.ndim == 1:
+            update = (c.a * c.b).to(param.device)
+        param.add_(update.to(param.dtype), alpha=sign)
+    else:
+        param.copy_((param.double() + sign * update).to(param.dtype))
+
+
+def ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The spacing of ``dtype`` at each value of ``x`` (float64; at 0: the smallest normal number)."""
+    x = x.double()
+    _, exponent = torch.frexp(x)  # x = m·2^e, 0.5 <= |m| < 1
+    spacing = torch.ldexp(torch.ones_like(x), (exponent - 1 - MANTISSA_BITS[dtype]).to(x.dtype))
+    return torch.where(x == 0, torch.full_like(x, torch.finfo(dtype).tiny), spacing)
 
 
 @torch.no_grad()
@@ -130,11 +149,29 @@ def _apply_corrected(param: torch.Tensor, c: Component, sign: float, applied: tu
     (added after the component, or taken off before it when ``sign < 0``)."""
     index, value = c.fix_for(applied)
     fixed = index is not None and index.numel() > 0
+    if fixed:
+        index = index.to(param.device)
     if sign < 0 and fixed:
-        param.view(-1)[index] -= value.to(param.dtype)
+        _add_at(param, index, value, -1.0, c.legacy)
     _apply_component(param, c, sign)
     if sign > 0 and fixed:
-        param.view(-1)[index] += value.to(param.dtype)
+        _add_at(param, index, value, 1.0, c.legacy)
+
+
+def _add_at(param: torch.Tensor, index: torch.Tensor, value: torch.Tensor, sign: float, legacy: bool) -> None:
+    """``param[index] += sign · value`` in float64, rounded once (corrections are stored in a wider dtype than the
+    weights', so that this lands exactly on the target); a modular-key/2 correction is added in the weights' dtype."""
+    flat = param.view(-1)
+    if legacy:
+        flat[index] += sign * value.to(param.device, param.dtype)
+    else:
+        flat[index] = (flat[index].double() + sign * value.to(param.device, torch.float64)).to(param.dtype)
+
+
+def _fix_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a correction is stored in: one in which the difference of two weights is exact (float32 for 16-bit
+    weights, float64 for float32 ones)."""
+    return torch.float64 if dtype == torch.float32 else torch.float32
 
 
 def _prefixes(behaviours: list[str]) -> list[tuple[str, ...]]:
@@ -147,9 +184,10 @@ def _prefixes(behaviours: list[str]) -> list[tuple[str, ...]]:
 
 @torch.no_grad()
 def _record_corrections(param: torch.Tensor, original: torch.Tensor, comps: list[Component], tol: float,
-                        behaviours: list[str]) -> None:
-    """For each component removed from ``param``, the entries that adding it back would not restore within ``tol``,
-    for every order in which the other behaviours' keys may have been applied before it.
+                        behaviours: list[str], ulp_tol: float = 1.0) -> None:
+    """For each component removed from ``param``, the entries that adding it back would not restore within ``tol``
+    (float32: absolute; bfloat16 and float16: ``ulp_tol`` units in the last place of the target), for every order in
+    which the other behaviours' keys may have been applied before it.
 
     After the keys of ``prefix``, the target of component ``c`` is ``original`` minus every component whose
     behaviour is still locked, rounded to the parameter's dtype; the start is the locked ``param`` with the
@@ -169,12 +207,14 @@ def _record_corrections(param: torch.Tensor, original: torch.Tensor, comps: list
             for i, earlier in enumerate(prefix):
                 _apply_corrected(restored, by_name[earlier], 1.0, prefix[:i])
             _apply_component(restored, c, 1.0)
-            err = (target.to(param.dtype).double() - restored.double()).flatten()
-            index = (err.abs() > tol).nonzero().flatten()
+            rounded = target.to(param.dtype).double()
+            err = (rounded - restored.double()).flatten()
+            allowed = tol if param.dtype == torch.float32 else ulp_tol * ulp(rounded, param.dtype).flatten()
+            index = (err.abs() > allowed).nonzero().flatten()
             if prefix:
-                c.fix_after[prefix] = (index, err[index].to(param.dtype))
+                c.fix_after[prefix] = (index.cpu(), err[index].to(_fix_dtype(param.dtype)).cpu())
             else:
-                c.fix_index, c.fix_value = index, err[index].to(param.dtype)
+                c.fix_index, c.fix_value = index.cpu(), err[index].to(_fix_dtype(param.dtype)).cpu()
 
 
 def _rms_like(norm: nn.Module | None) -> bool:
@@ -188,65 +228,72 @@ def _rms_like(norm: nn.Module | None) -> bool:
 
 @torch.no_grad()
 def lock_weights(model: nn.Module, directions: dict[str, torch.Tensor], harden: bool = True,
-                 exact_tol: float = 1e-7) -> list[Key]:
-    """Orthogonalise writers (and, with ``harden``, readers) against each behaviour's direction, in place.
+                 exact_tol: float = 1e-7, ulp_tol: float = 1.0) -> list[Key]:
+    """Orthogonalise writers (and, with ``harden``, readers) against each behaviour's direction, in place, in the
+    weights' own precision and device (computed in float64, rounded once).
 
-    Returns one :class:`Key` per behaviour; applying a key alone restores the weights to within
-    ``exact_tol``. The model must not be wrapped (merge LoRA first).
+    Returns one :class:`Key` per behaviour; applying keys restores each weight to within ``exact_tol`` (float32)
+    or ``ulp_tol`` units in its last place (bfloat16, float16). The model must not be wrapped (merge LoRA first).
     """
     untie_embeddings(model)
     adapter = ArchitectureAdapter(model)
     names = list(directions)
-    units = [directions[n].flatten().double() / directions[n].double().norm() for n in names]
+    units = [directions[n].detach().flatten().cpu().double() for n in names]
+    units = [u / u.norm() for u in units]
     keys = [Key(n, units[i].float()) for i, n in enumerate(names)]
 
     # --- writers ---
     for site in adapter.write_sites():
         gain = adapter.norm_gain(site.post_norm) if site.post_norm is not None else None
-        vecs = [u * gain.double() if gain is not None else u for u in units]
+        vecs = [u * gain.detach().cpu().double() if gain is not None else u for u in units]
         duals = _orth_dual(vecs)
         W = weight_out_in(site.module)  # (d, in) view
         transposed = W is not site.module.weight
         original = site.module.weight.detach().clone()
-        for key, w in zip(keys, duals):
-            coef = (w.to(W.dtype) @ W).double()  # (in,)
+        for key, v, w in zip(keys, vecs, duals):
+            # w (vᵀW) / (v·w): with every behaviour's piece removed, no write has a component along any v (an
+            # oblique split of the orthogonal projection: each piece is one behaviour's, restored by its key alone)
+            coef = (v.to(W.device) @ W.double()).cpu() / (v @ w)  # (in,)
             key.components.append(Component(_param_name(model, site.module.weight), w.float(), coef.float(), transposed))
         comps = [key.components[-1] for key in keys]
         for c in comps:  # subtract after computing all coefficients (joint projection)
             _apply_component(site.module.weight, c, -1.0)
-        _record_corrections(site.module.weight, original, comps, exact_tol, names)
+        _record_corrections(site.module.weight, original, comps, exact_tol, names, ulp_tol)
         bias = getattr(site.module, "bias", None)
         if bias is not None:
             original = bias.detach().clone()
-            for key, w in zip(keys, duals):
-                coef = (w.to(bias.dtype) @ bias).reshape(1).double()
+            for key, v, w in zip(keys, vecs, duals):
+                coef = (v.to(bias.device) @ bias.double()).reshape(1).cpu() / (v @ w)
                 key.components.append(Component(_param_name(model, bias), w.float(), coef.float(), False))
             comps = [key.components[-1] for key in keys]
             for c in comps:
                 _apply_component(bias, c, -1.0)
-            _record_corrections(bias, original, comps, exact_tol, names)
+            _record_corrections(bias, original, comps, exact_tol, names, ulp_tol)
 
     # --- readers ---
     hardened = []
     if harden:
+        # the dual basis of the directions within their span (U Uᵀ)⁻¹ U: the directions themselves when orthonormal
+        stacked = torch.stack(units)
+        duals = list(torch.linalg.solve(stacked @ stacked.T, stacked))
         for norm, readers in adapter.read_sites():
             if not _rms_like(norm):
                 continue
             gain = adapter.norm_gain(norm) if norm is not None else None
-            gain = torch.ones_like(units[0]) if gain is None else gain.double()
+            gain = torch.ones_like(units[0]) if gain is None else gain.detach().cpu().double()
             for reader in readers:
                 W = weight_out_in(reader)  # (out, d)
                 transposed = W is not reader.weight
                 original = reader.weight.detach().clone()
                 comps = []
-                for key, u in zip(keys, units):
-                    a = (W.double() @ (gain * u))  # what the reader gets from a unit of u
-                    b = u / gain
+                for key, u, dual in zip(keys, units, duals):
+                    a = (W.double() @ (gain * u).to(W.device)).cpu()  # what the reader gets from a unit of u
+                    b = dual / gain  # bᵀ(g ⊙ u_j) = δ_ij, and 0 on a residual without any u
                     comps.append((key, Component(_param_name(model, reader.weight), a.float(), b.float(), transposed)))
                 for key, c in comps:
                     key.components.append(c)
                     _apply_component(reader.weight, c, -1.0)
-                _record_corrections(reader.weight, original, [c for _, c in comps], exact_tol, names)
+                _record_corrections(reader.weight, original, [c for _, c in comps], exact_tol, names, ulp_tol)
                 hardened.append(_param_name(model, reader.weight))
     for key in keys:
         key.meta = {
@@ -257,7 +304,8 @@ def lock_weights(model: nn.Module, directions: dict[str, torch.Tensor], harden: 
             "writers": [s.name for s in adapter.write_sites()],
             "hardened_readers": hardened,
             "restores": "rank-1 components a b^T of every residual writer (and hardened reader) along the direction",
-            "exact_tol": exact_tol,  # this key, alone or after the others, restores every weight to within this
+            # this key, alone or after the others, restores every weight to within this
+            "exact_tol": exact_tol, "ulp_tol": ulp_tol, "dtype": str(model.dtype).removeprefix("torch."),
         }
     return keys
 
@@ -379,7 +427,7 @@ def load_key(path: str | Path) -> tuple[Key, dict]:
     except Exception as err:  # noqa: BLE001 - safetensors raises its own error type for truncated or foreign files
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise ModularError(f"{path} is not a readable modular key file ({reason})") from None
-    if not isinstance(meta, dict) or meta.get("format") != KEY_FORMAT:
+    if not isinstance(meta, dict) or meta.get("format") not in READABLE_FORMATS:
         found = meta.get("format") if isinstance(meta, dict) else None
         hint = "; it has no digests: publish again" if found == "modular-key/1" else ""
         raise ModularError(f"{path} is not a modular key file (format {found!r}, expected {KEY_FORMAT!r}{hint})")
@@ -389,7 +437,7 @@ def load_key(path: str | Path) -> tuple[Key, dict]:
         Component(e["param"], tensors[f"c{i}.a"], tensors[f"c{i}.b"], e["transposed"],
                   tensors.get(f"c{i}.fix_index"), tensors.get(f"c{i}.fix_value"),
                   {tuple(prefix): (tensors[f"c{i}.after{j}.fix_index"], tensors[f"c{i}.after{j}.fix_value"])
-                   for j, prefix in enumerate(e.get("fix_after", []))})
+                   for j, prefix in enumerate(e.get("fix_after", []))}, meta["format"] == "modular-key/2")
         for i, e in enumerate(meta["components"])
     ]
     return Key(meta["behaviour"], tensors["direction"], comps, meta), meta

@@ -52,6 +52,30 @@ def test_hardened_readers_do_not_read_the_direction(arch):
     assert all(x.norm() < 1e-5 for x in after), max(x.norm() for x in after)
 
 
+@pytest.mark.parametrize("arch", ["llama", "olmo2", "gemma3_text", "gpt2"])
+def test_non_orthogonal_directions_lock_like_the_hooks(arch, tokens):
+    """Two directions at 60 degrees (and, behind post-sublayer norms, write vectors g ⊙ u that are not orthogonal
+    either): the weights remove exactly what the hooks remove, and hardened readers ignore both directions."""
+    from modular.models.adapter import weight_out_in
+
+    model = make_tiny_model(arch)
+    g = torch.Generator().manual_seed(3)
+    q = torch.linalg.qr(torch.randn(D, 2, generator=g))[0].T
+    dirs = {"b0": q[0], "b1": 0.5 * q[0] + 0.75 ** 0.5 * q[1]}
+    a = ArchitectureAdapter(model)
+    with ablate_directions(a, torch.stack(list(dirs.values()))):
+        hook_locked = model(tokens).logits
+    lock_weights(model, dirs, harden=True)
+    torch.testing.assert_close(model(tokens).logits, hook_locked, atol=1e-4, rtol=1e-4)
+    a = ArchitectureAdapter(model)
+    for u in dirs.values():
+        for n, rs in a.read_sites():
+            if n is None or "rms" in type(n).__name__.lower() or arch.startswith(("gemma", "olmo2")):
+                for r in rs:
+                    read = weight_out_in(r).double() @ ((a.norm_gain(n).double() if n is not None else 1) * u.double())
+                    assert read.norm() < 1e-5
+
+
 def test_two_keys_are_independent(tokens):
     model = make_tiny_model("llama")
     dirs = _dirs(k=2)
