@@ -29,19 +29,37 @@ def cache_path(model_source: str, prompts: list[str], max_new_tokens: int, top_k
     return cache_dir() / "reference" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
 
 
+def _padded(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ids and attention mask of token-id rows, on ``device`` (each row's logits are its own: causal)."""
+    n = max(len(r) for r in rows)
+    ids = torch.full((len(rows), n), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), n), dtype=torch.long)
+    for j, r in enumerate(rows):
+        ids[j, :len(r)] = torch.tensor(r, dtype=torch.long)
+        mask[j, :len(r)] = 1
+    return ids.to(device), mask.to(device)
+
+
+def _log_probs(model, tokenizer, rows: list[list[int]]) -> list[torch.Tensor]:
+    """Next-token log-probabilities (float32, on the CPU) at every position of each row, batched on the model's
+    device."""
+    ids, mask = _padded(rows, tokenizer.pad_token_id or 0, next(model.parameters()).device)
+    logits = model(input_ids=ids, attention_mask=mask).logits
+    return [torch.log_softmax(logits[j, :len(r)].float(), -1).cpu() for j, r in enumerate(rows)]
+
+
 @torch.no_grad()
 def compute_reference(model, tokenizer, prompts: list[str], chats: list[bool], max_new_tokens: int = 48,
                       top_k: int = 32, batch_size: int = 16) -> dict:
-    """Greedy answers, top-k log-probs over answer positions and first-token log-distributions."""
+    """Greedy answers, top-k log-probs over answer positions and first-token log-distributions (batched, on the
+    model's device)."""
     answers = generate(model, tokenizer, prompts, chats, max_new_tokens, batch_size, desc="reference answers")
     answers = [a.strip() for a in answers]
     records = []
     for start in tqdm(range(0, len(prompts), batch_size), desc="reference distributions", leave=False):
         chunk = range(start, min(start + batch_size, len(prompts)))
-        for i in chunk:
-            ex = encode_example(tokenizer, prompts[i], answers[i], chats[i])
-            ids = torch.tensor([ex["input_ids"]])
-            logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)  # (T, V)
+        examples = [encode_example(tokenizer, prompts[i], answers[i], chats[i]) for i in chunk]
+        for ex, logp in zip(examples, _log_probs(model, tokenizer, [ex["input_ids"] for ex in examples])):
             labels = torch.tensor(ex["labels"])
             pos = (labels[1:] != -100).nonzero().flatten()  # logits at t predict token t+1
             top = logp[pos].topk(top_k, dim=-1)
@@ -81,16 +99,18 @@ def text_cache_path(model_source: str, texts: list[str], max_length: int, top_k:
 
 
 @torch.no_grad()
-def compute_text_reference(model, tokenizer, texts: list[str], max_length: int = 128, top_k: int = 32) -> list[dict]:
+def compute_text_reference(model, tokenizer, texts: list[str], max_length: int = 128, top_k: int = 32,
+                           batch_size: int = 8) -> list[dict]:
     """For raw texts (language modelling): token ids and the reference's top-k next-token
-    log-probabilities at every position."""
+    log-probabilities at every position (batched, on the model's device)."""
     records = []
-    for text in tqdm(texts, desc="reference on LM texts", leave=False):
-        ids = tokenizer(text, truncation=True, max_length=max_length)["input_ids"]
-        logp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0, :-1].float(), -1)
-        top = logp.topk(top_k, dim=-1)
-        records.append({"input_ids": ids, "topk_ids": top.indices.to(torch.int32),
-                        "topk_logp": top.values.to(torch.float16)})
+    for start in tqdm(range(0, len(texts), batch_size), desc="reference on LM texts", leave=False):
+        rows = [tokenizer(t, truncation=True, max_length=max_length)["input_ids"]
+                for t in texts[start:start + batch_size]]
+        for ids, logp in zip(rows, _log_probs(model, tokenizer, rows)):
+            top = logp[:-1].topk(top_k, dim=-1)
+            records.append({"input_ids": ids, "topk_ids": top.indices.to(torch.int32),
+                            "topk_logp": top.values.to(torch.float16)})
     return records
 
 
