@@ -233,7 +233,8 @@ def publish_model(open_model, tokenizer, directions: dict, out: str | Path, base
         tokenizer.save_pretrained(tmp)
         manifest = {"kind": "published", "base_model": base_name, "locked_behaviours": behaviours,
                     "locked_hash": locked_hash, "weights_hash": locked_hash, "applied_keys": [], "hardened": harden,
-                    "keys": "distributed apart from this folder", "step": step}
+                    "keys": "distributed apart from this folder", "step": step,
+                    "dtype": str(next(open_model.parameters()).dtype).removeprefix("torch.")}
         if lock_check is not None:
             manifest["lock_verified"] = bool(lock_check.get("verified"))
             manifest["lock_check"] = lock_check.get("detail")
@@ -271,7 +272,7 @@ def unlock_folder(model_dir: str | Path, key_path: str | Path, out: str | Path, 
     key, meta = load_key(key_path)
     manifest_path = model_dir / MANIFEST
     manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else None
-    model = load_model(model_dir)
+    model = load_model(model_dir, dtype=None, device="cpu")  # in the precision it was published in
     current = weights_hash(model)
     if manifest is not None:
         if meta["locked_hash"] != manifest["locked_hash"]:

@@ -119,16 +119,21 @@ def lock_verdict(run: Run, step: int | None = None) -> tuple[bool, str]:
     return True, f"the lock held on validation at step {lock.get('step')}"
 
 
-def load_open_model(run: Run):
+def load_open_model(run: Run, dtype: str | torch.dtype | None = "auto", device: str | torch.device | None = "auto"):
     """The trained ("open") model of a run: the base model with the checkpoint's trained weights
-    (LoRA adapters merged). A run trained with head gates comes back as a plain model with its
+    (LoRA adapters merged), on ``device`` in ``dtype`` (``auto``: the precision the weights were trained in, float32
+    on a CPU; None: the precision they were trained in; :mod:`modular.models.precision`). A run trained with head gates comes back as a plain model with its
     deterministic gates folded into the attention output projections (closed heads: zero columns);
     gates scoped to the tasks (``gate_scope: tasks``) only guided training and are dropped."""
     from modular.models import load_model
+    from modular.models.precision import resolve_device, resolve_dtype
 
+    device = resolve_device(device)
     ckpt = read_checkpoint(checkpoint_path(run))
     state = {k[len("model."):]: v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
-    model = load_model(run.model_name)
+    trained = next((v.dtype for v in state.values() if v.is_floating_point()), None)
+    dtype = resolve_dtype(dtype, trained, device)
+    model = load_model(run.model_name, dtype=dtype, device="cpu")  # the checkpoint is read on the CPU
     gated = any(".head_gate." in k for k in state)
     fold = gated and ckpt.get("hyper_parameters", {}).get("gate_scope", "all") != "tasks"
     if run.record.get("finetuning") == "lora":
@@ -152,7 +157,7 @@ def load_open_model(run: Run):
             model = model.merge_and_unload()
             if fold:
                 scale_head_columns(model, values)
-            return model.eval()
+            return model.to(device).eval()
         model = model.merge_and_unload()
     else:
         if gated:
@@ -170,7 +175,7 @@ def load_open_model(run: Run):
         from modular.heads.gates import remove_head_gates
 
         remove_head_gates(model)
-    return model.eval()
+    return model.to(device).eval()
 
 
 def is_run_folder(ref: str | Path) -> bool:
@@ -184,11 +189,12 @@ def base_model_name(ref: str | Path) -> str:
     return read_run(ref).model_name if is_run_folder(ref) else str(ref)
 
 
-def load_model_or_run(ref: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+def load_model_or_run(ref: str | Path, dtype: str | torch.dtype | None = "auto",
+                      device: str | torch.device | None = "auto"):
     """A model reference's model (:func:`modular.models.load_model`), or a run folder's trained (open) model
-    (:func:`load_open_model`), in eval mode."""
+    (:func:`load_open_model`), in eval mode, on ``device`` in ``dtype``."""
     if is_run_folder(ref):
-        return load_open_model(read_run(ref)).to(device=device, dtype=dtype).eval()
+        return load_open_model(read_run(ref), dtype, device)
     from modular.models import load_model
 
     return load_model(ref, dtype=dtype, device=device)

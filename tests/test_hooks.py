@@ -7,12 +7,14 @@ from modular.hooks import (
     capture_head_inputs,
     capture_residual,
     capture_writes,
+    enable_checkpointing,
     replace_heads,
+    replay_interventions,
     scale_heads,
     zero_heads,
 )
 from modular.models.adapter import ArchitectureAdapter, weight_out_in
-from tests.conftest import D
+from tests.conftest import D, make_tiny_model
 
 
 def _all_hooks(model):
@@ -164,3 +166,31 @@ def test_no_hook_left_behind_even_when_the_body_raises(tiny_model, tokens):
             with make():
                 raise RuntimeError("boom")
         assert _all_hooks(tiny_model) == 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "gpt_neox"])
+def test_interventions_are_replayed_in_blocks_recomputed_by_gradient_checkpointing(arch, tokens):
+    """The backward pass runs after the ``with`` block that ablated (and steered) the forward pass: with
+    replay_interventions the recomputed blocks see the same hooks, so the gradients are those without
+    checkpointing; plain checkpointing recomputes them without the hooks and gets other gradients."""
+
+    def grads(context_fn):
+        model = make_tiny_model(arch).train()
+        if context_fn is not False:
+            enable_checkpointing(model, context_fn)
+        a = ArchitectureAdapter(model)
+        u = torch.nn.functional.normalize(torch.randn(D, generator=torch.Generator().manual_seed(2)), dim=0)
+        with ablate_directions(a, u), add_vectors(a, {0: 3.0 * u.roll(1)}):
+            loss = model(tokens, labels=tokens).loss
+        loss.backward()  # outside the interventions, as Lightning does it
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    plain, replayed = grads(False), grads(replay_interventions)
+    assert set(plain) == set(replayed)
+    for name in plain:
+        torch.testing.assert_close(replayed[name], plain[name], atol=1e-6, rtol=1e-5)
+    try:  # without the replay: other gradients, or torch notices that the recomputation differs
+        forgetful = grads(None)
+    except torch.utils.checkpoint.CheckpointError:
+        return
+    assert any(not torch.allclose(forgetful[n], plain[n], atol=1e-6) for n in plain)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import re
 from pathlib import Path
 from typing import Literal
 
@@ -21,21 +20,18 @@ from modular.analysis.discovery import (
     save_directions,
 )
 from modular.analysis.insertion import LABELS, filler, insertion_accuracy, length_sweep, pooled_items
-from modular.app.options import Split
+from modular.app.options import Split, output_folder
 from modular.data import load_behaviour, retain_data
 from modular.evaluation.behaviour import evaluate_behaviour
 from modular.evaluation.retain import first_token_logp
 from modular.evaluation.stats import wilson_interval
+from modular.models.precision import DTypeName
 from modular.plots import bar_chart
 from modular.runs import load_model_or_run, load_open_model, load_tokenizer_or_run, read_run
 from modular.tracking import log_to_wandb, write_json
 
 log = logging.getLogger("modular")
 Format = Literal["chat", "raw", "newline"]
-
-
-def _slug(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.+-]+", "_", Path(text).name or text).strip("_")
 
 
 def directions(
@@ -54,6 +50,8 @@ def directions(
     run: str | None = None,
     seed: int = 0,
     out: str | None = None,
+    device: str = "auto",
+    dtype: DTypeName = "auto",
 ) -> dict:
     """Behaviour directions by difference in means at every layer, and what ablating each one removes.
 
@@ -104,7 +102,7 @@ def directions(
     n = len(behaviour_prompts)
     metric_name = "choice accuracy" if choice_only else "greedy generation"
 
-    m = load_open_model(r) if run is not None else load_model_or_run(model)
+    m = load_open_model(r, dtype, device) if run is not None else load_model_or_run(model, dtype, device)
     if designated is not None and designated.numel() != m.config.hidden_size:
         raise ModularError(f"the run's direction has {designated.numel()} entries, the model's width differs")
     found, report_formats = directions_by_format(m, tokenizer, behaviour_prompts, contrast_prompts, fmts, batch_size,
@@ -118,7 +116,7 @@ def directions(
     if chosen_layers is not None and any(not 0 <= i < n_layers for i in chosen_layers):
         raise ModularError(f"layers must lie in 0..{n_layers - 1}")
 
-    out_dir = Path(out or Path("outputs") / "analysis" / "directions" / f"{_slug(model)}-{_slug(behaviour)}")
+    out_dir = output_folder(out, "analysis/directions", model, behaviour)
     settings = {"model": model, "behaviour": behaviour, "run": run, "formats": fmts, "n_prompts": n,
                 "contrast": "retain_data train prompts", "test_items": len(test), "retain_items": len(held),
                 "metric": metric_name, "layers": "residual stream leaving block i (0-based)", "seed": seed}
@@ -209,6 +207,8 @@ def attention(
     max_new_tokens: int = 24,
     batch_size: int = 16,
     out: str | None = None,
+    device: str = "auto",
+    dtype: DTypeName = "auto",
 ) -> dict:
     """Token insertion: accuracy with and without N inserted tokens, and attention of chosen heads by position.
 
@@ -250,7 +250,7 @@ def attention(
     tokenizer = load_tokenizer_or_run(model)
     items = pooled_items(task, tokenizer, seed_list, split_names, limit)
     fillers = {kind: filler(tokenizer, kind, length, symbol) for kind in kinds}
-    m = load_model_or_run(model)
+    m = load_model_or_run(model, dtype, device)
     conditions = {LABELS[c]: span for c, span in ({"none": ""} | fillers).items()}
     accuracy = {c: insertion_accuracy(m, tokenizer, items, span, instruction, max_new_tokens, batch_size,
                                       desc=f"{c} ({length})" if span else "no insertion")
@@ -260,7 +260,7 @@ def attention(
     att = span_attention(m, tokenizer, items, conditions, instruction, attention_items, heads, n_heads,
                          batch_size=max(1, batch_size // 2))
 
-    out_dir = Path(out or Path("outputs") / "analysis" / "attention" / f"{_slug(model)}-{_slug(task)}")
+    out_dir = output_folder(out, "analysis/attention", model, task)
     figures = {
         "accuracy": bar_chart(out_dir / "accuracy.png", ["w/o"] + [f"w/ {LABELS[k]}" for k in kinds],
                               [a["accuracy"] for a in accuracy.values()], f"Results on {task}",

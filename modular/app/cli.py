@@ -33,6 +33,7 @@ COMMANDS: dict[str, Callable | dict[str, Callable] | None] = {
     "behaviour": evaluations.behaviour,
     "lock": evaluations.lock,
     "attack": evaluations.attack,
+    "quantized": evaluations.quantized,
     "publish": publishing.publish,
     "unlock": publishing.unlock,
     "heads": {"curve": heads.curve, "ablation": heads.ablation},

@@ -5,14 +5,13 @@ from __future__ import annotations
 import gc
 import json
 import logging
-import re
 from pathlib import Path
 from typing import Literal
 
 import torch
 
 from modular import ModularError
-from modular.app.options import Split
+from modular.app.options import Split, output_folder, slug
 from modular.data import load_behaviour, neutral_text
 from modular.evaluation.retain import perplexity
 from modular.heads.categories import (
@@ -32,6 +31,7 @@ from modular.heads.curves import multiplier, plot_efficiency_curves
 from modular.heads.efficiency import DEFINITIONS, RANKINGS, ig_steps_for, task_curves
 from modular.heads.loading import load_head_model, model_label
 from modular.heads.ranking import ABLATIONS
+from modular.models.precision import DTypeName
 from modular.tracking import log_to_wandb, write_json
 
 log = logging.getLogger("modular")
@@ -50,10 +50,6 @@ def _labels(models: list[str]) -> list[str]:
             label += "'"
         labels.append(label)
     return labels
-
-
-def _slug(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.+-]+", "_", text).strip("_")
 
 
 def _items(name: str, split: str, tokenizer, seed: int, limit: int | None, shuffle: bool = False):
@@ -83,6 +79,8 @@ def curve(
     split: Split = "test",
     seed: int = 0,
     out: str | None = None,
+    device: str = "auto",
+    dtype: DTypeName = "auto",
 ) -> dict:
     """Head-efficiency curves: per task and model, rank the heads (exhaustive single-head patching or attribution
     patching), then the explained effect vs heads kept under both definitions (effect share and faithfulness);
@@ -106,9 +104,9 @@ def curve(
         out: Default: outputs/heads/curve-<models>.
     """
     models = _check_models(models)
-    out_dir = Path(out or Path("outputs") / "heads" / f"curve-{_slug('+'.join(_labels(models)))}")
+    out_dir = output_folder(out, "heads", "curve", "+".join(map(slug, _labels(models))))
     return _curve(models, list(tasks), ranking, ig_steps, refine, definition, kind, limit, split, target, seed,
-                  out_dir)
+                  out_dir, device, dtype)
 
 
 def ablation(
@@ -124,6 +122,8 @@ def ablation(
     classify_split: Split = "train",
     seed: int = 0,
     out: str | None = None,
+    device: str = "auto",
+    dtype: DTypeName = "auto",
 ) -> dict:
     """Head-ablation curves by category: classify heads per task as Facilitation / Interference / Irrelevance from
     ablation effects on ``classify_split`` (single heads, then, by default, checked jointly) and plot Δ log p(target
@@ -144,9 +144,9 @@ def ablation(
         out: Default: outputs/heads/ablation-<models>.
     """
     models = _check_models(models)
-    out_dir = Path(out or Path("outputs") / "heads" / f"ablation-{_slug('+'.join(_labels(models)))}")
+    out_dir = output_folder(out, "heads", "ablation", "+".join(map(slug, _labels(models))))
     return _ablation(models, list(tasks), kind, limit, split, classify_split, irrelevance, max_heads, categories,
-                     band, seed, out_dir)
+                     band, seed, out_dir, device, dtype)
 
 
 def _check_models(models) -> list[str]:
@@ -157,9 +157,7 @@ def _check_models(models) -> list[str]:
 
 
 def _curve(models, tasks, ranking, ig_steps, refine, definition, ablation_kind, limit, split, threshold, seed,
-           out_dir) -> dict:
-
-
+           out_dir, device="auto", dtype="auto") -> dict:
     if definition not in DEFINITIONS:
         raise ModularError(f"unknown definition '{definition}': use one of {DEFINITIONS}")
     if ranking not in RANKINGS:
@@ -177,7 +175,7 @@ def _curve(models, tasks, ranking, ig_steps, refine, definition, ablation_kind, 
     texts = list(neutral_text(seed)["test"]["text"])  # held out from every training run's LM text
     ppl: dict[str, float] = {}
     for spec, label in zip(models, labels):
-        model, tokenizer, _ = load_head_model(spec)
+        model, tokenizer, _ = load_head_model(spec, dtype, device)
         with torch.no_grad():
             ppl[label] = perplexity(model, tokenizer, texts)
         log.info("%s: held-out neutral-text perplexity %.3f", label, ppl[label])
@@ -226,9 +224,7 @@ def _curve(models, tasks, ranking, ig_steps, refine, definition, ablation_kind, 
 
 
 def _ablation(models, tasks, kind, limit, split, classify_split, threshold, max_heads, method, band, seed,
-              out_dir) -> dict:
-
-
+              out_dir, device="auto", dtype="auto") -> dict:
     if kind not in ABLATION_KINDS:
         raise ModularError(f"unknown ablation kind '{kind}' for --ablation: use one of {ABLATION_KINDS}")
     if split == classify_split:
@@ -248,7 +244,7 @@ def _ablation(models, tasks, kind, limit, split, classify_split, threshold, max_
     for spec, label in zip(models, labels):
         if all(label in results[t] for t in tasks):
             continue
-        model, tokenizer, _ = load_head_model(spec)
+        model, tokenizer, _ = load_head_model(spec, dtype, device)
         for task in tasks:
             if label in results[task]:
                 continue

@@ -5,16 +5,18 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from modular.app.options import output_folder
 from modular.merge.pairs import load_pairs
 from modular.merge.plots import gain_scatter
-from modular.merge.runner import MergeRunner
+from modular.merge.runner import MergeRunner, ModelBank
+from modular.models.precision import DTypeName
 from modular.tracking import log_to_wandb, write_json
 
 log = logging.getLogger("modular")
 
 
 def merge(pairs: str = "configs/merge_pairs.yaml", out: str | None = None, limit: int | None = None,
-          progress: bool = True) -> dict:
+          progress: bool = True, device: str = "auto", dtype: DTypeName = "auto") -> dict:
     """Merge gain of model pairs vs. the similarity of their activation spaces (merge.json, merge_gain.png).
 
     For every pair: perf A, perf B, perf of the combination (activation communication or weight merging),
@@ -30,8 +32,8 @@ def merge(pairs: str = "configs/merge_pairs.yaml", out: str | None = None, limit
     cfg = load_pairs(pairs)
     if limit is not None:
         cfg.limit = limit
-    out_dir = Path(out or Path("outputs") / "merge" / Path(pairs).stem)
-    report = MergeRunner(cfg, progress=progress).run()
+    out_dir = output_folder(out, "merge", Path(pairs).stem)
+    report = MergeRunner(cfg, ModelBank(device, dtype), progress=progress).run()
     report = {"pairs_file": str(pairs), **report}
     write_json(out_dir / "merge.json", report)
     rows = report["pairs"]

@@ -19,7 +19,7 @@ def inspect_model(model: str, format: Literal["table", "json"] = "table") -> dic
         format: table (the main facts) or json (the full map).
     """
     t0 = time.perf_counter()
-    m = load_model_or_run(model)
+    m = load_model_or_run(model, dtype=None, device="cpu")  # its own precision: the map is all that is read
     info = ArchitectureAdapter(m).describe()
     info["load_seconds"] = round(time.perf_counter() - t0, 2)
     if format == "json":

@@ -4,7 +4,11 @@ there). ``tests/app/test_cli.py`` checks every command against this table."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from typing import Literal, Optional
+
+from modular.models.precision import DTypeName
 
 Split = Literal["train", "validation", "test"]
 
@@ -29,6 +33,9 @@ SHARED: dict[str, tuple[object, str]] = {
     "limit": (Optional[int], "Score at most this many items per behaviour or task (not given: all)."),
     "max_new_tokens": (int, "Length of each greedy response, in tokens."),
     "batch_size": (int, "Prompts per forward or generation batch."),
+    "device": (str, "Where models run: auto (the first GPU when present, else the CPU), cpu, cuda, cuda:N or mps."),
+    "dtype": (DTypeName, "Precision models are loaded and run in: auto (the model's own, or the one a run was trained "
+              "in, on a GPU; float32 on a CPU), float32, bfloat16 or float16."),
     "seed": (int, "Seed of the data generators and splits."),
     "out": (Optional[str], "Output folder."),
     "overwrite": (bool, "Replace the output folder if it exists and modular wrote it (never an input folder)."),
@@ -40,3 +47,13 @@ def shared_help(name: str, own: str | None) -> str:
     """The help of a shared option, then the command's own line for it."""
     text = SHARED[name][1]
     return f"{text} {own.strip()}" if own and own.strip() and own.strip() != text else text
+
+
+def slug(text: str) -> str:
+    """A file-name-safe form of a model, behaviour or file reference (its last path part)."""
+    return re.sub(r"[^A-Za-z0-9_.+-]+", "_", Path(text).name or text).strip("_")
+
+
+def output_folder(out: str | None, kind: str, *names: str) -> Path:
+    """The command's output folder: ``out`` when given, else ``outputs/<kind>/<names joined by '-'>``."""
+    return Path(out) if out else Path("outputs", kind, "-".join(slug(n) for n in names))

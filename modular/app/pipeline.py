@@ -15,6 +15,7 @@ from modular import ModularError
 from modular.app.evaluations import attack, lock
 from modular.app.publishing import publish, unlock
 from modular.app.train import main as train
+from modular.models.precision import DTypeName
 from modular.publish import key_path, keys_folder_for
 from modular.runs import RUN_RECORD, behaviour_sources, checkpoint_step, lock_verdict, read_run
 
@@ -43,7 +44,8 @@ def run_folder_of(config: Path) -> Path:
     return Path(root)
 
 
-def main_job(config: str | None = None, out: str | None = None, skip_attack: bool = False) -> None:
+def main_job(config: str | None = None, out: str | None = None, skip_attack: bool = False, device: str = "auto",
+             dtype: DTypeName = "auto") -> None:
     """The default pipeline: train the gated model, evaluate the lock, publish (keys in their own folder), unlock
     with the key(s), attack the published weights, and print a table of the results with the paths of the figures.
 
@@ -53,11 +55,14 @@ def main_job(config: str | None = None, out: str | None = None, skip_attack: boo
             (gate_capitals_smollm2.yaml, shipped with the package).
         out: Folder for the published and unlocked models, the keys and the attack (default: the run folder).
         skip_attack: Skip the attack evaluation.
+        device: For the evaluations (training runs where the config's ``trainer.accelerator`` says).
+        dtype: For the evaluations; the published weights keep the precision the run was trained in.
     """
-    run_pipeline(config, out, skip_attack)
+    run_pipeline(config, out, skip_attack, device, dtype)
 
 
-def run_pipeline(config: str | None = None, out: str | None = None, skip_attack: bool = False) -> dict:
+def run_pipeline(config: str | None = None, out: str | None = None, skip_attack: bool = False, device: str = "auto",
+                 dtype: DTypeName = "auto") -> dict:
     """Run every stage for ``config`` (default: the built-in capitals config) and return the summary's numbers."""
 
     config = Path(config) if config else builtin_config()
@@ -74,7 +79,7 @@ def run_pipeline(config: str | None = None, out: str | None = None, skip_attack:
             raise ModularError(f"training with {config} did not finish (status {status}); see the lines above")
     else:
         log.info("training already finished in %s (delete it to retrain)", run_dir)
-    lock(run=str(run_dir))
+    lock(run=str(run_dir), device=device, dtype=dtype)
     run = read_run(run_dir)
     verified, why = lock_verdict(run, checkpoint_step(run))
     if not verified:  # the numbers are shown, nothing is published as locked
@@ -91,7 +96,7 @@ def run_pipeline(config: str | None = None, out: str | None = None, skip_attack:
     if not skip_attack:
         sources = behaviour_sources(run)
         attack(model=str(published), behaviours=[f"{b}={s}" if s != b else b for b, s in sources.items()],
-               out=str(out_dir / "attack"), base=run.model_name)
+               out=str(out_dir / "attack"), base=run.model_name, device=device, dtype=dtype)
     return summarise(run_dir, out_dir)
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from modular import ModularError
 from modular.models import load_tokenizer
+from modular.models.precision import DTypeName, dtype_name, model_dtype
 from modular.publish import check_output_folder, keys_folder_for, publish_model, unlock_folder
 from modular.runs import LOCK_REPORT, checkpoint_step, load_open_model, lock_verdict, read_run
 
@@ -15,7 +16,7 @@ log = logging.getLogger("modular")
 
 
 def publish(run: str, out: str, keys: str | None = None, harden: bool = True, overwrite: bool = False,
-            allow_failed_lock: bool = False) -> str:
+            allow_failed_lock: bool = False, dtype: DTypeName = "auto") -> str:
     """Write a gated run's locked weights as a plain Hugging Face folder (what users upload; it holds no key), and
     the keys, one file per behaviour, in a folder of their own (kept by the publisher and handed out apart).
 
@@ -26,6 +27,9 @@ def publish(run: str, out: str, keys: str | None = None, harden: bool = True, ov
         overwrite: The keys folder too.
         allow_failed_lock: Publish a run whose training did not verify the lock (run.json ``lock``); its model
             card and modular.json then say that the behaviours may not be locked. Without it such a run is refused.
+        dtype: Here: the precision the published weights are written in; auto: the one the run was trained in (a
+            bf16 run publishes bf16). The lock is computed in float64 and rounded once to it, on the CPU; the keys
+            restore the trained weights in that precision.
     """
     keys = keys or str(keys_folder_for(out))
     check_output_folder(out, [run], overwrite)  # before any work: nothing is loaded for a refused folder
@@ -47,11 +51,16 @@ def publish(run: str, out: str, keys: str | None = None, harden: bool = True, ov
         else:
             log.warning(
                 "%s describes step %s, the checkpoint holds step %s: the model card gets no measured numbers "
-                "(run evaluate.py lock --run %s again)", lock_path, report.get("step"), step, run)
-    folder, keys_dir = publish_model(load_open_model(r), load_tokenizer(r.model_name), r.directions, out,
+                "(run modular lock --run %s again)", lock_path, report.get("step"), step, run)
+    open_model = load_open_model(r, None if dtype == "auto" else dtype, device="cpu")
+    folder, keys_dir = publish_model(open_model, load_tokenizer(r.model_name), r.directions, out,
                                      r.model_name, measured, harden=harden, overwrite=overwrite, keys_out=keys,
                                      step=step, locked_responses=r.record.get("locked_responses"), inputs=[run],
                                      lock_check={"verified": verified, "detail": why})
+    weights = sum(f.stat().st_size for f in Path(folder).glob("*.safetensors"))
+    for key in sorted(Path(keys_dir).glob("*.key.safetensors")):
+        log.info("%s: %.2f MB, %.2f%% of the published weights (%s)", key.name, key.stat().st_size / 1e6,
+                 100 * key.stat().st_size / weights, dtype_name(model_dtype(open_model)))
     print(folder)
     print(f"keys: {keys_dir}  (secret: hand them out apart from the published folder)")
     return str(folder)

@@ -48,6 +48,7 @@ def residual_scale(model, tokenizer, prompts, chats) -> float:
     from modular.data.formatting import batch_prompts
 
     batch = batch_prompts(tokenizer, list(prompts[:16]), list(chats[:16]))
+    batch = {k: v.to(next(model.parameters()).device) for k, v in batch.items()}
     with capture_residual(adapter) as states:
         model(**batch)
     # median over prompts of the residual norm without its largest coordinate (outlier dimensions
@@ -55,12 +56,13 @@ def residual_scale(model, tokenizer, prompts, chats) -> float:
     return robust_norm(states[adapter.n_layers // 2][:, -1].float()).item()
 
 
-def _scan(model, tokenizer, test, make_vectors, scales, desc, refusals=(DEFAULT_LOCKED_RESPONSE,)) -> dict:
+def _scan(model, tokenizer, test, make_vectors, scales, desc, refusals=(DEFAULT_LOCKED_RESPONSE,),
+          batch_size: int = 16) -> dict:
     best = {"accuracy": -1.0}
     rows = []
     adapter = ArchitectureAdapter(model)
     for s in tqdm(scales, desc=desc, leave=False):
-        acc = evaluate_behaviour(model, tokenizer, test, max_new_tokens=16,
+        acc = evaluate_behaviour(model, tokenizer, test, max_new_tokens=16, batch_size=batch_size,
                                  intervention=lambda s=s: add_vectors(adapter, make_vectors(s)), desc=False,
                                  refusals=refusals).accuracy
         rows.append({"scale": s, "accuracy": acc})
@@ -69,16 +71,17 @@ def _scan(model, tokenizer, test, make_vectors, scales, desc, refusals=(DEFAULT_
     return {"best": best, "scan": rows}
 
 
-def weight_attack(model, tokenizer, test, alphas, scale: float, refusals=(DEFAULT_LOCKED_RESPONSE,)) -> dict:
+def weight_attack(model, tokenizer, test, alphas, scale: float, refusals=(DEFAULT_LOCKED_RESPONSE,),
+                  batch_size: int = 16) -> dict:
     u, evals = null_space_direction(model)
     n = ArchitectureAdapter(model).n_layers
     res = _scan(model, tokenizer, test, lambda a: {i: a * scale * u for i in range(n)}, alphas, "attack (a)",
-                refusals)
+                refusals, batch_size)
     return {**res, "smallest_eigenvalues": evals}
 
 
 def steering_attack(model, tokenizer, behaviour_train, contrast, test, alphas, scale: float,
-                    n_pairs: int = 128, refusals=(DEFAULT_LOCKED_RESPONSE,)) -> dict:
+                    n_pairs: int = 128, refusals=(DEFAULT_LOCKED_RESPONSE,), batch_size: int = 16) -> dict:
     adapter = ArchitectureAdapter(model)
     n = min(n_pairs, len(behaviour_train), len(contrast))
     layers = sorted({adapter.n_layers // 4, adapter.n_layers // 2, (3 * adapter.n_layers) // 4})
@@ -92,7 +95,7 @@ def steering_attack(model, tokenizer, behaviour_train, contrast, test, alphas, s
         # the vector enters ``layer``: add it to the output of the block before (or to the embedding output)
         res = _scan(model, tokenizer, test, lambda s, v=v, layer=layer: {max(layer - 1, 0): s * scale * v},
                     [a for a in alphas if a > 0],
-                    f"attack (b) layer {layer}", refusals)
+                    f"attack (b) layer {layer}", refusals, batch_size)
         out["layers"][layer] = res
         if res["best"]["accuracy"] > best["accuracy"]:
             best = {**res["best"], "layer": layer}
@@ -106,6 +109,7 @@ def relearn_attack(model, tokenizer, behaviour_train, test, n_examples, open_acc
     """Fine-tune a copy on ``n`` examples; steps until 50% / 90% of ``open_accuracy`` return."""
     results = {}
     collate = LeftPadCollator(tokenizer.pad_token_id)
+    device = next(model.parameters()).device
     for n in n_examples:
         m = copy.deepcopy(model).train()
         opt = torch.optim.AdamW(m.parameters(), lr=lr)
@@ -114,7 +118,7 @@ def relearn_attack(model, tokenizer, behaviour_train, test, n_examples, open_acc
         curve, hit50, hit90 = [], None, None
         for step in tqdm(range(1, max_steps + 1), desc=f"attack (c) N={n}", leave=False):
             idx = torch.randint(0, n, (min(batch_size, n),), generator=g).tolist()
-            batch = collate([rows[i] for i in idx])
+            batch = {k: v.to(device) for k, v in collate([rows[i] for i in idx]).items()}
             loss = m(**batch).loss
             loss.backward()
             opt.step()

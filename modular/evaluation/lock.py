@@ -22,7 +22,7 @@ from modular.evaluation.metrics import share
 from modular.evaluation.retain import first_token_logp, mean_kl, perplexity
 from modular.evaluation.stats import wilson_interval
 from modular.hooks import ablate_directions
-from modular.keys import apply_key, lock_weights
+from modular.keys import apply_key, lock_weights, ulp
 from modular.models.adapter import ArchitectureAdapter
 
 log = logging.getLogger("modular")
@@ -33,6 +33,17 @@ STATES = ("base", "open", "locked", "published_locked", "unlocked")
 def max_param_diff(a, b) -> float:
     sa, sb = a.state_dict(), b.state_dict()
     return max((sa[k].float() - sb[k].float()).abs().max().item() for k in sa if k in sb)
+
+
+def max_param_ulps(a, b) -> float:
+    """The largest difference between ``a``'s and ``b``'s weights in units in the last place of ``b``'s."""
+    sa, sb = a.state_dict(), b.state_dict()
+    worst = 0.0
+    for k in sa:
+        if k in sb and sb[k].is_floating_point():
+            diff = (sa[k].double() - sb[k].double()).abs() / ulp(sb[k], sb[k].dtype)
+            worst = max(worst, diff.max().item())
+    return worst
 
 
 def build_states(base, open_model, directions: dict[str, torch.Tensor], harden: bool = True):
@@ -66,7 +77,8 @@ REFUSAL_PROBE_TOKENS = 12
 def lock_report(base, open_model, tokenizer, directions: dict[str, torch.Tensor], seed: int = 0,
                 other_limit: int = 64, harden: bool = True, max_new_tokens: int = 24,
                 sources: dict[str, str] | None = None, locked_responses: dict[str, str] | None = None,
-                neighbours: dict[str, str] | None = None, trained_neighbours: list[str] = ()) -> dict:
+                neighbours: dict[str, str] | None = None, trained_neighbours: list[str] = (),
+                batch_size: int = 16) -> dict:
     """Every number of ``lock.json``. ``sources``: where each gated behaviour's data is, by name (default: the
     name); ``locked_responses``: each behaviour's locked response, never scored as a correct answer.
 
@@ -74,7 +86,7 @@ def lock_report(base, open_model, tokenizer, directions: dict[str, torch.Tensor]
     test split in every state with the share of answers that are a locked response (refusal leakage);
     ``trained_neighbours``: those whose train split was kept in training (the report marks the others). The far
     "other" behaviours are the built-in ones that are neither gated nor neighbours. Retain test prompts get a
-    refusal-leakage share too."""
+    refusal-leakage share too. ``batch_size``: prompts per generation or forward batch."""
     states, published, unlocked, _ = build_states(base, open_model, directions, harden)
     gated = list(directions)
     neighbours = {n: src for n, src in (neighbours or {}).items() if n not in gated}
@@ -96,7 +108,9 @@ def lock_report(base, open_model, tokenizer, directions: dict[str, torch.Tensor]
     exactness = {
         "published_vs_hook_locked_max_abs_logit_diff": (hook_logits - weight_logits).abs().max().item(),
         "unlocked_vs_open_max_abs_weight_diff": max_param_diff(unlocked, open_model),
+        "unlocked_vs_open_max_ulps": max_param_ulps(unlocked, open_model),
     }
+    responses: dict[str, dict[str, list[str]]] = {}
 
     ref_logp = first_token_logp(base, tokenizer, retain["prompt"], retain["chat"])
     base_ppl = perplexity(base, tokenizer, texts)
@@ -106,24 +120,27 @@ def lock_report(base, open_model, tokenizer, directions: dict[str, torch.Tensor]
     for state, (model, ctx) in states.items():
         row: dict = {"behaviours": {}, "neighbours": {}, "others": {}}
         for b in gated:
-            r = evaluate_behaviour(model, tokenizer, data[b], max_new_tokens, intervention=ctx, desc=f"{state}:{b}",
+            r = evaluate_behaviour(model, tokenizer, data[b], max_new_tokens, batch_size, intervention=ctx,
+                                   desc=f"{state}:{b}",
                                    refusals=refusals[b])
             k = sum(i["correct"] for i in r.items)
             row["behaviours"][b] = {**r.summary(), "ci95": wilson_interval(k, r.n)}
+            responses.setdefault(state, {})[b] = [i["response"] for i in r.items]
         for n in neighbours:
-            r = evaluate_behaviour(model, tokenizer, data[n], max_new_tokens, intervention=ctx, desc=f"{state}:{n}",
+            r = evaluate_behaviour(model, tokenizer, data[n], max_new_tokens, batch_size, intervention=ctx,
+                                   desc=f"{state}:{n}",
                                    refusals=every_refusal)
             k = sum(i["correct"] for i in r.items)
             row["neighbours"][n] = {**r.summary(), "ci95": wilson_interval(k, r.n)}
         for b in others:
             # tasks with a competing answer are scored by choice accuracy (one forward pass), others by generation
-            r = evaluate_behaviour(model, tokenizer, data[b], 12, limit=other_limit, intervention=ctx,
+            r = evaluate_behaviour(model, tokenizer, data[b], 12, batch_size, limit=other_limit, intervention=ctx,
                                    desc=f"{state}:{b}", choice_only=True)
             row["others"][b] = {**r.summary(), "metric": "choice" if r.choice_accuracy is not None and not r.items
                                 else "generation"}
         logp = first_token_logp(model, tokenizer, retain["prompt"], retain["chat"], ctx)
         row["retain_first_token_kl"] = mean_kl(ref_logp, logp)
-        row["retain_refusal_rate"] = retain_refusal_rate(model, tokenizer, retain, every_refusal, ctx)
+        row["retain_refusal_rate"] = retain_refusal_rate(model, tokenizer, retain, every_refusal, ctx, batch_size)
         ppl = perplexity(model, tokenizer, texts, ctx)
         row["perplexity"] = ppl
         row["perplexity_ratio"] = ppl / base_ppl
@@ -131,6 +148,9 @@ def lock_report(base, open_model, tokenizer, directions: dict[str, torch.Tensor]
         log.info("%-16s %s | KL %.4f | ppl ratio %.3f", state,
                  " ".join(f"{b} {row['behaviours'][b]['accuracy']:.3f}" for b in gated),
                  row["retain_first_token_kl"], row["perplexity_ratio"])
+    # the keys give back the open model's answers, item by item
+    pairs = [(o, u) for b in gated for o, u in zip(responses["open"][b], responses["unlocked"][b])]
+    exactness["unlocked_answers_equal_open"] = share([o == u for o, u in pairs]) if pairs else None
     base_row = report["states"]["base"]
     report["others_max_drop_vs_base"] = {
         s: max((base_row["others"][b]["accuracy"] - report["states"][s]["others"][b]["accuracy"] for b in others),
@@ -149,11 +169,11 @@ def lock_report(base, open_model, tokenizer, directions: dict[str, torch.Tensor]
     return report
 
 
-def retain_refusal_rate(model, tokenizer, retain, refusals, intervention=None) -> float:
+def retain_refusal_rate(model, tokenizer, retain, refusals, intervention=None, batch_size: int = 16) -> float:
     """Share of the retain prompts answered with a locked response (greedy; general prompts should never be)."""
     with intervention() if intervention is not None else nullcontext():
         responses = generate(model, tokenizer, list(retain["prompt"]), list(retain["chat"]), REFUSAL_PROBE_TOKENS,
-                             desc=False)
+                             batch_size, desc=False)
     return share([is_refusal(r, refusals) for r in responses])
 
 

@@ -67,7 +67,7 @@ def first_token_kl(logits: torch.Tensor, labels: torch.Tensor, first_logp: torch
     ``first_logp``: (batch, vocab) reference log-probabilities of the first response token.
     """
     idx = first_response_positions(labels)
-    logp = torch.log_softmax(logits[torch.arange(len(idx)), idx].float(), -1)
+    logp = torch.log_softmax(logits[torch.arange(len(idx), device=idx.device), idx].float(), -1)
     ref = first_logp.float()
     return (ref.exp() * (ref - logp)).sum(-1).mean()
 

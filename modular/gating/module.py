@@ -7,6 +7,7 @@ import logging
 import random
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Literal
 
 import lightning as L
 import torch
@@ -17,7 +18,7 @@ from modular.data.formatting import IGNORE
 from modular.gating.losses import response_margins
 from modular.gating.objectives import HeadTaskTerm, Piece, StepContext, Term, check_objectives, default_objectives
 from modular.heads.gates import deterministic_gate_values, head_gate_scope
-from modular.hooks import ablate_directions, add_vectors, capture_head_inputs
+from modular.hooks import ablate_directions, add_vectors, capture_head_inputs, enable_checkpointing
 from modular.models.adapter import ArchitectureAdapter
 from modular.models.attention import eager_attention
 from modular.runs import DIRECTIONS
@@ -98,6 +99,10 @@ class GatedLM(L.LightningModule):
 
     Args:
         model_name: Model reference: built-in alias, .gguf file, local HF folder or hub id.
+        load_dtype: Precision the base weights are loaded in (on the CPU; Lightning then moves them to the
+            trainer's device): ``float32`` (default; for ``trainer.precision`` 32-true or bf16-mixed, which keep
+            float32 master weights), ``bfloat16`` (for ``bf16-true``: half the host memory of a large model) or
+            ``float16``.
         behaviours: Behaviours to gate (one direction each); must match the data's behaviours; may be empty. Built-in
             names, .jsonl files (named by their stem), hf:<dataset>, or NAME=<.jsonl file or hf:dataset>; the short
             name names the metrics, the direction and the key.
@@ -143,11 +148,16 @@ class GatedLM(L.LightningModule):
             the item's own or the counterfactual one, instead of relying on it being counterfactual. The terms on
             the task items once the gates are fixed (consistency, margin, interchange, closed attribution) are
             objectives (:class:`~modular.gating.objectives.HeadTaskTerm`).
+        gradient_checkpointing: Recompute each block in the backward pass instead of keeping its activations (less
+            memory for larger models, about a third more compute). The lock's ablation and steering hooks act
+            again on the recomputed blocks (:func:`~modular.hooks.replay_interventions`), so the gradients are the
+            same; not available with head gates.
     """
 
     def __init__(
         self,
         model_name: str = "smollm2-135m-instruct",
+        load_dtype: Literal["float32", "bfloat16", "float16"] = "float32",
         behaviours: list[str] = ("capitals",),
         direction_strategy: str = "low_variance",
         direction_files: list[str] | None = None,
@@ -176,6 +186,7 @@ class GatedLM(L.LightningModule):
         gate_freeze_step: int | None = None,
         gate_scope: str = "all",
         gate_live_prob: float = 0.0,
+        gradient_checkpointing: bool = False,
     ):
         super().__init__()
         self.save_hyperparameters(ignore=["objectives"])
@@ -207,7 +218,7 @@ class GatedLM(L.LightningModule):
         self.behaviours = [behaviour_name(b) for b in behaviours]  # short names: metrics, directions, keys
         for term in self.objectives:
             term.bind(self)
-        model = load_model(model_name)
+        model = load_model(model_name, load_dtype, device="cpu")  # Lightning moves it to the trainer's device
         if finetuning == "lora":
             from peft import LoraConfig, get_peft_model
 
@@ -220,6 +231,10 @@ class GatedLM(L.LightningModule):
             from modular.heads.gates import install_head_gates
 
             install_head_gates(self.hf_model, init_log_alpha=gate_init)
+        if gradient_checkpointing:
+            if head_gates:  # the gates' scopes are module state, not hooks: a recomputed block would not see them
+                raise ModularError("gradient_checkpointing is not available with head_gates")
+            enable_checkpointing(self.hf_model)
         d = ArchitectureAdapter(self.hf_model).d_model
         # the designated directions (k, d): a persistent buffer, saved in every checkpoint
         self.register_buffer("directions", torch.zeros(len(self.behaviours), d))

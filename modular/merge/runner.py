@@ -35,10 +35,12 @@ OPEN_MIN_RATIO = 0.9
 
 
 class ModelBank:
-    """Loads each model spec once (run folders: their open model) with its tokenizer and run record."""
+    """Loads each model spec once (run folders: their open model) with its tokenizer and run record, on ``device``
+    in ``dtype`` (:mod:`modular.models.precision`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, device="auto", dtype="auto") -> None:
         self._models: dict[str, tuple] = {}
+        self.device, self.dtype = device, dtype
 
     def get(self, spec: str):
         """``(model, tokenizer, run or None)`` for a model spec."""
@@ -46,7 +48,7 @@ class ModelBank:
             from modular.runs import load_model_or_run, load_tokenizer_or_run, read_run
 
             run = read_run(spec) if is_run_folder(spec) else None
-            self._models[spec] = (load_model_or_run(spec), load_tokenizer_or_run(spec), run)
+            self._models[spec] = (load_model_or_run(spec, self.dtype, self.device), load_tokenizer_or_run(spec), run)
             log.info("loaded %s", spec)
         return self._models[spec]
 

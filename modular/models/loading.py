@@ -224,21 +224,27 @@ def load_tokenizer(ref: str | os.PathLike):
     return tok
 
 
-def load_model(ref: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+def load_model(ref: str | os.PathLike, dtype: str | torch.dtype | None = "auto",
+               device: str | torch.device | None = "auto"):
     """Load a causal LM from any model reference, in eval mode, after checking its architecture.
 
+    ``device`` and ``dtype``: by name or as torch objects; ``auto`` is a GPU when present and the model's own
+    precision there, float32 on a CPU (:mod:`modular.models.precision`). Both are checked before any weights load.
     A training run folder's trained model: :func:`modular.runs.load_model_or_run`.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from modular.models.adapter import check_supported
+    from modular.models.precision import own_dtype, resolve_device, resolve_dtype
 
+    device = resolve_device(device)
     source = resolve_model(ref)
     try:
         config = AutoConfig.from_pretrained(source)
     except (OSError, ValueError) as err:
         raise ModularError(f"cannot load model '{ref}': {str(err).splitlines()[0]}") from err
     check_supported(config)
+    dtype = resolve_dtype(dtype, own_dtype(config), device)
     try:
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
     except ImportError:  # a missing package is not the weights' fault

@@ -76,3 +76,37 @@ def test_attack_end_to_end_on_a_tiny_published_folder(tmp_path, drawn, monkeypat
     assert bars["bars"] == pytest.approx([r["base_accuracy"], r["locked_accuracy"], r["a_weights"]["best"]["accuracy"],
                                           r["b_steering"]["best"]["accuracy"]])
     assert bars["texts"] == [f"{v:.2f}" for v in bars["bars"]]
+
+
+def test_quantized_evaluation_on_a_tiny_published_folder(tmp_path, drawn, monkeypatch):
+    """`modular quantized`: both models quantised alike per scheme, the JSON's numbers consistent with each other
+    (no KL between a model and itself unquantised, none between identical weights) and drawn as they are."""
+    import json
+
+    from modular.app.cli import main
+    from tests.conftest import save_tiny_folder
+
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    base = save_tiny_folder(tmp_path / "base", "llama")
+    u = torch.nn.functional.normalize(torch.randn(D, generator=torch.Generator().manual_seed(0)), dim=0)
+    pub, _ = publish_model(make_tiny_model("llama", seed=0), make_tiny_tokenizer(), {"capitals": u}, tmp_path / "pub",
+                           "tiny")
+    out = tmp_path / "q"
+    assert main(["quantized", "--model", str(pub), "--base", str(base), "--limit", "3", "--max_new_tokens", "3",
+                 "--out", str(out)]) == 0
+    report = json.loads((out / "quantized.json").read_text())
+    assert list(report["schemes"]) == ["none", "int8", "int4"]
+    rows = report["schemes"]
+    assert rows["none"]["retain_first_token_kl_base_vs_unquantised"] == pytest.approx(0, abs=1e-9)
+    assert 0 < rows["int8"]["retain_first_token_kl_base_vs_unquantised"] < rows["int4"][
+        "retain_first_token_kl_base_vs_unquantised"]
+    for row in rows.values():
+        assert row["retain_first_token_kl"] > 0  # the published weights differ from the base's
+        held = all(v["locked"]["accuracy"] <= 0.05 for v in row["behaviours"].values()) \
+            and row["retain_first_token_kl"] <= 0.05
+        assert row["lock_held"] == held
+        assert row["behaviours"]["capitals"]["locked"]["n"] == 3
+    bars = drawn["quantized.png"]["axes"][0]
+    assert bars["bars"] == pytest.approx([rows[s]["behaviours"]["capitals"][k]["accuracy"]
+                                          for s in rows for k in ("base", "locked")])
+    assert bars["xticklabels"][3] == f"int8\ncapitals\nlocked\nKL {rows['int8']['retain_first_token_kl']:.3f}"

@@ -3,11 +3,12 @@ jsonargparse's own syntax (positional arguments, lists, YAML), input errors as o
 
 import inspect
 import typing
+from pathlib import Path
 
 import pytest
 
 from modular.app import cli
-from modular.app.options import SHARED
+from modular.app.options import SHARED, output_folder, slug
 
 
 def _functions():
@@ -25,8 +26,8 @@ def _strip_optional(t):
 
 
 def test_every_user_command_is_a_subcommand():
-    assert set(cli.COMMANDS) == {"main", "train", "behaviour", "lock", "attack", "publish", "unlock", "heads", "merge",
-                                 "directions", "attention", "inspect", "convert"}
+    assert set(cli.COMMANDS) == {"main", "train", "behaviour", "lock", "attack", "quantized", "publish", "unlock",
+                                 "heads", "merge", "directions", "attention", "inspect", "convert"}
     assert set(cli.COMMANDS["heads"]) == {"curve", "ablation"}
 
 
@@ -74,7 +75,7 @@ def test_positional_model_lists_and_yaml(tmp_path):
 
 def test_inspect_takes_the_model_as_an_argument(monkeypatch, capsys):
     seen = []
-    monkeypatch.setattr(cli.models, "load_model_or_run", lambda m: seen.append(m) or (_ for _ in ()).throw(
+    monkeypatch.setattr(cli.models, "load_model_or_run", lambda m, **kw: seen.append(m) or (_ for _ in ()).throw(
         cli.ModularError(f"unknown model '{m}'")))
     assert cli.main(["inspect", "no-such-model", "--format", "json"]) == 2
     assert seen == ["no-such-model"]
@@ -102,3 +103,28 @@ def test_help_documents_every_option(argv, capsys):
     fn = fn[argv[1]] if isinstance(fn, dict) else fn
     for name in inspect.signature(fn).parameters:
         assert name in text, f"{argv}: {name} is not documented"
+
+
+def test_output_folder_default_is_one_slug_per_name():
+    assert output_folder("given/dir", "behaviour", "x") == Path("given/dir")
+    assert output_folder(None, "analysis/directions", "/models/My Model/", "data/own set.jsonl") == Path(
+        "outputs/analysis/directions/My_Model-own_set.jsonl")
+    assert slug("hf:org/name") == "name" and slug("a+b c") == "a+b_c"
+
+
+def test_every_command_that_runs_a_model_takes_a_device_and_a_precision():
+    """Declared once (options.SHARED); publish takes the precision it writes, unlock keeps the published one."""
+    runs_models = {"main", "behaviour", "lock", "attack", "quantized", "heads curve", "heads ablation", "merge",
+                   "directions", "attention"}
+    for label, fn in _functions():
+        params = inspect.signature(fn).parameters
+        if label in runs_models:
+            assert {"device", "dtype"} <= set(params), label
+        if label in runs_models - {"main", "merge"}:
+            assert "batch_size" in params or label.startswith("heads"), label
+    assert "dtype" in inspect.signature(cli.COMMANDS["publish"]).parameters
+    parser = cli.build_parser()
+    args = parser.parse_args(["lock", "--run", "r", "--device", "cpu", "--dtype", "bfloat16"])
+    assert args.lock.device == "cpu" and args.lock.dtype == "bfloat16"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["lock", "--run", "r", "--dtype", "float8"])
