@@ -22,34 +22,14 @@ import time
 from pathlib import Path
 
 import torch
+from common import attach_tokenizer, median_time, plain_loss, training_batch
 
 from modular.data import load_behaviour, retain_data
-from modular.data.formatting import encode_example
-from modular.gating.data import GatingDataModule, split_collate
-from modular.gating.losses import token_ce
-from modular.gating.module import GatedLM, concat_left_padded
+from modular.gating.module import GatedLM
 from modular.keys import lock_weights
 from modular.tracking import write_json
 
-
-class _DM:  # what GatedLM.model_step needs from the datamodule
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-
-
-class _Trainer:
-    def __init__(self, tokenizer):
-        self.datamodule = _DM(tokenizer)
-
-
-def _time(fn, repeats: int) -> list[float]:
-    fn()  # warm-up
-    out = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t)
-    return out
+_time = median_time
 
 
 def main() -> None:
@@ -68,45 +48,16 @@ def main() -> None:
 
     module = GatedLM(model_name=args.model, locked_steering=args.locked_steering,
                      steering_refresh=args.steering_refresh)
-    module._trainer = _Trainer(None)
     from modular.models import load_tokenizer
 
     tok = load_tokenizer(args.model)
-    module._trainer.datamodule.tokenizer = tok
+    attach_tokenizer(module, tok)
     module.directions.copy_(torch.nn.functional.normalize(torch.randn_like(module.directions), dim=-1))
     module.train()
-
-    # one batch: behaviour (half open, half locked) + retain with (synthetic) reference tensors
-    beh = load_behaviour("capitals")["train"].select(range(args.batch_size))
-    ret = retain_data()["train"].select(range(args.batch_size))
-    items = [{"open": encode_example(tok, r["prompt"], r["target"], True),
-              "locked": encode_example(tok, r["prompt"], "I don't know.", True)} for r in beh]
-    r_items = []
-    for r in ret:
-        ex = encode_example(tok, r["prompt"], "Here is a short and helpful answer to your question.", True)
-        n = len(ex["input_ids"]) - 1
-        r_items.append({**ex, "topk_ids": torch.randint(0, len(tok), (n, 32)),
-                        "topk_logp": torch.log_softmax(torch.randn(n, 32), -1),
-                        "first_logp": torch.log_softmax(torch.randn(len(tok)), -1)})
-    collate = split_collate(tok.pad_token_id)
-    batch = {"capitals": collate(items), "retain": collate(r_items)}
-    pieces = [batch["capitals"]["open"], batch["capitals"]["locked_true"], batch["retain"]["open"],
-              batch["retain"]["locked"]]
-    if args.lm_length > 0:  # neutral text: KL at every position to (synthetic) reference top-k
-        from modular.data import neutral_text
-
-        lm_items = []
-        for text in neutral_text()["train"]["text"][: args.batch_size]:
-            ids = tok(text, add_special_tokens=False)["input_ids"][: args.lm_length]
-            n = len(ids) - 1
-            lm_items.append(GatingDataModule._lm_item({"input_ids": ids, "topk_ids": torch.randint(0, len(tok), (n, 32)),
-                                                       "topk_logp": torch.log_softmax(torch.randn(n, 32), -1)}))
-        batch["lm"] = collate(lm_items)
-    plain_batch = concat_left_padded(pieces, tok.pad_token_id)
-    # the plain step sees the text as one batch of its own (padding it with the short chat examples would
-    # only slow the plain step down)
-    plain_batches = [plain_batch] + ([concat_left_padded([batch["lm"]["open"], batch["lm"]["locked"]],
-                                                         tok.pad_token_id)] if "lm" in batch else [])
+    # one batch: behaviour (half open, half locked) + retain and neutral text with (synthetic) reference tensors;
+    # the plain step sees the same examples
+    batch, plain_batches = training_batch(tok, args.batch_size, args.lm_length)
+    plain_batch = plain_batches[0]
 
     steering = module.steering
     refresh_s = 0.0
@@ -126,11 +77,7 @@ def main() -> None:
         module.steering = steering
 
     def plain_step():
-        loss = 0.0
-        for b in plain_batches:
-            logits = module.model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
-            loss = loss + token_ce(logits, b["labels"])
-        loss.backward()
+        plain_loss(module.model, plain_batches).backward()
         module.model.zero_grad(set_to_none=True)
 
     gated, steered, plain = [], [], []

@@ -1,0 +1,99 @@
+"""What the cost benchmarks share: a gated module outside a Trainer, and one training batch for it (capitals
+examples in both states, retain prompts and neutral text with synthetic reference tensors), plus the same examples
+as plain fine-tuning batches."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from modular.data import load_behaviour, neutral_text, retain_data
+from modular.data.formatting import encode_example
+from modular.gating.data import GatingDataModule, split_collate
+from modular.gating.losses import token_ce
+from modular.gating.module import concat_left_padded
+
+
+class _DM:  # what GatedLM.model_step needs from the datamodule
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+
+class _Trainer:
+    def __init__(self, tokenizer):
+        self.datamodule = _DM(tokenizer)
+
+
+def attach_tokenizer(module, tokenizer) -> None:
+    """Let a GatedLM built outside a Trainer run ``model_step`` (it reads the datamodule's tokenizer)."""
+    module._trainer = _Trainer(tokenizer)
+
+
+def to_device(obj, device):
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: to_device(v, device) for k, v in obj.items()}
+    return obj
+
+
+def training_batch(tok, batch_size: int, lm_length: int, vocab: int | None = None, seed: int = 0):
+    """``(gated batch, plain batches)`` on the CPU: the gated module's batch and the same examples as plain
+    fine-tuning batches (chat pieces together, the text apart: padding the short pieces to the text's length would
+    only slow the plain step down). Reference tensors are synthetic (their values do not change the cost)."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = vocab or len(tok)
+    beh = load_behaviour("capitals")["train"].select(range(batch_size))
+    ret = retain_data()["train"].select(range(batch_size))
+    items = [{"open": encode_example(tok, r["prompt"], r["target"], True),
+              "locked": encode_example(tok, r["prompt"], "I don't know.", True)} for r in beh]
+    r_items = []
+    for r in ret:
+        ex = encode_example(tok, r["prompt"], "Here is a short and helpful answer to your question.", True)
+        n = len(ex["input_ids"]) - 1
+        r_items.append({**ex, "topk_ids": torch.randint(0, vocab, (n, 32), generator=g),
+                        "topk_logp": torch.log_softmax(torch.randn(n, 32, generator=g), -1),
+                        "first_logp": torch.log_softmax(torch.randn(vocab, generator=g), -1)})
+    collate = split_collate(tok.pad_token_id)
+    batch = {"capitals": collate(items), "retain": collate(r_items)}
+    pieces = [batch["capitals"]["open"], batch["capitals"]["locked_true"], batch["retain"]["open"],
+              batch["retain"]["locked"]]
+    plain = [concat_left_padded(pieces, tok.pad_token_id)]
+    if lm_length > 0:
+        lm_items = []
+        for text in neutral_text()["train"]["text"][:batch_size]:
+            ids = tok(text, add_special_tokens=False)["input_ids"][:lm_length]
+            n = len(ids) - 1
+            lm_items.append(GatingDataModule._lm_item({
+                "input_ids": ids, "topk_ids": torch.randint(0, vocab, (n, 32), generator=g),
+                "topk_logp": torch.log_softmax(torch.randn(n, 32, generator=g), -1)}))
+        batch["lm"] = collate(lm_items)
+        plain.append(concat_left_padded([batch["lm"]["open"], batch["lm"]["locked"]], tok.pad_token_id))
+    return batch, plain
+
+
+def plain_loss(model, plain_batches) -> torch.Tensor:
+    """Cross-entropy of plain fine-tuning on the same examples."""
+    loss = 0.0
+    for b in plain_batches:
+        logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+        loss = loss + token_ce(logits, b["labels"])
+    return loss
+
+
+def median_time(fn, repeats: int, sync=lambda: None) -> list[float]:
+    fn()  # warm-up
+    sync()
+    out = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        sync()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def median(xs):
+    return statistics.median(xs)

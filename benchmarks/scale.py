@@ -1,0 +1,221 @@
+#!/usr/bin/env python
+"""How the cost of gating grows with model size: a plain fine-tuning step vs a gated step on the same batch.
+
+Random-initialised models of the SmolLM2 family's shapes (135M, 360M, 1.7B; built from configs, nothing is
+downloaded), full fine-tuning and LoRA. One step = forward, backward and an AdamW update; the gated step is the
+default objective (open and locked pieces of a capitals batch, retain prompts and neutral text kept by KL in both
+states), the plain step cross-entropy on the same examples. Each measurement runs in a fresh process (so that
+one's memory peak cannot hide another's): the median of ``--repeats`` timed steps after a warm-up, and the peak
+memory during the steps (GPU: allocated by torch; CPU: the process's resident set, sampled every millisecond).
+Plain and gated processes alternate, ``--rounds`` times each; ratios are gated / plain of the medians.
+Targets: gated ≤ 1.15× the plain step's time and ≤ 1.10× its peak memory.
+
+Usage: python benchmarks/scale.py [--sizes 135M 360M 1.7B] [--modes full lora] [--device auto]
+       [--precision auto] [--repeats 3] [--rounds 2] [--batch_size 4] [--lm_length 64] [--out outputs/benchmarks]
+Writes scale.json and scale.png (time and memory ratios against parameter count).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+SHAPES = {  # SmolLM2's configurations (hidden, layers, heads, kv heads, intermediate); vocabulary 49152, tied
+    "135M": (576, 30, 9, 3, 1536),
+    "360M": (960, 32, 15, 5, 2560),
+    "1.7B": (2048, 24, 32, 32, 8192),
+}
+PRECISIONS = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def build_folder(size: str, root: Path, dtype: torch.dtype) -> Path:
+    """A random-initialised model of ``size`` with SmolLM2's tokenizer, saved as a Hugging Face folder."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from modular.models import load_tokenizer
+
+    folder = root / f"smollm2-shape-{size}-{str(dtype).removeprefix('torch.')}"
+    if (folder / "config.json").is_file():
+        return folder
+    hidden, layers, heads, kv, inter = SHAPES[size]
+    tok = load_tokenizer("smollm2-135m-instruct")
+    config = LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                         num_key_value_heads=kv, intermediate_size=inter, vocab_size=49152, tie_word_embeddings=True,
+                         max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
+                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+class PeakRSS:
+    """The largest resident set of this process while the context is open (sampled every millisecond)."""
+
+    def __enter__(self):
+        import psutil
+
+        self._proc, self.peak, self._stop = psutil.Process(), 0, threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._proc.memory_info().rss)
+            time.sleep(0.001)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._proc.memory_info().rss)
+
+
+def worker(args) -> dict:
+    """One measurement in this process: ``args.step`` (plain or gated) of one size and mode."""
+    from common import attach_tokenizer, median_time, plain_loss, to_device, training_batch
+
+    from modular.gating.module import GatedLM
+    from modular.models import load_tokenizer
+    from modular.models.precision import resolve_device
+
+    device = resolve_device(args.device)
+    torch.manual_seed(0)
+    module = GatedLM(model_name=args.folder, finetuning=args.mode, load_dtype=args.precision)
+    tok = load_tokenizer(args.folder)
+    attach_tokenizer(module, tok)
+    module.directions.copy_(torch.nn.functional.normalize(torch.randn_like(module.directions), dim=-1))
+    module.to(device).train()
+    batch, plain_batches = training_batch(tok, args.batch_size, args.lm_length)
+    batch, plain_batches = to_device(batch, device), to_device(plain_batches, device)
+    params = [p for p in module.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-5)
+
+    def step():
+        loss = module.model_step(batch, train=True)[0] if args.step == "gated" else plain_loss(module.model,
+                                                                                               plain_batches)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    step()  # the optimiser's state exists from here on, in both kinds of step
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    with PeakRSS() as rss:
+        times = median_time(step, args.repeats, sync)
+    peak = torch.cuda.max_memory_allocated() if cuda else rss.peak
+    return {"times_s": times, "median_s": statistics.median(times), "peak_bytes": peak,
+            "memory": "cuda max_memory_allocated" if cuda else "peak resident set (RSS)",
+            "parameters": sum(p.numel() for p in module.model.parameters()),
+            "trainable": sum(p.numel() for p in params), "device": str(device)}
+
+
+def plot(report: dict, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, target, title in ((axes[0], "time_ratio", 1.15, "time per step: gated / plain"),
+                                   (axes[1], "memory_ratio", 1.10, "peak memory: gated / plain")):
+        for mode in report["modes"]:
+            rows = [r for r in report["results"] if r["mode"] == mode]
+            xs = [r["parameters"] for r in rows]
+            ys = [r[key] for r in rows]
+            ax.plot(xs, ys, marker="o", label=mode)
+            for x, y in zip(xs, ys):
+                ax.annotate(f"{y:.2f}", (x, y), textcoords="offset points", xytext=(4, 4))
+        ax.axhline(target, color="grey", linestyle="--", label=f"target {target}")
+        ax.set_xscale("log")
+        ax.set_xlabel("parameters")
+        ax.set_title(title)
+        ax.legend()
+    fig.suptitle(f"gated vs plain step, {report['device']}, {report['precision']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", nargs="+", default=["135M", "360M"], choices=list(SHAPES),
+                    help="model shapes to measure (default: the two that fit in minutes on 2 CPU cores)")
+    ap.add_argument("--modes", nargs="+", default=["full", "lora"], choices=["full", "lora"],
+                    help="fine-tuning modes (GatedLM finetuning)")
+    ap.add_argument("--device", default="auto", help="auto (a GPU when present), cpu, cuda, cuda:N")
+    ap.add_argument("--precision", default="auto", choices=["auto", "float32", "bfloat16"],
+                    help="weights' precision (auto: bfloat16 on a GPU, float32 on a CPU)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed steps per process (after one warm-up step)")
+    ap.add_argument("--rounds", type=int, default=2, help="processes per size, mode and kind of step (alternating)")
+    ap.add_argument("--batch_size", type=int, default=4, help="examples per behaviour, retain and text batch")
+    ap.add_argument("--lm_length", type=int, default=64, help="tokens per neutral-text paragraph (0: no text)")
+    ap.add_argument("--models", default=None, help="folder for the random-initialised models (default: a temporary "
+                    "folder)")
+    ap.add_argument("--out", default="outputs/benchmarks", help="output folder")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--folder", help=argparse.SUPPRESS)
+    ap.add_argument("--mode", help=argparse.SUPPRESS)
+    ap.add_argument("--step", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        print("RESULT " + json.dumps(worker(args)))
+        return
+
+    from modular.models.precision import resolve_device
+    from modular.tracking import write_json
+
+    device = resolve_device(args.device)
+    precision = args.precision if args.precision != "auto" else ("float32" if device.type == "cpu" else "bfloat16")
+    root = Path(args.models) if args.models else Path(tempfile.mkdtemp(prefix="modular-scale-"))
+    results = []
+    for size in args.sizes:
+        folder = build_folder(size, root, PRECISIONS[precision])
+        for mode in args.modes:
+            runs = {"plain": [], "gated": []}
+            for _ in range(args.rounds):
+                for step in ("plain", "gated"):
+                    cmd = [sys.executable, __file__, "--worker", "--folder", str(folder), "--mode", mode, "--step",
+                           step, "--device", str(device), "--precision", precision, "--repeats", str(args.repeats),
+                           "--batch_size", str(args.batch_size), "--lm_length", str(args.lm_length)]
+                    out = subprocess.run(cmd, capture_output=True, text=True)
+                    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+                    if out.returncode != 0 or not lines:
+                        sys.exit(f"{size} {mode} {step} failed:\n{out.stderr[-3000:]}")
+                    runs[step].append(json.loads(lines[-1][len("RESULT "):]))
+            plain_s = statistics.median(r["median_s"] for r in runs["plain"])
+            gated_s = statistics.median(r["median_s"] for r in runs["gated"])
+            plain_m = statistics.median(r["peak_bytes"] for r in runs["plain"])
+            gated_m = statistics.median(r["peak_bytes"] for r in runs["gated"])
+            row = {"size": size, "mode": mode, "parameters": runs["plain"][0]["parameters"],
+                   "trainable": runs["plain"][0]["trainable"], "plain_step_s": plain_s, "gated_step_s": gated_s,
+                   "time_ratio": gated_s / plain_s, "plain_peak_bytes": plain_m, "gated_peak_bytes": gated_m,
+                   "memory_ratio": gated_m / plain_m, "memory": runs["plain"][0]["memory"], "runs": runs}
+            results.append(row)
+            print(f"{size:>5} {mode:<4}  plain {plain_s:7.2f} s  gated {gated_s:7.2f} s  ×{row['time_ratio']:.3f}   "
+                  f"peak plain {plain_m / 2**30:6.2f} GiB  gated {gated_m / 2**30:6.2f} GiB  ×{row['memory_ratio']:.3f}",
+                  flush=True)
+    report = {"device": str(device), "precision": precision, "repeats": args.repeats, "rounds": args.rounds,
+              "batch_size": args.batch_size, "lm_length": args.lm_length, "modes": args.modes,
+              "targets": {"time_ratio_max": 1.15, "memory_ratio_max": 1.10}, "results": results}
+    out_dir = Path(args.out)
+    path = write_json(out_dir / "scale.json", report)
+    fig = plot(report, out_dir / "scale.png")
+    print(f"wrote {path} and {fig}")
+
+
+if __name__ == "__main__":
+    main()
