@@ -26,3 +26,12 @@ def test_weight_only_quantisation_keeps_the_unembedding_and_stays_close(arch, to
     assert quantize_weights(model, "none") is model
     with pytest.raises(ModularError, match="unknown quantisation 'fp8'"):
         quantize_weights(model, "fp8")
+
+
+def test_quantisation_of_bf16_weights(tokens):
+    model = make_tiny_model("llama").to(torch.bfloat16)
+    ref = model(tokens).logits.float()
+    q = quantize_weights(make_tiny_model("llama").to(torch.bfloat16), "int8")
+    out = q(tokens).logits
+    assert out.dtype == torch.bfloat16
+    assert 0 < (out.float() - ref).abs().max().item() < 0.1 * ref.abs().max().item()
