@@ -11,7 +11,7 @@ Plain and gated processes alternate, ``--rounds`` times each; ratios are gated /
 Targets: gated ≤ 1.15× the plain step's time and ≤ 1.10× its peak memory.
 
 Usage: python benchmarks/scale.py [--sizes 135M 360M 1.7B] [--modes full lora] [--device auto]
-       [--precision auto] [--repeats 3] [--rounds 2] [--batch_size 4] [--lm_length 64] [--out outputs/benchmarks]
+       [--precision auto] [--repeats 3] [--rounds 2] [--batch_size 8] [--lm_length 128] [--out outputs/benchmarks]
 Writes scale.json and scale.png (time and memory ratios against parameter count).
 """
 
@@ -161,8 +161,9 @@ def main() -> None:
                     help="weights' precision (auto: bfloat16 on a GPU, float32 on a CPU)")
     ap.add_argument("--repeats", type=int, default=3, help="timed steps per process (after one warm-up step)")
     ap.add_argument("--rounds", type=int, default=2, help="processes per size, mode and kind of step (alternating)")
-    ap.add_argument("--batch_size", type=int, default=4, help="examples per behaviour, retain and text batch")
-    ap.add_argument("--lm_length", type=int, default=64, help="tokens per neutral-text paragraph (0: no text)")
+    ap.add_argument("--batch_size", type=int, default=8, help="examples per behaviour, retain and text batch (as the "
+                    "default config)")
+    ap.add_argument("--lm_length", type=int, default=128, help="tokens per neutral-text paragraph (0: no text)")
     ap.add_argument("--models", default=None, help="folder for the random-initialised models (default: a temporary "
                     "folder)")
     ap.add_argument("--out", default="outputs/benchmarks", help="output folder")
