@@ -8,7 +8,7 @@ from pathlib import Path
 
 from modular import ModularError
 from modular.models import load_tokenizer
-from modular.models.precision import DTypeName, dtype_name, model_dtype
+from modular.models.precision import DTYPES, DTypeName, dtype_name, model_dtype
 from modular.publish import check_output_folder, keys_folder_for, publish_model, unlock_folder
 from modular.runs import LOCK_REPORT, checkpoint_step, load_open_model, lock_verdict, read_run
 
@@ -52,7 +52,14 @@ def publish(run: str, out: str, keys: str | None = None, harden: bool = True, ov
             log.warning(
                 "%s describes step %s, the checkpoint holds step %s: the model card gets no measured numbers "
                 "(run modular lock --run %s again)", lock_path, report.get("step"), step, run)
-    open_model = load_open_model(r, None if dtype == "auto" else dtype, device="cpu")
+    open_model = load_open_model(r, None, device="cpu")  # in the precision it was trained in
+    trained = model_dtype(open_model)
+    if dtype != "auto" and DTYPES[dtype] != trained:
+        # a lock verified in one precision is not verified in another: a float32-trained capitals lock let 45% of
+        # the answers through when the same model ran in bfloat16 (docs/devices.md)
+        log.warning("publishing %s weights of a run trained in %s: its lock was verified in %s only; check it with "
+                    "modular lock --run %s --dtype %s", dtype, dtype_name(trained), dtype_name(trained), run, dtype)
+        open_model = open_model.to(DTYPES[dtype])
     folder, keys_dir = publish_model(open_model, load_tokenizer(r.model_name), r.directions, out,
                                      r.model_name, measured, harden=harden, overwrite=overwrite, keys_out=keys,
                                      step=step, locked_responses=r.record.get("locked_responses"), inputs=[run],

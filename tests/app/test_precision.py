@@ -14,7 +14,7 @@ from tests.app.test_train import _train, tiny_config
 from tests.conftest import save_tiny_folder
 
 
-def test_bf16_training_publish_and_keys(tmp_path, tiny_env, monkeypatch):
+def test_bf16_training_publish_and_keys(tmp_path, tiny_env, monkeypatch, caplog):
     model_dir = save_tiny_folder(tmp_path / "tiny", "qwen2")
     cfg, run = tiny_config(tmp_path, model_dir, extra_model={"load_dtype": "bfloat16"},
                            lock_args={"stop": False, "min_steps": 0})
@@ -53,6 +53,15 @@ def test_bf16_training_publish_and_keys(tmp_path, tiny_env, monkeypatch):
         ref = want[name].detach()
         assert p.dtype == torch.bfloat16
         assert torch.all((p.detach().double() - ref.double()).abs() <= ulp(ref, torch.bfloat16)), name
+    # another precision than the trained one is written, with a line saying the lock was verified in bf16 only
+    pub32 = tmp_path / "pub32"
+    with caplog.at_level("WARNING", logger="modular"):
+        assert cli.main(["publish", "--run", str(run), "--out", str(pub32), "--allow_failed_lock", "true",
+                         "--dtype", "float32"]) == 0
+    assert any("run trained in bfloat16: its lock was verified in bfloat16 only" in r.getMessage()
+               for r in caplog.records)
+    with safe_open(str(pub32 / "model.safetensors"), "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F32"}
     # float32 evaluation of the same run still works (auto on a CPU)
     assert cli.main(["behaviour", "--model", str(run), "--behaviours", "[capitals]", "--limit", "2",
                      "--max_new_tokens", "2", "--out", str(tmp_path / "beh")]) == 0
