@@ -183,6 +183,9 @@ def main() -> None:
     precision = args.precision if args.precision != "auto" else ("float32" if device.type == "cpu" else "bfloat16")
     root = Path(args.models) if args.models else Path(tempfile.mkdtemp(prefix="modular-scale-"))
     results = []
+    settings = {"device": str(device), "precision": precision, "repeats": args.repeats, "rounds": args.rounds,
+                "batch_size": args.batch_size, "lm_length": args.lm_length, "modes": args.modes,
+                "targets": {"time_ratio_max": 1.15, "memory_ratio_max": 1.10}}
     for size in args.sizes:
         folder = build_folder(size, root, PRECISIONS[precision])
         for mode in args.modes:
@@ -206,12 +209,12 @@ def main() -> None:
                    "time_ratio": gated_s / plain_s, "plain_peak_bytes": plain_m, "gated_peak_bytes": gated_m,
                    "memory_ratio": gated_m / plain_m, "memory": runs["plain"][0]["memory"], "runs": runs}
             results.append(row)
+            # a run cut short keeps the rows it measured
+            write_json(Path(args.out) / "scale.json", {**settings, "complete": False, "results": results})
             print(f"{size:>5} {mode:<4}  plain {plain_s:7.2f} s  gated {gated_s:7.2f} s  ×{row['time_ratio']:.3f}   "
                   f"peak plain {plain_m / 2**30:6.2f} GiB  gated {gated_m / 2**30:6.2f} GiB  ×{row['memory_ratio']:.3f}",
                   flush=True)
-    report = {"device": str(device), "precision": precision, "repeats": args.repeats, "rounds": args.rounds,
-              "batch_size": args.batch_size, "lm_length": args.lm_length, "modes": args.modes,
-              "targets": {"time_ratio_max": 1.15, "memory_ratio_max": 1.10}, "results": results}
+    report = {**settings, "complete": True, "results": results}
     out_dir = Path(args.out)
     path = write_json(out_dir / "scale.json", report)
     fig = plot(report, out_dir / "scale.png")
