@@ -118,7 +118,7 @@ def worker(args) -> dict:
     peak = torch.cuda.max_memory_allocated() if cuda else rss.peak
     return {"times_s": times, "median_s": statistics.median(times), "peak_bytes": peak,
             "memory": "cuda max_memory_allocated" if cuda else "peak resident set (RSS)",
-            "parameters": sum(p.numel() for p in module.model.parameters()),
+            "parameters": sum(p.numel() for n, p in module.model.named_parameters() if "lora_" not in n),  # the model's
             "trainable": sum(p.numel() for p in params), "device": str(device)}
 
 
