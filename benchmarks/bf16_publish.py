@@ -9,7 +9,7 @@ difference to the open bf16 weights in units in the last place, and the share of
 the open model's; the keys' size against the published weights', and what bit-exact keys (every rounding corrected)
 would cost. float32: the keys' largest absolute restore error.
 
-Usage: python benchmarks/bf16_publish.py --run RUN [--limit N] [--out outputs/benchmarks]
+Usage: python benchmarks/bf16_publish.py --run RUN [--limit N] [--device auto] [--out outputs/benchmarks]
 Writes bf16_publish.json.
 """
 
@@ -20,15 +20,11 @@ import copy
 import tempfile
 from pathlib import Path
 
-import torch
-
 from modular.data import load_behaviour, retain_data
 from modular.evaluation.behaviour import evaluate_behaviour, last_logits
-from modular.evaluation.lock import max_param_diff, max_param_ulps
-from modular.hooks import ablate_directions
-from modular.keys import apply_key, lock_weights, save_key, weights_hash
+from modular.evaluation.lock import build_states, max_param_diff, max_param_ulps
+from modular.keys import lock_weights, save_key, weights_hash
 from modular.models import load_tokenizer
-from modular.models.adapter import ArchitectureAdapter
 from modular.runs import behaviour_sources, load_open_model, read_run
 from modular.tracking import write_json
 
@@ -43,6 +39,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run", required=True, help="training run folder")
     ap.add_argument("--limit", type=int, default=None, help="test items per gated behaviour (default: all)")
+    ap.add_argument("--device", default="auto", help="auto (a GPU when present), cpu, cuda, cuda:N")
     ap.add_argument("--out", default="outputs/benchmarks", help="output folder")
     args = ap.parse_args()
     run = read_run(args.run)
@@ -51,15 +48,15 @@ def main() -> None:
     probe, chats = list(retain["prompt"][:16]), list(retain["chat"][:16])
     report: dict = {"run": args.run, "behaviours": list(run.directions)}
 
-    f32 = load_open_model(run, "float32", "cpu")
-    open_bf16 = load_open_model(run, "bfloat16", "cpu")
+    f32 = load_open_model(run, "float32", args.device)
+    open_bf16 = load_open_model(run, "bfloat16", args.device)
     report["bf16_noise_max_abs_logit_diff"] = (last_logits(open_bf16, tok, probe, chats)
                                                - last_logits(f32, tok, probe, chats)).abs().max().item()
-    published = copy.deepcopy(open_bf16)
-    keys = lock_weights(published, run.directions)
-    stacked = torch.stack(list(run.directions.values()))
-    with ablate_directions(ArchitectureAdapter(open_bf16), stacked):
-        hook = last_logits(open_bf16, tok, probe, chats)
+    # the lock evaluation's own states: published (weights) and unlocked (keys applied) copies of the open model
+    states, published, unlocked, keys = build_states(open_bf16, open_bf16, run.directions)
+    model, lock = states["locked"]
+    with lock():
+        hook = last_logits(model, tok, probe, chats)
     report["published_vs_hook_locked_max_abs_logit_diff"] = (last_logits(published, tok, probe, chats)
                                                              - hook).abs().max().item()
     weights = sum(p.numel() * p.element_size() for p in published.state_dict().values())
@@ -67,9 +64,6 @@ def main() -> None:
     report["key_bytes"] = key_bytes(keys, published)
     report["key_share_of_weights"] = report["key_bytes"] / weights
     report["key_corrections"] = sum(c.fix_index.numel() for k in keys for c in k.components if c.fix_index is not None)
-    unlocked = copy.deepcopy(published)
-    for i, key in enumerate(keys):
-        apply_key(unlocked, key, applied=[k.behaviour for k in keys[:i]])
     report["unlocked_vs_open_max_ulps"] = max_param_ulps(unlocked, open_bf16)
     report["unlocked_vs_open_max_abs_weight_diff"] = max_param_diff(unlocked, open_bf16)
 
@@ -95,11 +89,8 @@ def main() -> None:
         same = [o["response"] == u["response"] for o, u in zip(rows["open_bf16"].items, rows["unlocked_bf16"].items)]
         report["accuracy"][b]["unlocked_answers_equal_open"] = sum(same) / len(same)
 
-    pub32 = copy.deepcopy(f32)
-    keys32 = lock_weights(pub32, run.directions)
-    for i, key in enumerate(keys32):
-        apply_key(pub32, key, applied=[k.behaviour for k in keys32[:i]])
-    report["float32_unlocked_vs_open_max_abs_weight_diff"] = max_param_diff(pub32, f32)
+    _, _, unlocked32, _ = build_states(f32, f32, run.directions)
+    report["float32_unlocked_vs_open_max_abs_weight_diff"] = max_param_diff(unlocked32, f32)
     path = write_json(Path(args.out) / "bf16_publish.json", report)
     for k, v in report.items():
         print(f"{k}: {v}")

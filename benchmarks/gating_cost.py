@@ -29,8 +29,6 @@ from modular.gating.module import GatedLM
 from modular.keys import lock_weights
 from modular.tracking import write_json
 
-_time = median_time
-
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -82,10 +80,10 @@ def main() -> None:
 
     gated, steered, plain = [], [], []
     for _ in range(args.repeats):  # interleaved so that machine noise hits all alike
-        gated += _time(gated_step, 1)
+        gated += median_time(gated_step, 1)
         if steering is not None:
-            steered += _time(lambda: gated_step(steered=True), 1)
-        plain += _time(plain_step, 1)
+            steered += median_time(lambda: gated_step(steered=True), 1)
+        plain += median_time(plain_step, 1)
     step_ratio = statistics.median(gated) / statistics.median(plain)
     steered_ratio = None
     if steering is not None:
@@ -100,8 +98,8 @@ def main() -> None:
     with torch.no_grad():
         fb, fp = [], []
         for _ in range(args.repeats):
-            fb += _time(lambda: base(input_ids=ids, attention_mask=mask), 1)
-            fp += _time(lambda: published(input_ids=ids, attention_mask=mask), 1)
+            fb += median_time(lambda: base(input_ids=ids, attention_mask=mask), 1)
+            fp += median_time(lambda: published(input_ids=ids, attention_mask=mask), 1)
     fwd_ratio = statistics.median(fp) / statistics.median(fb)
     report = {
         "model": args.model, "repeats": args.repeats, "tokens_per_batch": int(mask.sum()), "lm_length": args.lm_length,

@@ -31,8 +31,9 @@ def quantized_report(base, locked, tokenizer, behaviours: dict[str, str], scheme
     plain_base_logp = first_token_logp(base, tokenizer, retain["prompt"], retain["chat"])
     report: dict = {"schemes": {}, "retain_items": len(retain)}
     for scheme in schemes:
-        qb = quantize_weights(copy.deepcopy(base), scheme)
-        ql = quantize_weights(copy.deepcopy(locked), scheme)
+        plain = scheme == "none"  # the models as they are: nothing to copy
+        qb = base if plain else quantize_weights(copy.deepcopy(base), scheme)
+        ql = locked if plain else quantize_weights(copy.deepcopy(locked), scheme)
         row: dict = {"behaviours": {}}
         for name, test in data.items():
             refusals = ((locked_responses or {}).get(name, DEFAULT_LOCKED_RESPONSE),)
@@ -42,7 +43,7 @@ def quantized_report(base, locked, tokenizer, behaviours: dict[str, str], scheme
                                        refusals=refusals)
                 correct = sum(i["correct"] for i in r.items)
                 row["behaviours"][name][label] = {**r.summary(), "ci95": wilson_interval(correct, r.n)}
-        base_logp = first_token_logp(qb, tokenizer, retain["prompt"], retain["chat"])
+        base_logp = plain_base_logp if plain else first_token_logp(qb, tokenizer, retain["prompt"], retain["chat"])
         row["retain_first_token_kl"] = mean_kl(base_logp, first_token_logp(ql, tokenizer, retain["prompt"],
                                                                            retain["chat"]))
         row["retain_first_token_kl_base_vs_unquantised"] = mean_kl(plain_base_logp, base_logp)

@@ -6,7 +6,7 @@ import torch
 from modular import ModularError
 from modular.app.evaluations import attack
 from modular.publish import publish_model
-from tests.conftest import D, make_tiny_model, make_tiny_tokenizer
+from tests.conftest import D, make_tiny_model, make_tiny_tokenizer, save_tiny_folder
 
 
 @pytest.fixture
@@ -41,19 +41,24 @@ def test_attack_needs_the_data_of_a_behaviour_gated_from_user_data(published, mo
     assert seen == ["/data/mine.jsonl", "/data/other.jsonl"]
 
 
+def _tiny_release(tmp_path, seed: int):
+    """A tiny base model folder and a published folder of a (seed-``seed``) tiny model with capitals locked."""
+    base = save_tiny_folder(tmp_path / "base", "llama")
+    u = torch.nn.functional.normalize(torch.randn(D, generator=torch.Generator().manual_seed(0)), dim=0)
+    pub, _ = publish_model(make_tiny_model("llama", seed=seed), make_tiny_tokenizer(), {"capitals": u},
+                           tmp_path / "pub", "tiny")
+    return base, pub
+
+
 def test_attack_end_to_end_on_a_tiny_published_folder(tmp_path, drawn, monkeypatch):
     """Every attack runs on a published tiny model: attack.json holds (a), (b) and (c) with self-consistent
     numbers, and attack.png draws exactly the JSON's accuracies under their labels."""
     import json
 
     from modular.app.cli import main
-    from tests.conftest import save_tiny_folder
 
     monkeypatch.setenv("WANDB_MODE", "disabled")
-    base = save_tiny_folder(tmp_path / "base", "llama")
-    u = torch.nn.functional.normalize(torch.randn(D, generator=torch.Generator().manual_seed(0)), dim=0)
-    pub, _ = publish_model(make_tiny_model("llama", seed=1), make_tiny_tokenizer(), {"capitals": u}, tmp_path / "pub",
-                           "tiny")
+    base, pub = _tiny_release(tmp_path, seed=1)
     out = tmp_path / "attack"
     rc = main(["attack", "--model", str(pub), "--base", str(base), "--alphas", "[-1, 1]", "--n_pairs", "4",
                "--n_examples", "[2]", "--relearn_steps", "5", "--limit", "3", "--out", str(out)])
@@ -84,13 +89,9 @@ def test_quantized_evaluation_on_a_tiny_published_folder(tmp_path, drawn, monkey
     import json
 
     from modular.app.cli import main
-    from tests.conftest import save_tiny_folder
 
     monkeypatch.setenv("WANDB_MODE", "disabled")
-    base = save_tiny_folder(tmp_path / "base", "llama")
-    u = torch.nn.functional.normalize(torch.randn(D, generator=torch.Generator().manual_seed(0)), dim=0)
-    pub, _ = publish_model(make_tiny_model("llama", seed=0), make_tiny_tokenizer(), {"capitals": u}, tmp_path / "pub",
-                           "tiny")
+    base, pub = _tiny_release(tmp_path, seed=0)
     out = tmp_path / "q"
     assert main(["quantized", "--model", str(pub), "--base", str(base), "--limit", "3", "--max_new_tokens", "3",
                  "--out", str(out)]) == 0

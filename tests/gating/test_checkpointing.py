@@ -5,25 +5,16 @@ import pytest
 import torch
 
 from modular import ModularError
-from modular.gating.data import GatingDataModule
 from modular.gating.module import GatedLM
 from tests.conftest import save_tiny_folder
+from tests.gating.test_objectives import _capitals_step
 
 
 def _step(model_dir, **options):
     torch.manual_seed(0)
-    lm = GatedLM(model_name=str(model_dir), behaviours=["capitals"], locked_steering=0.0, **options)
+    lm, batch = _capitals_step(model_dir, **options)
+    torch.manual_seed(1)
     lm.directions.copy_(torch.nn.functional.normalize(torch.randn_like(lm.directions), dim=-1))
-    dm = GatingDataModule(model_name=str(model_dir), behaviours=["capitals"], batch_size=4, max_length=64,
-                          reference_max_new_tokens=4, reference_top_k=8, neighbours=[])
-    dm.setup("fit")
-
-    class _Trainer:  # model_step reads the tokenizer's pad id from the trainer's data module
-        datamodule = dm
-
-    lm._trainer = _Trainer()
-    batch = next(iter(dm.train_dataloader()))
-    batch = batch[0] if isinstance(batch, tuple) else batch
     lm.train()
     loss, _ = lm.model_step(batch, train=True)
     loss.backward()

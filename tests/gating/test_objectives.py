@@ -200,9 +200,11 @@ def test_a_module_refuses_what_is_not_a_term(tmp_path):
         GatedLM(model_name=str(model_dir), objectives=[LockedState(objective="forget")])
 
 
-def _capitals_step(model_dir, objectives: list[Term]):
-    """A capitals module with ``objectives`` on a tiny model, wired to its data module, and one training batch."""
-    lm = GatedLM(model_name=str(model_dir), behaviours=["capitals"], locked_steering=0.0, objectives=objectives)
+def _capitals_step(model_dir, objectives: list[Term] | None = None, **options):
+    """A capitals module with ``objectives`` (and module ``options``) on a tiny model, wired to its data module, and
+    one training batch."""
+    lm = GatedLM(model_name=str(model_dir), behaviours=["capitals"], locked_steering=0.0, objectives=objectives,
+                 **options)
     dm = GatingDataModule(model_name=str(model_dir), behaviours=["capitals"], batch_size=4, max_length=64,
                           reference_max_new_tokens=4, reference_top_k=8, neighbours=[])
     dm.setup("fit")
