@@ -17,7 +17,7 @@ The rounding of the locked weights is not undone by adding back, and where
 ``a bᵀ`` is large (hardened readers behind tiny norm gains, ``u / g``) it exceeds
 the trained weights' own precision; each component therefore also carries the
 few entries whose restored value would be off by more than the tolerance and the
-exact correction for them, so one key restores the trained weights to within it:
+value they must take (in the weights' dtype), so one key restores the trained weights to within it:
 ``exact_tol`` (absolute) in float32, ``ulp_tol`` units in the last place of each
 trained weight in bfloat16 and float16 (a bit-exact key, ``ulp_tol=0``, carries
 a correction for most entries a key touches). With several behaviours the rounding also
@@ -45,9 +45,13 @@ from torch import nn
 from modular import ModularError
 from modular.models.adapter import ArchitectureAdapter, weight_out_in
 
-KEY_FORMAT = "modular-key/3"  # /3: float64 arithmetic rounded once; /2: digests of content and of what it produces
+#: /4: a correction is the entry's value in the weights' dtype, stored at a uint16 gap from the previous one;
+#: /3: float64 arithmetic rounded once (corrections: int64 index, difference in a wider dtype);
+#: /2: digests of content and of what it produces
+KEY_FORMAT = "modular-key/4"
 #: formats still applied (a /2 key adds a bᵀ rounded to the weights' dtype, then rounds the sum, as it was made)
-READABLE_FORMATS = (KEY_FORMAT, "modular-key/2")
+READABLE_FORMATS = (KEY_FORMAT, "modular-key/3", "modular-key/2")
+MAX_GAP = 2**16 - 1  # the largest gap between two corrected entries a uint16 holds; 0 marks a skip of MAX_GAP
 MANTISSA_BITS = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}
 #: corrections are recorded for every ordered prefix of the other keys up to this many behaviours (beyond it only
 #: for each key applied first: a 5th key would need 65 sets)
@@ -63,10 +67,11 @@ class Component:
     b: torch.Tensor
     transposed: bool  # the stored parameter is the (out, in) view transposed (Embedding rows, Conv1D)
     fix_index: torch.Tensor | None = None  # flat indices into the parameter whose restore needs a correction
-    fix_value: torch.Tensor | None = None  # the correction added there after ``a bᵀ``
+    fix_value: torch.Tensor | None = None  # the value those entries take after ``a bᵀ`` (/3, /2: added there)
     # the same for this key applied after other keys: {behaviours applied before, in order: (index, value)}
     fix_after: dict[tuple[str, ...], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     legacy: bool = False  # made by a modular-key/2 key: the update is rounded before it is added
+    fix_adds: bool = False  # made by a modular-key/3 or /2 key: a correction is added, not set
 
     def fix_for(self, applied: tuple[str, ...]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The correction for this key applied after the keys ``applied`` (in that order)."""
@@ -145,12 +150,18 @@ def ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 @torch.no_grad()
 def _apply_corrected(param: torch.Tensor, c: Component, sign: float, applied: tuple[str, ...]) -> None:
-    """:func:`_apply_component` with the rounding correction for this key applied after the keys ``applied``
-    (added after the component, or taken off before it when ``sign < 0``)."""
+    """:func:`_apply_component` with the rounding correction for this key applied after the keys ``applied``: the
+    entries set to their values after the component (removing the component again, ``sign < 0``, needs none); a
+    /3 or /2 correction is added after the component, or taken off before it when ``sign < 0``."""
     index, value = c.fix_for(applied)
     fixed = index is not None and index.numel() > 0
     if fixed:
         index = index.to(param.device)
+    if not c.fix_adds:
+        _apply_component(param, c, sign)
+        if sign > 0 and fixed:
+            param.view(-1)[index] = value.to(param.device, param.dtype)
+        return
     if sign < 0 and fixed:
         _add_at(param, index, value, -1.0, c.legacy)
     _apply_component(param, c, sign)
@@ -159,19 +170,13 @@ def _apply_corrected(param: torch.Tensor, c: Component, sign: float, applied: tu
 
 
 def _add_at(param: torch.Tensor, index: torch.Tensor, value: torch.Tensor, sign: float, legacy: bool) -> None:
-    """``param[index] += sign · value`` in float64, rounded once (corrections are stored in a wider dtype than the
-    weights', so that this lands exactly on the target); a modular-key/2 correction is added in the weights' dtype."""
+    """``param[index] += sign · value`` for a modular-key/3 correction in float64, rounded once (it is stored in a
+    wider dtype than the weights', so that this lands exactly on the target); a /2 one in the weights' dtype."""
     flat = param.view(-1)
     if legacy:
         flat[index] += sign * value.to(param.device, param.dtype)
     else:
         flat[index] = (flat[index].double() + sign * value.to(param.device, torch.float64)).to(param.dtype)
-
-
-def _fix_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype a correction is stored in: one in which the difference of two weights is exact (float32 for 16-bit
-    weights, float64 for float32 ones)."""
-    return torch.float64 if dtype == torch.float32 else torch.float32
 
 
 def _prefixes(behaviours: list[str]) -> list[tuple[str, ...]]:
@@ -211,10 +216,11 @@ def _record_corrections(param: torch.Tensor, original: torch.Tensor, comps: list
             err = (rounded - restored.double()).flatten()
             allowed = tol if param.dtype == torch.float32 else ulp_tol * ulp(rounded, param.dtype).flatten()
             index = (err.abs() > allowed).nonzero().flatten()
+            value = rounded.flatten()[index].to(param.dtype).cpu()  # the value the entry must take
             if prefix:
-                c.fix_after[prefix] = (index.cpu(), err[index].to(_fix_dtype(param.dtype)).cpu())
+                c.fix_after[prefix] = (index.cpu(), value)
             else:
-                c.fix_index, c.fix_value = index.cpu(), err[index].to(_fix_dtype(param.dtype)).cpu()
+                c.fix_index, c.fix_value = index.cpu(), value
 
 
 def _rms_like(norm: nn.Module | None) -> bool:
@@ -371,6 +377,36 @@ def produced_hashes(model: nn.Module, keys: list[Key]) -> dict[str, dict[tuple[s
     return out
 
 
+def _pack_fix(index: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Corrections as stored: the gap from each corrected entry to the previous one (the first counted from -1) as
+    a uint16, where a 0 stands for a skip of :data:`MAX_GAP` entries with no correction (a longer gap is bridged
+    by skips), and the values in the narrowest float dtype that holds every one exactly (the weights' own)."""
+    index, value = index.long().flatten(), value.flatten()
+    order = torch.argsort(index)
+    index, value = index[order], value[order]
+    gaps = torch.diff(index, prepend=index.new_tensor([-1]))
+    skips = (gaps - 1) // MAX_GAP  # skips before each correction
+    slots = torch.cumsum(skips + 1, 0) - 1  # where each correction lands among the stored entries
+    n = int(slots[-1]) + 1 if len(slots) else 0
+    packed_gaps = torch.zeros(n, dtype=torch.int64)
+    packed_gaps[slots] = gaps - skips * MAX_GAP
+    for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+        narrow = value.to(dtype)
+        if dtype.itemsize <= value.dtype.itemsize and torch.equal(narrow.double(), value.double()):
+            break
+    packed_values = torch.zeros(n, dtype=narrow.dtype)
+    packed_values[slots] = narrow
+    return packed_gaps.to(torch.uint16), packed_values
+
+
+def _unpack_fix(gaps: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The flat indices and values of :func:`_pack_fix`'s corrections (skips dropped)."""
+    gaps = gaps.to(torch.int64)
+    index = torch.cumsum(torch.where(gaps == 0, MAX_GAP, gaps), 0) - 1
+    keep = gaps != 0
+    return index[keep], values[keep]
+
+
 def _content_digest(tensors: dict[str, torch.Tensor], meta: dict) -> str:
     """SHA-256 over a key's tensors (names, dtypes, shapes, bytes) and its metadata (without the digest)."""
     h = hashlib.sha256()
@@ -394,13 +430,11 @@ def save_key(key: Key, path: str | Path, locked_hash: str,
         tensors[f"c{i}.a"] = c.a.contiguous()
         tensors[f"c{i}.b"] = c.b.contiguous()
         if c.fix_index is not None and c.fix_index.numel():
-            tensors[f"c{i}.fix_index"] = c.fix_index.contiguous()
-            tensors[f"c{i}.fix_value"] = c.fix_value.contiguous()
+            tensors[f"c{i}.fix_gap"], tensors[f"c{i}.fix_value"] = _pack_fix(c.fix_index, c.fix_value)
         after = []
         for j, (prefix, (index, value)) in enumerate(c.fix_after.items()):
             after.append(list(prefix))
-            tensors[f"c{i}.after{j}.fix_index"] = index.contiguous()
-            tensors[f"c{i}.after{j}.fix_value"] = value.contiguous()
+            tensors[f"c{i}.after{j}.fix_gap"], tensors[f"c{i}.after{j}.fix_value"] = _pack_fix(index, value)
         entry = {"param": c.param, "transposed": c.transposed}
         if after:  # the prefixes of the corrections c{i}.after{j}.* (behaviours applied before, in order)
             entry["fix_after"] = after
@@ -433,11 +467,19 @@ def load_key(path: str | Path) -> tuple[Key, dict]:
         raise ModularError(f"{path} is not a modular key file (format {found!r}, expected {KEY_FORMAT!r}{hint})")
     if meta.get("content_sha256") != _content_digest(tensors, meta):
         raise ModularError(f"{path} is corrupted: its content does not match its digest; get a fresh copy of the key")
-    comps = [
-        Component(e["param"], tensors[f"c{i}.a"], tensors[f"c{i}.b"], e["transposed"],
-                  tensors.get(f"c{i}.fix_index"), tensors.get(f"c{i}.fix_value"),
-                  {tuple(prefix): (tensors[f"c{i}.after{j}.fix_index"], tensors[f"c{i}.after{j}.fix_value"])
-                   for j, prefix in enumerate(e.get("fix_after", []))}, meta["format"] == "modular-key/2")
-        for i, e in enumerate(meta["components"])
-    ]
+
+    def fix(prefix: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if f"{prefix}.fix_gap" in tensors:  # /4
+            return _unpack_fix(tensors[f"{prefix}.fix_gap"], tensors[f"{prefix}.fix_value"])
+        return tensors.get(f"{prefix}.fix_index"), tensors.get(f"{prefix}.fix_value")  # /3, /2: flat int64 indices
+
+    try:
+        comps = [
+            Component(e["param"], tensors[f"c{i}.a"], tensors[f"c{i}.b"], e["transposed"], *fix(f"c{i}"),
+                      {tuple(prefix): fix(f"c{i}.after{j}") for j, prefix in enumerate(e.get("fix_after", []))},
+                      meta["format"] == "modular-key/2", meta["format"] != KEY_FORMAT)
+            for i, e in enumerate(meta["components"])
+        ]
+    except KeyError as err:
+        raise ModularError(f"{path} is not a complete modular key file (no tensor or field {err})") from None
     return Key(meta["behaviour"], tensors["direction"], comps, meta), meta

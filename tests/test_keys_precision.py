@@ -118,3 +118,63 @@ def test_modular_key_2_files_still_unlock_the_weights_they_were_made_for():
     apply_key(model, keys[0], applied=["ioi"])
     produced = {tuple(p["after"]): p["weights_hash"] for p in loaded[0][1]["produces"]}
     assert weights_hash(model) == produced[("ioi",)]
+
+
+def test_modular_key_3_files_still_unlock_the_weights_they_were_made_for():
+    """Fixture: two keys written by modular-key/3 (int64 indices, float32 corrections) for the tiny llama of seed 0
+    in bfloat16. Locking it again with their directions gives their locked hash (/3 and /4 lock alike), and applying
+    them, in either order, gives the weights they record."""
+    loaded = {b: load_key(FIXTURES / f"v3-{b}.key.safetensors") for b in ("capitals", "ioi")}
+    assert all(meta["format"] == "modular-key/3" for _, meta in loaded.values())
+    assert any(c.fix_index is not None and c.fix_index.dtype == torch.int64
+               for c in loaded["capitals"][0].components)
+    for order in (("capitals", "ioi"), ("ioi", "capitals")):
+        model = make_tiny_model("llama", seed=0).to(torch.bfloat16)
+        dirs = _dirs(k=2)  # the fixture's directions
+        lock_weights(model, {"capitals": dirs["b0"], "ioi": dirs["b1"]})
+        assert weights_hash(model) == loaded["capitals"][1]["locked_hash"]
+        for i, b in enumerate(order):
+            apply_key(model, loaded[b][0], applied=order[:i])
+            produced = {tuple(p["after"]): p["weights_hash"] for p in loaded[b][1]["produces"]}
+            assert weights_hash(model) == produced[order[:i]]
+
+
+def test_corrections_pack_into_uint16_gaps_and_the_narrowest_exact_dtype():
+    from modular.keys import MAX_GAP, _pack_fix, _unpack_fix
+
+    # gaps of one, of exactly MAX_GAP, of a multiple of it and longer
+    index = torch.tensor([0, 5, 5 + MAX_GAP, 5 + 3 * MAX_GAP, 5 + 4 * MAX_GAP + 7, 10**9])
+    bf16_exact = torch.tensor([2.0**-8, 0.0, -3 * 2.0**-20, 0.5, 1e-3, -7.0]).to(torch.bfloat16).float()
+    gaps, values = _pack_fix(index, bf16_exact)
+    assert gaps.dtype == torch.uint16 and values.dtype == torch.bfloat16
+    assert len(gaps) == len(index) + 2 + (10**9 - index[4].item() - 1) // MAX_GAP  # skips
+    got_index, got_values = _unpack_fix(gaps, values)
+    assert torch.equal(got_index, index) and torch.equal(got_values.double(), bf16_exact.double())
+    # a value bfloat16 cannot hold exactly keeps a dtype that can (float16 here, float32 for 1 + 2^-20)
+    for value, dtype in ((2.0**-8 * (1 + 2**-9), torch.float16), (1 + 2**-20, torch.float32)):
+        _, values = _pack_fix(torch.tensor([3]), torch.tensor([value], dtype=torch.float64))
+        assert values.dtype == dtype and values.double().item() == value
+    gaps, values = _pack_fix(torch.tensor([], dtype=torch.int64), torch.tensor([]))
+    assert gaps.numel() == 0 and _unpack_fix(gaps, values)[0].numel() == 0
+
+
+def test_low_precision_keys_are_stored_compactly(tmp_path):
+    """A bfloat16 key stores each correction in 4 bytes (a uint16 gap and the bfloat16 value the entry takes) and
+    loads back the same corrections it was made with."""
+    model = make_tiny_model("llama").to(torch.bfloat16)
+    (key,) = lock_weights(model, _dirs(k=1))
+    path = save_key(key, tmp_path / "b0.key", weights_hash(model))
+    loaded, meta = load_key(path)
+    assert meta["format"] == "modular-key/4"
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        names = list(f.keys())
+        assert not any(n.endswith("fix_index") for n in names)
+        dtypes = {f.get_tensor(n).dtype for n in names if n.endswith(("fix_gap", "fix_value"))}
+    assert dtypes == {torch.uint16, torch.bfloat16}
+    made = [(c.fix_index, c.fix_value) for c in key.components if c.fix_index is not None and c.fix_index.numel()]
+    got = [(c.fix_index, c.fix_value) for c in loaded.components if c.fix_index is not None and c.fix_index.numel()]
+    assert made and len(made) == len(got)
+    for (i0, v0), (i1, v1) in zip(made, got):
+        assert torch.equal(i0, i1) and torch.equal(v0.double(), v1.double())
