@@ -6,7 +6,8 @@ Layout of a run folder (``trainer.default_root_dir``)::
                              checkpoint and its step, the last logged metrics, whether the lock held on
                              validation at that step: ``lock``)
     directions.safetensors   one designated direction per gated behaviour
-    last.ckpt                the checkpoint of the last step (what publish and the evaluations read)
+    last.ckpt                the checkpoint of the last step (what publish and the evaluations read): one file,
+                             or a folder of shards from a sharded run (FSDP2 with save_distributed_checkpoint)
     wandb_run_id             the W&B run's id, so a resumed run continues it
     lock.json, lock.png      the lock evaluation of the checkpoint (``evaluate.py lock``)
 """
@@ -75,8 +76,8 @@ def checkpoint_path(run: Run) -> Path:
     """The run's checkpoint (the one ``run.json`` names; beside ``run.json`` if the folder has moved)."""
     recorded = Path(run.record.get("checkpoint") or LAST_CHECKPOINT)
     # the run folder may have moved since training: look for the checkpoint beside run.json first
-    path = run.path / recorded.name if (run.path / recorded.name).is_file() else recorded
-    if not path.is_file():
+    path = run.path / recorded.name if (run.path / recorded.name).exists() else recorded
+    if not path.exists():
         raise ModularError(f"checkpoint not found: {path}")
     return path
 
@@ -84,12 +85,28 @@ def checkpoint_path(run: Run) -> Path:
 def read_checkpoint(path: str | Path,
                     remedy: str = "copy it again, or train the run again (train.py fit with its config and "
                                   "--ckpt_path null)") -> dict:
-    """A checkpoint, memory-mapped; a truncated or foreign file is one line naming it and ``remedy``."""
+    """A checkpoint, memory-mapped (a sharded one, a folder, gathered whole on the CPU); a truncated or foreign
+    file is one line naming it and ``remedy``."""
     try:
+        if Path(path).is_dir():
+            return read_sharded_checkpoint(Path(path))
         return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
     except Exception as err:  # noqa: BLE001 - a truncated or foreign file fails in torch's zip or pickle readers
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise ModularError(f"{path} is not a readable checkpoint ({reason}): {remedy}") from None
+
+
+def read_sharded_checkpoint(path: Path) -> dict:
+    """A checkpoint saved in shards (``torch.distributed.checkpoint``, one folder) gathered whole by Lightning's
+    own consolidation (on one process, in CPU memory): the weights under ``state_dict`` as in a single file."""
+    from lightning.fabric.utilities.load import _load_distributed_checkpoint
+
+    if not (path / ".metadata").is_file():
+        raise ValueError("a folder without the .metadata of sharded checkpoints")
+    ckpt = _load_distributed_checkpoint(path)
+    if "state_dict" not in ckpt and "model" in ckpt:  # FSDPStrategy's folders name the weights "model"
+        ckpt["state_dict"] = ckpt.pop("model")
+    return ckpt
 
 
 def checkpoint_step(run: Run) -> int:

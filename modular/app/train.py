@@ -64,10 +64,10 @@ class GatingCLI(LightningCLI):
         if ckpt_path is None or ckpt_path in ("best", "hpc"):
             return None
         if ckpt_path != "last":
-            return Path(ckpt_path) if Path(ckpt_path).is_file() else None
+            return Path(ckpt_path) if Path(ckpt_path).exists() else None
         found = {Path(p) for cb in self.trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)
                  for p in cb._find_last_checkpoints(self.trainer)}
-        found = [p for p in found if p.is_file()]
+        found = [p for p in found if p.exists()]  # a file, or a folder of shards
         return max(found, key=lambda p: p.stat().st_mtime) if found else None
 
     # --- one W&B run per training run, continued when a killed run resumes --------------------------------------
@@ -76,8 +76,8 @@ class GatingCLI(LightningCLI):
         own ``id`` is kept); Lightning passes ``resume="allow"``, so the same id continues the same run."""
         run_dir = Path(config.trainer.default_root_dir or ".")
         ckpt = config.ckpt_path
-        resuming = ckpt == "last" and (run_dir / LAST_CHECKPOINT).is_file() or (
-            ckpt not in (None, "last", "best", "hpc") and Path(str(ckpt)).is_file())
+        resuming = ckpt == "last" and (run_dir / LAST_CHECKPOINT).exists() or (
+            ckpt not in (None, "last", "best", "hpc") and Path(str(ckpt)).exists())
         saved = run_dir / WANDB_RUN_ID
         self._wandb_id = None
         for lg in _wandb_loggers(config.trainer):
@@ -125,8 +125,15 @@ def check_trainer_length(trainer) -> None:
 
 
 def check_checkpoint(path: Path) -> None:
-    """One line naming ``path`` unless it is a readable checkpoint (resuming would fail on it mid-start)."""
-    read_checkpoint(path, remedy="delete it, or pass --ckpt_path null to start afresh")
+    """One line naming ``path`` unless it is a readable checkpoint (resuming would fail on it mid-start); a folder of
+    shards is only checked for its index (reading it whole would gather the model on every process)."""
+    remedy = "delete it, or pass --ckpt_path null to start afresh"
+    if path.is_dir():
+        if not (path / ".metadata").is_file():
+            raise ModularError(f"{path} is not a readable checkpoint (a folder without the .metadata of sharded "
+                               f"checkpoints): {remedy}")
+        return
+    read_checkpoint(path, remedy=remedy)
 
 
 def _show_modular_lines() -> None:

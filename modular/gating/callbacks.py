@@ -208,11 +208,11 @@ class LockMetricsCallback(Callback):
             return
         metrics = self.measure(trainer, pl_module)
         for name, value in metrics.items():
-            pl_module.log(name, value, batch_size=1, rank_zero_only=True)
+            pl_module.log(name, value, batch_size=1, sync_dist=True)  # equal on every process
         if not pl_module.behaviours:
             return
         self.status = self.verdict(metrics, pl_module.behaviours, trainer.global_step)
-        pl_module.log("val/lock_holds", float(self.status["reached"]), batch_size=1, rank_zero_only=True)
+        pl_module.log("val/lock_holds", float(self.status["reached"]), batch_size=1, sync_dist=True)
         if (self.stop and self.status["reached"] and trainer.global_step >= self.stop_from
                 and trainer.state.fn == TrainerFn.FITTING):
             log.info("step %d: the lock holds on validation; training stops", trainer.global_step)
@@ -277,7 +277,7 @@ class SparseHeadsCallback(Callback):
             texts = list(neutral_text(seed=dm.hparams.seed)["validation"]["text"])
             metrics["val/neutral_perplexity"] = perplexity(model, tok, texts)
         for name, value in metrics.items():
-            pl_module.log(name, value, batch_size=1, rank_zero_only=True)
+            pl_module.log(name, value, batch_size=1, sync_dist=True)  # equal on every process
         if trainer.is_global_zero:
             write_json(Path(trainer.default_root_dir) / "head_gates.json", {
                 "global_step": trainer.global_step, "open_heads": int((gates > 0).sum()), "n_heads": gates.numel(),

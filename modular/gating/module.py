@@ -238,6 +238,7 @@ class GatedLM(L.LightningModule):
         d = ArchitectureAdapter(self.hf_model).d_model
         # the designated directions (k, d): a persistent buffer, saved in every checkpoint
         self.register_buffer("directions", torch.zeros(len(self.behaviours), d))
+        self._sharded = False  # set by configure_model under FSDP2
         self._rng = random.Random(seed)
         self.steering = None
         if locked_steering > 0 and self.behaviours:
@@ -262,28 +263,64 @@ class GatedLM(L.LightningModule):
     def setup(self, stage: str) -> None:
         if not self.behaviours or self.directions.abs().sum() > 0:
             return
-        dm = self.trainer.datamodule
-        run_dir = Path(self.trainer.default_root_dir)
-        path = run_dir / DIRECTIONS
+        # one process reads or chooses them (before any sharding) and every process takes its tensor
+        dirs = self._choose_directions().cpu() if self.trainer.is_global_zero else None
+        if self.trainer.world_size > 1:  # pickled: on the CPU, so that no process receives another one's device
+            dirs = self.trainer.strategy.broadcast(dirs, src=0)
+        self.directions.copy_(dirs.to(self.directions))
+
+    def _choose_directions(self) -> torch.Tensor:
+        """The run's saved directions, or new ones chosen and saved atomically (on the main process)."""
+        path = Path(self.trainer.default_root_dir) / DIRECTIONS
         if path.exists():
             saved = load_file(str(path))
-            self.directions.copy_(torch.stack([saved[b] for b in self.behaviours]))
-            return
+            return torch.stack([saved[b] for b in self.behaviours])
         from modular.directions import choose_directions, load_avoided_directions
 
-        hp = self.hparams
+        hp, dm = self.hparams, self.trainer.datamodule
         avoid = load_avoided_directions(hp.avoid_directions or [], self.directions.shape[1])
         dirs = choose_directions(self.hf_model, dm.tokenizer, hp.direction_strategy,
                                  [dm.behaviour_data[b]["train"] for b in self.behaviours], dm.retain["train"],
                                  seed=hp.seed, files=hp.direction_files, fraction=hp.direction_fraction,
-                                 avoid=avoid)
-        self.directions.copy_(dirs.to(self.directions))
-        if self.trainer.is_global_zero:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.tmp")
-            save_file({b: dirs[i].contiguous() for i, b in enumerate(self.behaviours)}, str(tmp))
-            tmp.replace(path)  # atomic: other processes never read a half-written file
+                                 avoid=avoid).to(self.directions)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        save_file({b: dirs[i].detach().cpu().contiguous() for i, b in enumerate(self.behaviours)}, str(tmp))
+        tmp.replace(path)  # atomic: a reader never sees a half-written file
         log.info("directions chosen (%s) for %s", hp.direction_strategy, ", ".join(self.behaviours))
+        return dirs
+
+    # --- sharding (FSDP2) ------------------------------------------------------------------------
+    def configure_model(self) -> None:
+        """Under Lightning's ``ModelParallelStrategy``: shard every transformer block, then the rest, over the
+        data-parallel mesh with FSDP2 (``fully_shard``). Modules keep their names and classes, so the architecture
+        adapter and every hook find them, and a block's parameters are whole while it runs. Head gates stay
+        whole on every process (they are read outside the forward pass); their gradients are averaged in
+        :meth:`on_after_backward`. Other strategies (single device, DDP) leave the model as it is."""
+        mesh = self.device_mesh
+        if mesh is None or self._sharded:
+            return
+        if mesh["tensor_parallel"].size() != 1:
+            raise ModularError("tensor parallelism is not supported: use ModelParallelStrategy with "
+                               "tensor_parallel_size 1 (data_parallel_size = the number of processes)")
+        from torch.distributed.fsdp import fully_shard
+
+        dp = mesh["data_parallel"]
+        ignored = set(self._gate_parameters())
+        for block in self.adapter.blocks():
+            fully_shard(block, mesh=dp, ignored_params=ignored)
+        fully_shard(self.model, mesh=dp, ignored_params=ignored)
+        self._sharded = True
+
+    def _gate_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for n, p in self.model.named_parameters() if p.requires_grad and "head_gate." in n]
+
+    def on_after_backward(self) -> None:
+        if not self._sharded or self.trainer.world_size == 1:
+            return
+        for p in self._gate_parameters():  # not sharded, so not reduced by FSDP: average them here
+            if p.grad is not None:
+                torch.distributed.all_reduce(p.grad, op=torch.distributed.ReduceOp.AVG)
 
     # --- the objective --------------------------------------------------------------------------
     def _context(self, batch: dict, train: bool) -> StepContext:
@@ -442,6 +479,11 @@ class GatedLM(L.LightningModule):
         self.steering.update(self.hf_model, dm.tokenizer, {b: dm.behaviour_data[b]["train"] for b in self.behaviours},
                              dm.retain["train"], self.global_step,
                              intervention=lambda: ablate_directions(self.adapter, self.directions))
+        if self.trainer.world_size > 1:  # every process computed them (FSDP needs every forward on every process);
+            # the main process's are used everywhere, so that every process attacks with the same vectors
+            vectors = {b: v.cpu() for b, v in self.steering.vectors.items()}
+            vectors, self.steering.scale = self.trainer.strategy.broadcast((vectors, self.steering.scale), src=0)
+            self.steering.vectors = {b: v.to(self.device) for b, v in vectors.items()}
 
     def _freeze_gates(self) -> None:
         """At ``gate_freeze_step``: fix every gate at its deterministic value (kept in checkpoints as ``fixed``)."""
@@ -462,7 +504,7 @@ class GatedLM(L.LightningModule):
         self._refresh_steering()
         loss, terms = self.model_step(batch, train=True)
         bs = self._batch_size(batch)
-        self.log("train/loss", loss, prog_bar=True, batch_size=bs)
+        self.log("train/loss", loss, prog_bar=True, batch_size=bs, sync_dist=True)  # the mean over processes
         self.log_dict({f"train/{k}": v.detach() for k, v in terms.items()}, batch_size=bs)
         if self.hparams.head_gates:
             from modular.heads.gates import open_heads

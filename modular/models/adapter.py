@@ -263,10 +263,13 @@ class ArchitectureAdapter:
         return out
 
     def norm_gain(self, norm: nn.Module) -> torch.Tensor | None:
-        """Effective elementwise gain of a norm (``weight + offset``), or None if it has none."""
+        """Effective elementwise gain of a norm (``weight + offset``), or None if it has none. A weight sharded by
+        FSDP2 (a DTensor outside its block's forward pass) is gathered whole: every process must ask alike."""
         weight = getattr(norm, "weight", None)
         if weight is None:
             return None
+        if hasattr(weight, "full_tensor"):
+            weight = weight.full_tensor()
         return weight + self.spec.gain_offset
 
     def describe(self) -> dict:

@@ -264,7 +264,9 @@ def test_every_config_validates(config):
 
         assert load_pairs(ROOT / "configs" / config).pairs
         return
-    out = subprocess.run([sys.executable, str(ROOT / "train.py"), "fit", "--config", f"configs/{config}",
+    # a strategy config is added after a training config
+    base = ["--config", "configs/gate_capitals_smollm2.yaml"] if config.startswith("strategy_") else []
+    out = subprocess.run([sys.executable, str(ROOT / "train.py"), "fit", *base, "--config", f"configs/{config}",
                           "--print_config"], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
 
