@@ -12,7 +12,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from tests.app.test_train import ROOT, _ckpt_step, _publish, tiny_config
+from tests.app.test_train import ROOT, _publish, tiny_config
 from tests.conftest import save_tiny_folder
 
 STEPS = 5
@@ -61,16 +61,23 @@ def _records(folder) -> list[dict]:
     return [torch.load(folder / "rec" / f"rank{r}.pt") for r in range(len(list((folder / "rec").glob("*.pt"))))]
 
 
+def _weights(run) -> dict:
+    from modular.runs import read_checkpoint
+
+    return read_checkpoint(run / "last.ckpt")["state_dict"]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The same 5 steps on one process (batch 4) and on two (batch 2 each), DDP and FSDP2; each run's folder,
-    the logs of its processes and what each process recorded."""
+    """The same 5 steps on one process (batch 4) and on two (batch 2 each), DDP and FSDP2 (its checkpoints a folder
+    of shards); each run's folder, the logs of its processes and what each process recorded."""
     root = tmp_path_factory.mktemp("distributed")
     env = _env(root / "cache")
     out = {}
     for name, args in STRATEGIES.items():
         cfg, run = _config(root / name)
-        done = _fit(cfg, *args, env=env)
+        sharded = ["--trainer.strategy.save_distributed_checkpoint", "true"] if name == "fsdp" else []
+        done = _fit(cfg, *args, *sharded, env=env)
         assert done.returncode == 0, done.stderr[-3000:]
         out[name] = {"folder": root / name, "run": run, "log": done.stderr + done.stdout,
                      "records": _records(root / name)}
@@ -85,8 +92,7 @@ def test_two_processes_reach_the_losses_of_one(runs, strategy):
     ref, got = one["records"][0]["losses"], two["records"][0]["losses"]
     assert len(ref) == len(got) == STEPS
     assert max(abs(a - b) for a, b in zip(ref, got)) <= LOSS_TOL, (ref, got)
-    w1 = torch.load(one["run"] / "last.ckpt", weights_only=False)["state_dict"]
-    w2 = torch.load(two["run"] / "last.ckpt", weights_only=False)["state_dict"]
+    w1, w2 = _weights(one["run"]), _weights(two["run"])
     assert w1.keys() == w2.keys()
     assert max((w1[k] - w2[k]).abs().max().item() for k in w1) <= WEIGHT_TOL
 
@@ -95,8 +101,8 @@ def test_ddp_and_fsdp_compute_the_same_steps(runs):
     """Sharding changes where the parameters live, not what a step computes: the same losses and weights as DDP
     (the ablation, steering and capture hooks found and acted on their modules inside the sharded blocks)."""
     assert runs["ddp"]["records"][0]["losses"] == pytest.approx(runs["fsdp"]["records"][0]["losses"], abs=1e-6)
-    w1 = torch.load(runs["ddp"]["run"] / "last.ckpt", weights_only=False)["state_dict"]
-    w2 = torch.load(runs["fsdp"]["run"] / "last.ckpt", weights_only=False)["state_dict"]
+    assert (runs["fsdp"]["run"] / "last.ckpt").is_dir()  # a folder of shards, read whole
+    w1, w2 = _weights(runs["ddp"]["run"]), _weights(runs["fsdp"]["run"])
     assert max((w1[k] - w2[k]).abs().max().item() for k in w1) <= 1e-6
 
 
@@ -155,8 +161,9 @@ def test_a_killed_run_resumes(tmp_path, runs, strategy, sharded):
 
 
 def test_publish_from_a_sharded_run_equals_publish_from_one_process(tmp_path, runs):
-    """The 2-process FSDP run publishes the same plain Hugging Face folder as the DDP run (identical weights) and,
-    within what training itself differs (WEIGHT_TOL), as the 1-process run with the same seed."""
+    """The 2-process FSDP run (its checkpoint a folder of shards) publishes the same plain Hugging Face folder as
+    the DDP run (identical weights) and, within what training itself differs (WEIGHT_TOL), as the 1-process run
+    with the same seed; its lock evaluation gives the DDP run's figures."""
     published = {}
     for name in ("one", "ddp", "fsdp"):
         out = _publish(runs[name]["run"], tmp_path / name, "--allow_failed_lock", "true", env=runs["env"],
@@ -168,7 +175,16 @@ def test_publish_from_a_sharded_run_equals_publish_from_one_process(tmp_path, ru
     assert all(torch.equal(published["ddp"][k], published["fsdp"][k]) for k in published["one"])
     worst = max((published["one"][k] - published["fsdp"][k]).abs().max().item() for k in published["one"])
     assert worst <= WEIGHT_TOL
-    assert _ckpt_step(runs["fsdp"]["run"] / "last.ckpt") == STEPS
+    from modular.app import cli
+
+    reports = {}
+    for name in ("ddp", "fsdp"):
+        assert cli.main(["lock", "--run", str(runs[name]["run"]), "--out", str(tmp_path / f"lock-{name}"),
+                         "--other_limit", "2", "--max_new_tokens", "3"]) == 0
+        reports[name] = json.loads((tmp_path / f"lock-{name}" / "lock.json").read_text())
+    assert reports["fsdp"]["step"] == STEPS
+    for key in ("states", "exactness"):
+        assert reports["ddp"][key] == reports["fsdp"][key]
 
 
 @pytest.mark.parametrize("arch, extra_model", [("olmo2", {}), ("qwen2", {"head_gates": True})],
@@ -182,7 +198,7 @@ def test_fsdp_matches_ddp_with_post_norms_and_head_gates(tmp_path, runs, arch, e
         cfg, run = _config(tmp_path / name, arch, extra_model)
         done = _fit(cfg, *STRATEGIES[name], env=runs["env"])
         assert done.returncode == 0, done.stderr[-3000:]
-        weights[name] = torch.load(run / "last.ckpt", weights_only=False)["state_dict"]
+        weights[name] = _weights(run)
         records = _records(tmp_path / name)
         assert all(torch.equal(records[0]["steering"][b], records[1]["steering"][b]) for b in records[0]["steering"])
         losses[name] = records[0]["losses"]
