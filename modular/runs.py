@@ -84,25 +84,28 @@ def checkpoint_path(run: Run) -> Path:
 
 def read_checkpoint(path: str | Path,
                     remedy: str = "copy it again, or train the run again (train.py fit with its config and "
-                                  "--ckpt_path null)") -> dict:
-    """A checkpoint, memory-mapped (a sharded one, a folder, gathered whole on the CPU); a truncated or foreign
-    file is one line naming it and ``remedy``."""
+                                  "--ckpt_path null)", weights: bool = True) -> dict:
+    """A checkpoint, memory-mapped (a sharded one, a folder, gathered whole on the CPU; without ``weights`` only
+    its step, loops and hyperparameters); a truncated or foreign file is one line naming it and ``remedy``."""
     try:
         if Path(path).is_dir():
-            return read_sharded_checkpoint(Path(path))
+            return read_sharded_checkpoint(Path(path), weights)
         return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
     except Exception as err:  # noqa: BLE001 - a truncated or foreign file fails in torch's zip or pickle readers
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise ModularError(f"{path} is not a readable checkpoint ({reason}): {remedy}") from None
 
 
-def read_sharded_checkpoint(path: Path) -> dict:
+def read_sharded_checkpoint(path: Path, weights: bool = True) -> dict:
     """A checkpoint saved in shards (``torch.distributed.checkpoint``, one folder) gathered whole by Lightning's
-    own consolidation (on one process, in CPU memory): the weights under ``state_dict`` as in a single file."""
-    from lightning.fabric.utilities.load import _load_distributed_checkpoint
+    own consolidation (on one process, in CPU memory): the weights under ``state_dict`` as in a single file.
+    Without ``weights``: only what Lightning keeps beside the shards (step, loops, hyperparameters)."""
+    from lightning.fabric.utilities.load import _METADATA_FILENAME, _load_distributed_checkpoint
 
     if not (path / ".metadata").is_file():
         raise ValueError("a folder without the .metadata of sharded checkpoints")
+    if not weights:
+        return torch.load(path / _METADATA_FILENAME, map_location="cpu", weights_only=False)
     ckpt = _load_distributed_checkpoint(path)
     if "state_dict" not in ckpt and "model" in ckpt:  # FSDPStrategy's folders name the weights "model"
         ckpt["state_dict"] = ckpt.pop("model")
@@ -111,7 +114,7 @@ def read_sharded_checkpoint(path: Path) -> dict:
 
 def checkpoint_step(run: Run) -> int:
     """The optimisation step the run's checkpoint holds (what publish and the evaluations describe)."""
-    return int(read_checkpoint(checkpoint_path(run))["global_step"])
+    return int(read_checkpoint(checkpoint_path(run), weights=False)["global_step"])
 
 
 def recorded_lock(run_dir: str | Path) -> dict:

@@ -35,3 +35,15 @@ def test_read_run(tmp_path):
                                                                                      torch.ones(4))
     (tmp_path / "sparse").mkdir()  # sparse post-training: no gated behaviours, no directions file
     assert read_run(_run(tmp_path / "sparse", {"behaviours": [], "model_name": "m"})).directions == {}
+
+
+def test_a_folder_that_is_not_a_sharded_checkpoint_is_one_line(tmp_path):
+    from modular.runs import read_checkpoint
+
+    (tmp_path / "last.ckpt").mkdir()
+    (tmp_path / "last.ckpt" / "meta.pt").write_bytes(b"")  # no .metadata: not torch.distributed.checkpoint's
+    for weights in (True, False):
+        with pytest.raises(ModularError) as err:
+            read_checkpoint(tmp_path / "last.ckpt", weights=weights)
+        assert "not a readable checkpoint" in str(err.value) and ".metadata" in str(err.value)
+        assert "\n" not in str(err.value)

@@ -310,7 +310,7 @@ class RunRecordCallback(Callback):
 
         run_dir = Path(trainer.default_root_dir)
         ckpt = next((c.last_model_path for c in trainer.checkpoint_callbacks if c.last_model_path), None)
-        ckpt_step = int(read_checkpoint(ckpt)["global_step"]) if ckpt else None
+        ckpt_step = int(read_checkpoint(ckpt, weights=False)["global_step"]) if ckpt else None
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
         gates = {}
         if pl_module.hparams.get("head_gates", False):

@@ -127,7 +127,7 @@ def test_processes_agree_and_one_writes_the_run_folder(runs, strategy):
 
 
 @pytest.mark.parametrize("strategy, sharded", [("ddp", False), ("fsdp", True)])
-def test_a_killed_run_resumes(tmp_path, runs, strategy, sharded):
+def test_a_killed_run_resumes(tmp_path, strategy, sharded):
     """Killed (SIGKILL of the main process) after step 3, with checkpoints every 2 steps: started again, it
     resumes from step 2 with the same directions and ends at step 5. FSDP saves its checkpoint as a folder of
     shards here (save_distributed_checkpoint)."""
@@ -135,14 +135,15 @@ def test_a_killed_run_resumes(tmp_path, runs, strategy, sharded):
     if sharded:
         args += ["--trainer.strategy.save_distributed_checkpoint", "true"]
     cfg, run = _config(tmp_path, callbacks=[{"class_path": "tests.app.recorder.KillAt", "init_args": {"step": 3}}])
-    killed = _fit(cfg, *args, env=runs["env"])
+    env = _env(tmp_path / "cache")
+    killed = _fit(cfg, *args, env=env)
     assert killed.returncode != 0 and not (run / "run.json").exists()
     assert (run / "last.ckpt").is_dir() == sharded
     directions = (run / "directions.safetensors").read_bytes()
     c = yaml.safe_load(cfg.read_text())
     c["trainer"]["callbacks"] = [cb for cb in c["trainer"]["callbacks"] if not cb["class_path"].endswith("KillAt")]
     cfg.write_text(yaml.safe_dump(c))
-    resumed = _fit(cfg, *args, env=runs["env"])
+    resumed = _fit(cfg, *args, env=env)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     log = resumed.stderr + resumed.stdout
     assert "Restoring states from the checkpoint" in log
@@ -155,7 +156,9 @@ def test_a_killed_run_resumes(tmp_path, runs, strategy, sharded):
         from modular.runs import read_checkpoint
 
         assert int(read_checkpoint(run / "last.ckpt")["global_step"]) == STEPS
-        out = _publish(run, tmp_path / "published", "--allow_failed_lock", "true", env=runs["env"], cwd=tmp_path)
+        meta = read_checkpoint(run / "last.ckpt", weights=False)  # the step without gathering the weights
+        assert int(meta["global_step"]) == STEPS and "state_dict" not in meta
+        out = _publish(run, tmp_path / "published", "--allow_failed_lock", "true", env=env, cwd=tmp_path)
         assert out.returncode == 0, out.stderr[-3000:]
         assert (tmp_path / "published" / "model.safetensors").is_file()
 
@@ -189,14 +192,14 @@ def test_publish_from_a_sharded_run_equals_publish_from_one_process(tmp_path, ru
 
 @pytest.mark.parametrize("arch, extra_model", [("olmo2", {}), ("qwen2", {"head_gates": True})],
                          ids=["post-norm", "head-gates"])
-def test_fsdp_matches_ddp_with_post_norms_and_head_gates(tmp_path, runs, arch, extra_model):
+def test_fsdp_matches_ddp_with_post_norms_and_head_gates(tmp_path, arch, extra_model):
     """Behind post-sublayer norms (OLMo2) the lock writes along g ⊙ u, read from norm weights that FSDP holds in
     shards outside the forward pass; head gates stay whole on every process, their gradients averaged by
     GatedLM. Both give the steps, gate values included, of DDP."""
     weights, losses = {}, {}
     for name in ("ddp", "fsdp"):
         cfg, run = _config(tmp_path / name, arch, extra_model)
-        done = _fit(cfg, *STRATEGIES[name], env=runs["env"])
+        done = _fit(cfg, *STRATEGIES[name], env=_env(tmp_path / "cache"))
         assert done.returncode == 0, done.stderr[-3000:]
         weights[name] = _weights(run)
         records = _records(tmp_path / name)
