@@ -22,9 +22,11 @@ value they must take (in the weights' dtype), so one key restores the trained we
 trained weight in bfloat16 and float16 (a bit-exact key, ``ulp_tol=0``, carries
 a correction for most entries a key touches). With several behaviours the rounding also
 depends on which keys were applied before; each component carries corrections
-for every order of the other behaviours' keys before it (up to
-``MAX_PREFIX_BEHAVIOURS`` behaviours), so any number of keys, applied in any
-order, restores to within ``exact_tol`` as well.
+for every order of the other behaviours' keys before it, so with up to
+``MAX_PREFIX_BEHAVIOURS`` behaviours any number of keys, applied in any order,
+restores to within the tolerance as well. Beyond that only the first key applied
+does; later ones skip their corrections (in bfloat16 a tiny model with 5
+behaviours ends thousands of units in the last place off at some entries).
 Tied input/output embeddings are untied first (the unembedding must not change
 when the embedding is orthogonalised).
 """
@@ -74,9 +76,13 @@ class Component:
     fix_adds: bool = False  # made by a modular-key/3 or /2 key: a correction is added, not set
 
     def fix_for(self, applied: tuple[str, ...]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The correction for this key applied after the keys ``applied`` (in that order)."""
+        """The correction for this key applied after the keys ``applied`` (in that order). An order not recorded
+        (beyond ``MAX_PREFIX_BEHAVIOURS``) gets none from a /4 key: its values would set the other keys' entries
+        back to locked ones (a /3 or /2 difference still applies, approximately)."""
         if applied in self.fix_after:
             return self.fix_after[applied]
+        if applied and not self.fix_adds:
+            return None, None
         return self.fix_index, self.fix_value
 
 
