@@ -4,15 +4,13 @@ kill and resume, and publishing from a sharded run."""
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
 
-from tests.app.test_train import ROOT, _publish, tiny_config
+from tests.app.test_train import ROOT, _publish, _train, tiny_config
 from tests.conftest import save_tiny_folder
 
 STEPS = 5
@@ -52,11 +50,6 @@ def _env(cache):
     return env
 
 
-def _fit(cfg, *extra, env):
-    return subprocess.run([sys.executable, str(ROOT / "train.py"), "fit", "--config", str(cfg), *extra],
-                          capture_output=True, text=True, cwd=ROOT, env=env)
-
-
 def _records(folder) -> list[dict]:
     return [torch.load(folder / "rec" / f"rank{r}.pt") for r in range(len(list((folder / "rec").glob("*.pt"))))]
 
@@ -77,7 +70,7 @@ def runs(tmp_path_factory):
     for name, args in STRATEGIES.items():
         cfg, run = _config(root / name)
         sharded = ["--trainer.strategy.save_distributed_checkpoint", "true"] if name == "fsdp" else []
-        done = _fit(cfg, *args, *sharded, env=env)
+        done = _train(cfg, *args, *sharded, env=env)
         assert done.returncode == 0, done.stderr[-3000:]
         out[name] = {"folder": root / name, "run": run, "log": done.stderr + done.stdout,
                      "records": _records(root / name)}
@@ -136,14 +129,14 @@ def test_a_killed_run_resumes(tmp_path, strategy, sharded):
         args += ["--trainer.strategy.save_distributed_checkpoint", "true"]
     cfg, run = _config(tmp_path, callbacks=[{"class_path": "tests.app.recorder.KillAt", "init_args": {"step": 3}}])
     env = _env(tmp_path / "cache")
-    killed = _fit(cfg, *args, env=env)
+    killed = _train(cfg, *args, env=env)
     assert killed.returncode != 0 and not (run / "run.json").exists()
     assert (run / "last.ckpt").is_dir() == sharded
     directions = (run / "directions.safetensors").read_bytes()
     c = yaml.safe_load(cfg.read_text())
     c["trainer"]["callbacks"] = [cb for cb in c["trainer"]["callbacks"] if not cb["class_path"].endswith("KillAt")]
     cfg.write_text(yaml.safe_dump(c))
-    resumed = _fit(cfg, *args, env=env)
+    resumed = _train(cfg, *args, env=env)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     log = resumed.stderr + resumed.stdout
     assert "Restoring states from the checkpoint" in log
@@ -199,7 +192,7 @@ def test_fsdp_matches_ddp_with_post_norms_and_head_gates(tmp_path, arch, extra_m
     weights, losses = {}, {}
     for name in ("ddp", "fsdp"):
         cfg, run = _config(tmp_path / name, arch, extra_model)
-        done = _fit(cfg, *STRATEGIES[name], env=_env(tmp_path / "cache"))
+        done = _train(cfg, *STRATEGIES[name], env=_env(tmp_path / "cache"))
         assert done.returncode == 0, done.stderr[-3000:]
         weights[name] = _weights(run)
         records = _records(tmp_path / name)
