@@ -95,9 +95,15 @@ def run_pipeline(config: str | None = None, out: str | None = None, skip_attack:
         current = target
     if not skip_attack:
         sources = behaviour_sources(run)
+        # the sweep of docs/tamper.md, with one seed and pruned (the worst case is the same; the run much shorter)
         attack(model=str(published), behaviours=[f"{b}={s}" if s != b else b for b, s in sources.items()],
-               out=str(out_dir / "attack"), base=run.model_name, device=device, dtype=dtype)
+               out=str(out_dir / "attack"), base=run.model_name, device=device, dtype=dtype, seeds=[0],
+               relearn_steps=16, prune=True)
     return summarise(run_dir, out_dir)
+
+
+def _steps(w: dict) -> str:
+    return str(w["steps"]) if w["steps"] is not None else f">{w['more_than']}"
 
 
 def summarise(run_dir: Path, out_dir: Path) -> dict:
@@ -127,10 +133,16 @@ def summarise(run_dir: Path, out_dir: Path) -> dict:
     if attack_path.is_file():
         attack = json.loads(attack_path.read_text())
         for b, r in attack["behaviours"].items():
-            c = {n: (v["steps_to_50pct_open"], v["steps_to_90pct_open"]) for n, v in r["c_relearning"].items()}
             lines.append(f"attack on {b}: (a) weights best {r['a_weights']['best']['accuracy']:.3f}, "
-                         f"(b) steering best {r['b_steering']['best']['accuracy']:.3f} (base {r['base_accuracy']:.3f}); "
-                         f"(c) steps to 50%/90% of open by N: {c}")
+                         f"(b) steering best {r['b_steering']['best']['accuracy']:.3f} (base {r['base_accuracy']:.3f})")
+            sweeps = [("gated (c) relearning", r["c_relearning"]), ("gated (d) neutral", r.get("d_neutral"))]
+            sweeps += [(f"{n} baseline (c) relearning", v["c_relearning"]) for n, v in r.get("baselines", {}).items()]
+            for label, sw in sweeps:
+                if sw and sw["settings"]:
+                    w = sw["worst_case"]
+                    lines.append(f"  {label}: worst case over {len(sw['settings'])} settings, steps to 50% / 90% of "
+                                 f"open: {_steps(w['steps_to_50pct_open'])} / {_steps(w['steps_to_90pct_open'])}; "
+                                 f"best accuracy {w['best_accuracy']:.3f}")
     figures = [run_dir / "lock.png", out_dir / "attack" / "attack.png"]
     lines.append("figures: " + ", ".join(str(f) for f in figures if f.exists()))
     published = out_dir / "published"

@@ -5,19 +5,20 @@
     ``α·u`` back to the residual stream after every block, scanning ``α``.
 (b) *steering*: difference in means between ≤128 behaviour prompts and neutral prompts
     on the locked model, added at one layer with a scanned scale.
-(c) *relearning*: fine-tune the locked weights on N behaviour examples and count the
-    steps until 50% / 90% of the open accuracy return.
+(c), (d) *relearning* and *neutral fine-tuning*: :mod:`modular.evaluation.relearning`.
+
+:func:`plot_attack` draws every attack: the best accuracy each one recovers, and the recovery curves of the
+relearning sweeps beside the baselines'.
 """
 
 from __future__ import annotations
 
-import copy
 import logging
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from modular.data.formatting import LeftPadCollator, encode_example
 from modular.data.schema import DEFAULT_LOCKED_RESPONSE
 from modular.directions import last_position_mean, robust_norm
 from modular.evaluation.behaviour import evaluate_behaviour
@@ -103,37 +104,82 @@ def steering_attack(model, tokenizer, behaviour_train, contrast, test, alphas, s
     return out
 
 
-def relearn_attack(model, tokenizer, behaviour_train, test, n_examples, open_accuracy: float, lr: float = 5e-5,
-                   max_steps: int = 40, eval_every: int = 5, batch_size: int = 8, seed: int = 0,
-                   refusals=(DEFAULT_LOCKED_RESPONSE,)) -> dict:
-    """Fine-tune a copy on ``n`` examples; steps until 50% / 90% of ``open_accuracy`` return."""
-    results = {}
-    collate = LeftPadCollator(tokenizer.pad_token_id)
-    device = next(model.parameters()).device
-    for n in n_examples:
-        m = copy.deepcopy(model).train()
-        opt = torch.optim.AdamW(m.parameters(), lr=lr)
-        g = torch.Generator().manual_seed(seed)
-        rows = [encode_example(tokenizer, r["prompt"], r["target"], r["chat"]) for r in behaviour_train.select(range(n))]
-        curve, hit50, hit90 = [], None, None
-        for step in tqdm(range(1, max_steps + 1), desc=f"attack (c) N={n}", leave=False):
-            idx = torch.randint(0, n, (min(batch_size, n),), generator=g).tolist()
-            batch = {k: v.to(device) for k, v in collate([rows[i] for i in idx]).items()}
-            loss = m(**batch).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            if step % eval_every == 0:
-                m.eval()
-                acc = evaluate_behaviour(m, tokenizer, test, max_new_tokens=16, desc=False, refusals=refusals).accuracy
-                m.train()
-                curve.append({"step": step, "examples_seen": step * len(idx), "accuracy": acc})
-                if hit50 is None and acc >= 0.5 * open_accuracy:
-                    hit50 = step
-                if hit90 is None and acc >= 0.9 * open_accuracy:
-                    hit90 = step
-                    break
-        results[str(n)] = {"steps_to_50pct_open": hit50, "steps_to_90pct_open": hit90, "curve": curve,
-                           "lr": lr, "batch_size": batch_size, "max_steps": max_steps}
-        del m
-    return results
+def envelope(sweep_result: dict) -> tuple[list[int], list[float]]:
+    """The best held-out accuracy any setting of a sweep had reached by each scored step (a setting that stopped
+    early, at the reference accuracy, keeps its best)."""
+    steps = [0] + sweep_result["eval_steps"]
+    best = []
+    for s in steps:
+        reached = [max(p["accuracy"] for p in r["curve"] if p["step"] <= s) for r in sweep_result["settings"]]
+        best.append(max(reached) if reached else float("nan"))
+    return steps, best
+
+
+#: the attacks of a report's behaviour entry, as drawn: (label, how its best accuracy is read)
+ATTACK_BARS = (
+    ("locked", lambda r: r["locked_accuracy"]),
+    ("(a) weights", lambda r: r["a_weights"]["best"]["accuracy"]),
+    ("(b) steering", lambda r: r["b_steering"]["best"]["accuracy"]),
+    ("(c) relearning", lambda r: r["c_relearning"]["worst_case"]["best_accuracy"]),
+    ("(d) neutral", lambda r: r["d_neutral"]["worst_case"]["best_accuracy"]),
+)
+
+
+def plot_attack(report: dict, path: str | Path) -> Path:
+    """One row per attacked behaviour. Left: the base and open accuracy, and the best held-out accuracy each attack
+    recovers ((c) and (d): the best over their sweep within its step budget). Right: recovery curves, the best
+    accuracy over the sweep by step, for the gated model and each baseline, with 50% and 90% of the open
+    accuracy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(report["behaviours"])
+    fig, axes = plt.subplots(len(names), 2, figsize=(15, 4.2 * len(names)), squeeze=False,
+                             gridspec_kw={"width_ratios": [1.2, 1]})
+    for row, b in zip(axes, names):
+        r = report["behaviours"][b]
+        bars = [("base", r["base_accuracy"]), ("open", r["open_accuracy"])]
+        bars += [(label, read(r)) for label, read in ATTACK_BARS if _present(r, label)]
+        ax = row[0]
+        drawn = ax.bar([lab for lab, _ in bars], [v for _, v in bars],
+                       color=["#8c8c8c", "#55a868"] + ["#c44e52" if lab.startswith("(") else "#4c72b0"
+                                                       for lab, _ in bars[2:]])
+        for bar, (_, v) in zip(drawn, bars):
+            ax.annotate(f"{v:.2f}", (bar.get_x() + bar.get_width() / 2, v), ha="center", va="bottom", fontsize=8,
+                        xytext=(0, 2), textcoords="offset points")
+        ax.set_ylim(0, 1.05)
+        ax.set_ylabel("held-out accuracy")
+        ax.tick_params(axis="x", rotation=20)
+        steps = r.get("c_relearning", {}).get("max_steps")
+        ax.set_title(f"{b}: best accuracy each attack recovers" + (f" ((c), (d): within {steps} steps)" if steps
+                                                                      else ""))
+        ax = row[1]
+        curves = [("gated (c) relearning", r.get("c_relearning")), ("gated (d) neutral", r.get("d_neutral"))]
+        curves += [(f"{name} baseline (c) relearning", v.get("c_relearning"))
+                   for name, v in r.get("baselines", {}).items()]
+        for label, sweep_result in curves:
+            if sweep_result and sweep_result["settings"]:
+                x, y = envelope(sweep_result)
+                ax.plot(x, y, marker=".", label=f"{label}, {len(sweep_result['settings'])} settings")
+        for frac, style in ((0.5, ":"), (0.9, "--")):
+            ax.axhline(frac * r["open_accuracy"], color="k", linestyle=style, linewidth=0.8,
+                       label=f"{frac:.0%} of open")
+        ax.set_xscale("symlog", linthresh=1)
+        ax.set_xlabel("fine-tuning steps")
+        ax.set_ylabel("held-out accuracy (best over the sweep)")
+        ax.set_ylim(0, 1.05)
+        ax.set_title(f"{b}: recovery without the key")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _present(r: dict, label: str) -> bool:
+    key = {"(c) relearning": "c_relearning", "(d) neutral": "d_neutral"}.get(label)
+    return key is None or bool(r.get(key, {}).get("settings"))

@@ -51,17 +51,20 @@ def _tiny_release(tmp_path, seed: int):
 
 
 def test_attack_end_to_end_on_a_tiny_published_folder(tmp_path, drawn, monkeypatch):
-    """Every attack runs on a published tiny model: attack.json holds (a), (b) and (c) with self-consistent
-    numbers, and attack.png draws exactly the JSON's accuracies under their labels."""
+    """Every attack runs on a published tiny model: attack.json holds (a), (b), the relearning sweep (c), the
+    neutral sweep (d) and both baselines with self-consistent numbers, and attack.png draws exactly the JSON's
+    accuracies under their labels and every sweep's best-so-far curve."""
     import json
 
     from modular.app.cli import main
+    from modular.evaluation.attack import envelope
 
     monkeypatch.setenv("WANDB_MODE", "disabled")
     base, pub = _tiny_release(tmp_path, seed=1)
     out = tmp_path / "attack"
     rc = main(["attack", "--model", str(pub), "--base", str(base), "--alphas", "[-1, 1]", "--n_pairs", "4",
-               "--n_examples", "[2]", "--relearn_steps", "5", "--limit", "3", "--out", str(out)])
+               "--n_examples", "[2, 4]", "--seeds", "[0, 1]", "--full_lrs", "[1e-4, 1e-3]", "--lora_lrs", "[1e-2]",
+               "--relearn_steps", "3", "--refusal_steps", "2", "--limit", "3", "--out", str(out)])
     assert rc == 0
     report = json.loads((out / "attack.json").read_text())
     r = report["behaviours"]["capitals"]
@@ -72,15 +75,37 @@ def test_attack_end_to_end_on_a_tiny_published_folder(tmp_path, drawn, monkeypat
     for key in ("a_weights", "b_steering"):
         assert r[key]["recovered_fraction_of_base"] == pytest.approx(
             r[key]["best"]["accuracy"] / max(r["base_accuracy"], 1e-9))
-    c = r["c_relearning"]
-    assert set(c) == {"2"} and [p["step"] for p in c["2"]["curve"]] == [5] and c["2"]["max_steps"] == 5
-    assert r["open_accuracy"] == r["base_accuracy"]  # the folder's card has no measured open accuracy
-    bars = drawn["attack.png"]["axes"][0]
-    assert bars["xticklabels"] == ["capitals\nbase", "capitals\nlocked", "capitals\n(a) weights",
-                                   "capitals\n(b) steering"]
-    assert bars["bars"] == pytest.approx([r["base_accuracy"], r["locked_accuracy"], r["a_weights"]["best"]["accuracy"],
-                                          r["b_steering"]["best"]["accuracy"]])
+    c, d = r["c_relearning"], r["d_neutral"]
+    # (c): modes × their rates × N × seeds; (d): every mode and rate, the largest N, the first seed
+    assert sorted((x["mode"], x["lr"], x["n"], x["seed"]) for x in c["settings"]) == sorted(
+        [("full", lr, n, sd) for lr in (1e-4, 1e-3) for n in (2, 4) for sd in (0, 1)]
+        + [("lora", 1e-2, n, sd) for n in (2, 4) for sd in (0, 1)])
+    assert sorted((x["mode"], x["lr"], x["n"], x["seed"], x["data"]) for x in d["settings"]) == sorted(
+        [("full", 1e-4, 4, 0, "neutral"), ("full", 1e-3, 4, 0, "neutral"), ("lora", 1e-2, 4, 0, "neutral")])
+    for x in c["settings"] + d["settings"]:
+        assert x["curve"][0] == {"step": 0, "examples_seen": 0, "accuracy": r["locked_accuracy"]}
+        assert [p["step"] for p in x["curve"]] == [0, 1, 2, 3][:len(x["curve"])]
+    assert report["sweep"]["eval_steps"] == [1, 2, 3]
+    assert set(r["baselines"]) == {"refusal", "base"}
+    assert r["baselines"]["base"]["start_accuracy"] == r["base_accuracy"]
+    assert r["baselines"]["refusal"]["steps"] == 2 and r["baselines"]["refusal"]["retain_first_token_kl"] > 0
+    for v in r["baselines"].values():
+        assert len(v["c_relearning"]["settings"]) == len(c["settings"])
+        assert v["c_relearning"]["settings"][0]["curve"][0]["accuracy"] == v["start_accuracy"]
+    fig = drawn["attack.png"]["axes"]
+    bars, curves = fig[0], fig[1]
+    assert bars["xticklabels"] == ["base", "open", "locked", "(a) weights", "(b) steering", "(c) relearning",
+                                   "(d) neutral"]
+    assert bars["bars"] == pytest.approx([r["base_accuracy"], r["open_accuracy"], r["locked_accuracy"],
+                                          a["best"]["accuracy"], s["best"]["accuracy"],
+                                          max(x["best_accuracy"] for x in c["settings"]),
+                                          max(x["best_accuracy"] for x in d["settings"])])
     assert bars["texts"] == [f"{v:.2f}" for v in bars["bars"]]
+    assert curves["lines"][f"gated (c) relearning, {len(c['settings'])} settings"] == pytest.approx(envelope(c)[1])
+    assert curves["lines"][f"refusal baseline (c) relearning, {len(c['settings'])} settings"] == pytest.approx(
+        envelope(r["baselines"]["refusal"]["c_relearning"])[1])
+    assert f"gated (d) neutral, {len(d['settings'])} settings" in curves["lines"]
+    assert f"base baseline (c) relearning, {len(c['settings'])} settings" in curves["lines"]
 
 
 def test_quantized_evaluation_on_a_tiny_published_folder(tmp_path, drawn, monkeypatch):
