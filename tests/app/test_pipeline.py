@@ -41,3 +41,34 @@ def test_main_runs_the_given_config_from_any_directory(tmp_path, tiny_env):
                           "--skip_attack", "true"], capture_output=True, text=True, cwd=work, env=tiny_env)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "training already finished" in res.stderr
+
+
+def test_the_summary_names_every_sweeps_worst_case(tmp_path, capsys):
+    """The main job's table ends with each attack: (a), (b), and the worst case of every relearning sweep (the
+    gated model's (c) and (d), each baseline's (c)), a threshold never reached shown as more than the budget."""
+    import json
+
+    from modular.app.pipeline import summarise
+
+    state = {"behaviours": {"capitals": {"accuracy": 0.5}}, "retain_first_token_kl": 0.01, "perplexity_ratio": 1.0}
+    (tmp_path / "lock.json").write_text(json.dumps({
+        "gated": ["capitals"], "states": {"open": state},
+        "exactness": {"published_vs_hook_locked_max_abs_logit_diff": 1e-5, "unlocked_vs_open_max_abs_weight_diff": 0}}))
+
+    def sw(n, s50, s90):
+        return {"settings": [{}] * n, "worst_case": {
+            "steps_to_50pct_open": {"steps": s50} if s50 is not None else {"steps": None, "more_than": 16},
+            "steps_to_90pct_open": {"steps": s90} if s90 is not None else {"steps": None, "more_than": 16},
+            "best_accuracy": 0.25}}
+
+    (tmp_path / "attack").mkdir()
+    (tmp_path / "attack" / "attack.json").write_text(json.dumps({"behaviours": {"capitals": {
+        "base_accuracy": 0.5, "a_weights": {"best": {"accuracy": 0.0}}, "b_steering": {"best": {"accuracy": 0.1}},
+        "c_relearning": sw(36, 1, 3), "d_neutral": sw(6, None, None),
+        "baselines": {"refusal": {"c_relearning": sw(36, 2, 4)}}}}}))
+    lines = summarise(tmp_path, tmp_path)["table"]
+    text = "\n".join(lines)
+    assert "(a) weights best 0.000, (b) steering best 0.100 (base 0.500)" in text
+    assert "gated (c) relearning: worst case over 36 settings, steps to 50% / 90% of open: 1 / 3" in text
+    assert "gated (d) neutral: worst case over 6 settings, steps to 50% / 90% of open: >16 / >16" in text
+    assert "refusal baseline (c) relearning: worst case over 36 settings, steps to 50% / 90% of open: 2 / 4" in text
