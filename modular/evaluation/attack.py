@@ -167,6 +167,7 @@ def plot_attack(report: dict, path: str | Path) -> Path:
             ax.axhline(frac * r["open_accuracy"], color="k", linestyle=style, linewidth=0.8,
                        label=f"{frac:.0%} of open")
         ax.set_xscale("symlog", linthresh=1)
+        ax.set_xlim(left=0)
         ax.set_xlabel("fine-tuning steps")
         ax.set_ylabel("held-out accuracy (best over the sweep)")
         ax.set_ylim(0, 1.05)

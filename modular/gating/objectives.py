@@ -101,6 +101,8 @@ class Term:
 
     #: counted in ``lm_loss``, the left-hand side of the sparsity constraint (the LM-keeping terms)
     keeps_lm = False
+    #: the losses of :meth:`own_losses` are locked-state losses (weighted by the module's λ)
+    locked = False
     #: needs the task rows' counterfactual run at every position (not only the last)
     needs_cf_logits = False
 
@@ -127,6 +129,10 @@ class Term:
     def loss_on(self, ctx: StepContext, piece: Piece, logits: torch.Tensor, hidden: tuple) -> torch.Tensor:
         """The loss on a piece this term :meth:`reads`; ``hidden``: the block outputs of those rows."""
         raise NotImplementedError
+
+    def own_losses(self, ctx: StepContext) -> dict[str, torch.Tensor]:
+        """Losses from forward passes of the term's own (not shared with other terms' rows), once per step."""
+        return {}
 
     def group_terms(self, ctx: StepContext, group: dict) -> dict[str, torch.Tensor]:
         """Losses on a group of task rows under ``gate_scope: tasks`` (``group``: ``merged`` inputs, scoped
@@ -229,6 +235,110 @@ class DirectionWrite(Term):
 
 
 # --- what stays as it was --------------------------------------------------------------------------------------
+class _PerturbedLock(Term):
+    """The locked state must hold after the weights move: the locked response's cross-entropy, on the locked rows
+    with every direction ablated (the published model), at ``θ + δ`` for a perturbation ``δ`` the subclass draws
+    (``<behaviour>/<log_name>``). ``δ`` is a constant (no gradient flows through it), so the term's gradient is the
+    locked-state gradient at the moved weights (first order, as in first-order meta-learning).
+
+    It costs a forward and backward pass of the locked rows per behaviour, plus the subclass's own, and holds a copy
+    of the trainable weights while it runs (use LoRA for big models). It runs in training steps only, and not
+    under FSDP (the weights are sharded there).
+
+    Args:
+        lrs: The step sizes ``η`` the perturbation is drawn with, one per step, log-uniformly between the
+            smallest and the largest (an Adam attacker's first steps move each weight by about its learning rate).
+        weight: Weight of the term (the module's λ applies on top: it is a locked-state term).
+    """
+
+    log_name = "perturbed_refusal"
+    locked = True
+
+    def __init__(self, lrs: list[float] = (1e-5, 1e-4), weight: float = 1.0):
+        super().__init__(weight)
+        if not lrs or min(lrs) <= 0:
+            raise ModularError(f"{type(self).__name__} lrs must be > 0, got {list(lrs)}")
+        self.lrs = [float(x) for x in lrs]
+        self._rng = torch.Generator().manual_seed(0)
+
+    def draw_lr(self) -> float:
+        lo, hi = torch.log(torch.tensor(min(self.lrs))), torch.log(torch.tensor(max(self.lrs)))
+        return float(torch.exp(lo + (hi - lo) * torch.rand((), generator=self._rng)))
+
+    def perturbation(self, ctx: StepContext, i: int, params: dict[str, torch.Tensor], eta: float
+                     ) -> dict[str, torch.Tensor]:
+        """``δ`` for behaviour ``i`` (detached tensors shaped like ``params``)."""
+        raise NotImplementedError
+
+    def own_losses(self, ctx: StepContext) -> dict[str, torch.Tensor]:
+        if not ctx.train:
+            return {}
+        from modular.hooks import ablate_directions
+
+        lm = ctx.lm
+        if getattr(lm, "_sharded", False):
+            raise ModularError(f"{type(self).__name__} does not run under FSDP (sharded weights): use DDP")
+        params = {n: p for n, p in lm.model.named_parameters() if p.requires_grad and "head_gate." not in n}
+        out = {}
+        for i, b in enumerate(ctx.behaviours):
+            rows = ctx.batch[b]["locked"]
+            if rows["input_ids"].shape[0] == 0:
+                continue
+            with ablate_directions(lm.adapter, lm.directions):  # the published model: every behaviour locked
+                delta = self.perturbation(ctx, i, params, self.draw_lr())
+                moved = {n: p + delta[n] for n, p in params.items() if n in delta}
+                logits = torch.func.functional_call(lm.model, moved, args=(), kwargs={
+                    "input_ids": rows["input_ids"], "attention_mask": rows["attention_mask"]}, strict=False).logits
+            out[f"{b}/{self.log_name}"] = token_ce(logits, rows["labels"])
+        return out
+
+
+class RelearningAdversary(_PerturbedLock):
+    """Tamper resistance against relearning: a simulated attacker fine-tunes the locked model on the behaviour's
+    answers for ``steps`` sign-gradient steps (what Adam's first steps are) of a drawn size ``η``; the locked state
+    must still hold at the weights it reaches (``<behaviour>/relearned_refusal``). Its gradient steps see the
+    behaviour's open rows (prompt and true answer) with every direction ablated.
+
+    Args:
+        steps: The attacker's steps per training step (each one more forward and backward pass).
+    """
+
+    log_name = "relearned_refusal"
+
+    def __init__(self, lrs: list[float] = (1e-5, 1e-4), steps: int = 1, weight: float = 1.0):
+        super().__init__(lrs, weight)
+        if steps < 1:
+            raise ModularError(f"RelearningAdversary steps must be >= 1, got {steps}")
+        self.steps = steps
+
+    def perturbation(self, ctx, i, params, eta):
+        rows = ctx.batch[ctx.behaviours[i]]["open"]
+        delta = {n: torch.zeros_like(p, requires_grad=False) for n, p in params.items()}
+        for _ in range(self.steps):
+            current = {n: (p.detach() + delta[n]).requires_grad_(True) for n, p in params.items()}
+            with torch.enable_grad():
+                logits = torch.func.functional_call(ctx.lm.model, current, args=(), kwargs={
+                    "input_ids": rows["input_ids"], "attention_mask": rows["attention_mask"]}, strict=False).logits
+                grads = torch.autograd.grad(token_ce(logits, rows["labels"]), list(current.values()),
+                                            allow_unused=True)
+            for n, g in zip(current, grads):
+                if g is not None:
+                    delta[n] -= eta * g.sign()
+        return delta
+
+
+class WeightNoiseLock(_PerturbedLock):
+    """The locked state must hold under random moves of the attacker's size: ``δ = η · s`` with ``s`` a random sign
+    per weight (``<behaviour>/noised_refusal``), a lock flat in weight space around the published weights. Cheaper
+    than :class:`RelearningAdversary` (no attacker pass), and blind to the attacker's direction."""
+
+    log_name = "noised_refusal"
+
+    def perturbation(self, ctx, i, params, eta):
+        return {n: eta * (torch.randint(0, 2, p.shape, generator=self._rng, dtype=torch.int8).to(p) * 2 - 1)
+                for n, p in params.items()}
+
+
 class KeepReference(Term):
     """Retain prompts and the neighbours (``data.neighbours``) keep the reference model's answers in both states:
     top-k KL over the response tokens (``retain/open_kl``, ``retain/locked_kl``, ``neighbours/...``), plus a

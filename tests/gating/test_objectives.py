@@ -242,3 +242,62 @@ def test_a_new_term_is_a_class(tmp_path, isolated_cache):
     p = batch["retain"]["open"]
     expected = token_ce(lm.model(input_ids=p["input_ids"], attention_mask=p["attention_mask"]).logits, p["labels"])
     torch.testing.assert_close(total, 0.25 * expected, rtol=1e-4, atol=1e-5)
+
+
+def _locked_ce_at(lm, batch, moved: dict) -> torch.Tensor:
+    """The locked response's CE on the capitals locked rows, every direction ablated, at weights ``moved``."""
+    p = batch["capitals"]["locked"]
+    with ablate_directions(lm.adapter, lm.directions):
+        logits = torch.func.functional_call(lm.model, moved, args=(), kwargs={
+            "input_ids": p["input_ids"], "attention_mask": p["attention_mask"]}, strict=False).logits
+    return token_ce(logits, p["labels"])
+
+
+def test_the_relearning_adversary_holds_the_lock_where_an_attackers_step_lands(tmp_path, isolated_cache):
+    """RelearningAdversary's loss is the locked-state CE after one sign-gradient step of size η on the behaviour's
+    answers (directions ablated), weighted by λ; its gradient is the locked-state gradient there (first order)."""
+    from modular.gating.objectives import RelearningAdversary
+
+    model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
+    term = RelearningAdversary(lrs=[0.02], weight=0.5)
+    lm, batch = _capitals_step(model_dir, [term], locked_weight=2.0)
+    lm.directions.copy_(torch.nn.functional.normalize(torch.randn(lm.directions.shape), dim=-1))
+    assert lm.model_step(batch, train=False)[1] == {}  # a training-step term
+    total, terms = lm.model_step(batch, train=True)
+    assert set(terms) == {"capitals/relearned_refusal"}
+    got = _grads(lm, total)
+
+    params = {n: p for n, p in lm.model.named_parameters() if p.requires_grad}
+    o = batch["capitals"]["open"]
+    with ablate_directions(lm.adapter, lm.directions):
+        g = torch.autograd.grad(token_ce(lm.model(input_ids=o["input_ids"], attention_mask=o["attention_mask"]).logits,
+                                         o["labels"]), list(params.values()))
+    moved = {n: (p - 0.02 * gi.sign()).detach().requires_grad_(True) for (n, p), gi in zip(params.items(), g)}
+    expected = _locked_ce_at(lm, batch, moved)
+    torch.testing.assert_close(total, 2.0 * 0.5 * expected, rtol=1e-4, atol=1e-5)
+    assert abs(expected.item() - _locked_ce_at(lm, batch, params).item()) > 1e-3  # the step matters
+    want = torch.autograd.grad(2.0 * 0.5 * expected, list(moved.values()))
+    for (n, _), w in zip(moved.items(), want):
+        torch.testing.assert_close(got[f"model.{n}"], w, rtol=1e-3, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
+
+
+def test_weight_noise_lock_moves_every_weight_by_eta(tmp_path, isolated_cache):
+    from modular.gating.objectives import RelearningAdversary, WeightNoiseLock
+
+    model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
+    lm, batch = _capitals_step(model_dir, [WeightNoiseLock(lrs=[1e-3, 1e-2])])
+    total, terms = lm.model_step(batch, train=True)
+    assert set(terms) == {"capitals/noised_refusal"}
+    twin = WeightNoiseLock(lrs=[1e-3, 1e-2])  # the same draws
+    params = {n: p for n, p in lm.model.named_parameters() if p.requires_grad}
+    eta = twin.draw_lr()
+    assert 1e-3 <= eta <= 1e-2
+    delta = twin.perturbation(None, 0, params, eta)
+    assert all(torch.allclose(d.abs(), torch.full_like(d, eta)) for d in delta.values())
+    assert 0.3 < torch.cat([(d > 0).float().flatten() for d in delta.values()]).mean() < 0.7
+    expected = _locked_ce_at(lm, batch, {n: p + delta[n] for n, p in params.items()})
+    torch.testing.assert_close(total, expected, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ModularError, match="WeightNoiseLock lrs must be > 0"):
+        WeightNoiseLock(lrs=[0.0])
+    with pytest.raises(ModularError, match="RelearningAdversary steps must be >= 1"):
+        RelearningAdversary(steps=0)
