@@ -6,10 +6,13 @@
    fine-tuning step (CE on every example and text) on the SAME batch: median time ratio; with and without
    steering-robust locking (``--locked_steering``, the default config's 1.0), whose refresh of the
    steering vectors (every ``--steering_refresh`` steps) is timed and spread over the steps it serves.
-2. Forward pass of the published locked model (plain weights, no hooks) versus the base model.
+2. A gated step with each tamper-resistance term added (``--tamper``, classes of modular.gating.objectives, at their
+   defaults) versus the same step without it (the default config's training cost: at most 3x is the target).
+3. Forward pass of the published locked model (plain weights, no hooks) versus the base model.
 
 Usage: python benchmarks/gating_cost.py [--model smollm2-135m-instruct] [--repeats 7] [--locked_steering 1.0]
-       [--steering_refresh 20] [--lm_length 128] [--out outputs/benchmarks]
+       [--steering_refresh 20] [--lm_length 128] [--tamper RelearningAdversary WeightNoiseLock]
+       [--out outputs/benchmarks]
 Writes gating_cost.json.
 """
 
@@ -40,6 +43,8 @@ def main() -> None:
     ap.add_argument("--steering_refresh", type=int, default=20, help="steps between steering-vector refreshes")
     ap.add_argument("--lm_length", type=int, default=128,
                     help="tokens per neutral-text paragraph in the batch (data.lm_max_length; 0: no text batch)")
+    ap.add_argument("--tamper", nargs="*", default=["RelearningAdversary", "WeightNoiseLock"],
+                    help="tamper-resistance terms (modular.gating.objectives) timed added to the gated step")
     ap.add_argument("--out", default="outputs/benchmarks", help="output folder")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -74,13 +79,28 @@ def main() -> None:
         module.model.zero_grad(set_to_none=True)
         module.steering = steering
 
+    import modular.gating.objectives as objectives
+
+    terms = {name: getattr(objectives, name)() for name in args.tamper}
+
+    def tamper_step(term):  # the default objective plus the term, as a config adding it trains
+        term.bind(module)
+        module.objectives.append(term)
+        try:
+            gated_step()
+        finally:
+            module.objectives.pop()
+
     def plain_step():
         plain_loss(module.model, plain_batches).backward()
         module.model.zero_grad(set_to_none=True)
 
     gated, steered, plain = [], [], []
+    tampered = {name: [] for name in terms}
     for _ in range(args.repeats):  # interleaved so that machine noise hits all alike
         gated += median_time(gated_step, 1)
+        for name, term in terms.items():
+            tampered[name] += median_time(lambda term=term: tamper_step(term), 1)
         if steering is not None:
             steered += median_time(lambda: gated_step(steered=True), 1)
         plain += median_time(plain_step, 1)
@@ -107,6 +127,8 @@ def main() -> None:
         "locked_steering": args.locked_steering, "steering_refresh": args.steering_refresh,
         "steered_step_s": steered, "steering_refresh_s": refresh_s,
         "steered_over_plain_median_with_refresh": steered_ratio,
+        "tamper_step_s": tampered,
+        "tamper_over_gated_median": {n: statistics.median(v) / statistics.median(gated) for n, v in tampered.items()},
         "published_forward_s": fp, "base_forward_s": fb, "published_over_base_forward_median": fwd_ratio,
         "published_hooks": sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in published.modules()),
     }
@@ -115,6 +137,8 @@ def main() -> None:
     if steered_ratio is not None:
         print(f"steering-robust gated step / plain step (median, refresh of {refresh_s:.1f} s spread over "
               f"{args.steering_refresh} steps): {steered_ratio:.3f}")
+    for name, ratio in report["tamper_over_gated_median"].items():
+        print(f"gated step with {name} / gated step (median): {ratio:.3f}")
     print(f"published forward / base forward (median): {fwd_ratio:.3f}  (hooks on published: {report['published_hooks']})")
     print(f"wrote {out}")
 

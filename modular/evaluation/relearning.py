@@ -170,7 +170,8 @@ def run_sweep(model, tokenizer, rows_for, test, settings: list[Setting], referen
 
     ``prune``: once some setting has reached 90% of ``reference`` at step ``k``, run the others for ``k`` steps at
     most (highest learning rates first). The worst-case steps to 50% and 90% are the same as without pruning (a
-    later hit cannot lower them); the curves of the other settings stop at ``k`` (``budget`` in each result)."""
+    later hit cannot lower them); the curves of the other settings stop at ``k`` (``budget`` in each result), and
+    the steps to 100% are only a minimum where they are at most ``k`` (else a ``note`` says so)."""
     if prune:
         settings = sorted(settings, key=lambda s: -s.lr)
     results, bound = [], max_steps
@@ -179,8 +180,12 @@ def run_sweep(model, tokenizer, rows_for, test, settings: list[Setting], referen
         results.append({**r, "budget": bound})
         if prune and r["steps_to_90pct_open"] is not None:
             bound = max(min(bound, r["steps_to_90pct_open"]), 1)
+    worst = worst_case(results, max_steps)
+    w100 = worst["steps_to_100pct_open"]
+    if prune and bound < max_steps and (w100["steps"] is None or w100["steps"] > bound):
+        w100["note"] = f"pruned: settings after the first to reach 90% ran {bound} steps, so this is not the minimum"
     return {"reference_accuracy": reference, "start_accuracy": start, "max_steps": max_steps, "pruned": prune,
-            "eval_steps": eval_steps(max_steps), "worst_case": worst_case(results, max_steps), "settings": results}
+            "eval_steps": eval_steps(max_steps), "worst_case": worst, "settings": results}
 
 
 def cost_ratio(model_worst: dict, baseline_worst: dict, key: str = "steps_to_50pct_open") -> dict:

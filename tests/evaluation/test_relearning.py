@@ -126,6 +126,9 @@ def test_pruning_keeps_the_worst_case_and_shortens_the_other_settings(monkeypatc
     assert [r["lr"] for r in pruned["settings"]] == [1e-3, 1e-5]  # highest rate first
     assert by_lr[1e-5]["budget"] == 2 and [p["step"] for p in by_lr[1e-5]["curve"]] == [0, 1, 2]
     assert [p["step"] for p in {r["lr"]: r for r in full["settings"]}[1e-5]["curve"]][-1] == 16
+    assert "note" not in full["worst_case"]["steps_to_100pct_open"]
+    assert pruned["worst_case"]["steps_to_100pct_open"]["steps"] == 3 and "note" in pruned["worst_case"][
+        "steps_to_100pct_open"]  # reached at 3 > the budget of 2: a slower setting may not have been seen
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "olmo2"])
