@@ -10,6 +10,16 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
+def save_figure(fig, path: str | Path, dpi: int = 120) -> Path:
+    """Lay ``fig`` out, write it to ``path`` as a PNG (creating its folder) and close it."""
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
+
+
 def bar_chart(path: str | Path, labels: list[str], values: list[float], title: str, ylabel: str,
               errors: list[tuple[float, float]] | None = None, ylim: tuple[float, float] | None = (0, 1)) -> Path:
     """A labelled bar chart; ``errors`` are (low, high) intervals drawn as error bars."""
@@ -26,9 +36,4 @@ def bar_chart(path: str | Path, labels: list[str], values: list[float], title: s
     if ylim:
         ax.set_ylim(*ylim)
     ax.tick_params(axis="x", rotation=20)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

@@ -130,10 +130,9 @@ def plot_attack(report: dict, path: str | Path) -> Path:
     recovers ((c) and (d): the best over their sweep within its step budget). Right: recovery curves, the best
     accuracy over the sweep by step, for the gated model and each baseline, with 50% and 90% of the open
     accuracy."""
-    import matplotlib
-
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    from modular.plots import save_figure
 
     names = list(report["behaviours"])
     fig, axes = plt.subplots(len(names), 2, figsize=(15, 4.2 * len(names)), squeeze=False,
@@ -173,12 +172,7 @@ def plot_attack(report: dict, path: str | Path) -> Path:
         ax.set_ylim(0, 1.05)
         ax.set_title(f"{b}: recovery without the key")
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def _present(r: dict, label: str) -> bool:

@@ -9,6 +9,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from modular.plots import save_figure  # noqa: E402
+
 X_LABELS = {
     "frobenius": r"$\|Y^T X\|_F^2 \,/\, (\|X\|_F^2 \|Y\|_F^2)$",
     "cka": "linear CKA (centred) of A, B activations",
@@ -77,9 +79,4 @@ def gain_scatter(path: str | Path, pairs: list[dict], corr: dict, metric: str = 
                       f"{corr['n']} pairs; 95% bootstrap intervals"])
     ax.text(0.02, 0.98, text, transform=ax.transAxes, va="top", ha="left", fontsize=8,
             bbox=dict(boxstyle="round", facecolor="white", edgecolor="#cccccc", alpha=0.9))
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
