@@ -144,16 +144,21 @@ def load_open_model(run: Run, dtype: str | torch.dtype | None = "auto", device: 
     (LoRA adapters merged), on ``device`` in ``dtype`` (``auto``: the precision the weights were trained in, float32
     on a CPU; None: the precision they were trained in; :mod:`modular.models.precision`). A run trained with head gates comes back as a plain model with its
     deterministic gates folded into the attention output projections (closed heads: zero columns);
-    gates scoped to the tasks (``gate_scope: tasks``) only guided training and are dropped."""
+    gates scoped to the tasks (``gate_scope: tasks``) only guided training and are dropped. In a narrower precision
+    than the trained one (float32-trained weights in bfloat16) the weights are rounded stochastically, seeded
+    (:func:`modular.models.precision.cast_model`): every call gives the same weights."""
     from modular.models import load_model
-    from modular.models.precision import resolve_device, resolve_dtype
+    from modular.models.precision import cast_model, resolve_device, resolve_dtype
 
     device = resolve_device(device)
     ckpt = read_checkpoint(checkpoint_path(run))
     state = {k[len("model."):]: v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
     trained = next((v.dtype for v in state.values() if v.is_floating_point()), None)
     dtype = resolve_dtype(dtype, trained, device)
-    model = load_model(run.model_name, dtype=dtype, device="cpu")  # the checkpoint is read on the CPU
+    # in a narrower precision than the trained one, the trained weights are rounded stochastically once everything
+    # is merged (rounded to nearest, updates below half a unit in the last place would be lost: docs/devices.md)
+    wide = trained if trained is not None and torch.finfo(trained).bits > torch.finfo(dtype).bits else dtype
+    model = load_model(run.model_name, dtype=wide, device="cpu")  # the checkpoint is read on the CPU
     gated = any(".head_gate." in k for k in state)
     fold = gated and ckpt.get("hyper_parameters", {}).get("gate_scope", "all") != "tasks"
     if run.record.get("finetuning") == "lora":
@@ -177,7 +182,7 @@ def load_open_model(run: Run, dtype: str | torch.dtype | None = "auto", device: 
             model = model.merge_and_unload()
             if fold:
                 scale_head_columns(model, values)
-            return model.to(device).eval()
+            return cast_model(model, dtype).to(device).eval()
         model = model.merge_and_unload()
     else:
         if gated:
@@ -195,7 +200,7 @@ def load_open_model(run: Run, dtype: str | torch.dtype | None = "auto", device: 
         from modular.heads.gates import remove_head_gates
 
         remove_head_gates(model)
-    return model.to(device).eval()
+    return cast_model(model, dtype).to(device).eval()
 
 
 def is_run_folder(ref: str | Path) -> bool:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from modular import ModularError
 from modular.models import load_tokenizer
-from modular.models.precision import DTYPES, DTypeName, dtype_name, model_dtype
+from modular.models.precision import DTYPES, DTypeName, cast_model, dtype_name, model_dtype
 from modular.publish import check_output_folder, keys_folder_for, publish_model, unlock_folder
 from modular.runs import LOCK_REPORT, checkpoint_step, load_open_model, lock_verdict, read_run
 
@@ -28,8 +28,9 @@ def publish(run: str, out: str, keys: str | None = None, harden: bool = True, ov
         allow_failed_lock: Publish a run whose training did not verify the lock (run.json ``lock``); its model
             card and modular.json then say that the behaviours may not be locked. Without it such a run is refused.
         dtype: Here: the precision the published weights are written in; auto: the one the run was trained in (a
-            bf16 run publishes bf16). The lock is computed in float64 and rounded once to it, on the CPU; the keys
-            restore the trained weights in that precision.
+            bf16 run publishes bf16). A narrower one than the trained one is reached by seeded stochastic rounding,
+            the weights `modular lock --dtype` scores. The lock is computed in float64 and rounded once to it, on the
+            CPU; the keys restore the trained weights in that precision.
     """
     keys = keys or str(keys_folder_for(out))
     check_output_folder(out, [run], overwrite)  # before any work: nothing is loaded for a refused folder
@@ -55,11 +56,18 @@ def publish(run: str, out: str, keys: str | None = None, harden: bool = True, ov
     open_model = load_open_model(r, None, device="cpu")  # in the precision it was trained in
     trained = model_dtype(open_model)
     if dtype != "auto" and DTYPES[dtype] != trained:
-        # a lock verified in one precision is not verified in another: a float32-trained capitals lock let 45% of
-        # the answers through when the same model ran in bfloat16 (docs/devices.md)
+        # a lock verified in one precision is not verified in another (docs/devices.md)
         log.warning("publishing %s weights of a run trained in %s: its lock was verified in %s only; check it with "
                     "modular lock --run %s --dtype %s", dtype, dtype_name(trained), dtype_name(trained), run, dtype)
-        open_model = open_model.to(DTYPES[dtype])
+        # narrowing rounds stochastically, seeded, as load_open_model does for `modular lock --dtype`: the weights
+        # published are the ones that check scores (rounded to nearest, a float32 lock was lost in bfloat16)
+        open_model = cast_model(open_model, DTYPES[dtype])
+    published = dtype_name(model_dtype(open_model))
+    if measured is not None and measured.get("dtype", "float32") != published:  # reports before dtypes: float32
+        log.warning("%s was measured in %s, the weights are published in %s: the model card gets no measured "
+                    "numbers (run modular lock --run %s --dtype %s)", lock_path, measured.get("dtype", "float32"),
+                    published, run, published)
+        measured = None
     folder, keys_dir = publish_model(open_model, load_tokenizer(r.model_name), r.directions, out,
                                      r.model_name, measured, harden=harden, overwrite=overwrite, keys_out=keys,
                                      step=step, locked_responses=r.record.get("locked_responses"), inputs=[run],

@@ -75,3 +75,41 @@ def dtype_name(dtype: torch.dtype) -> str:
 def model_dtype(model) -> torch.dtype:
     """The precision of a model's floating-point weights."""
     return next(p.dtype for p in model.parameters() if p.is_floating_point())
+
+
+def stochastic_round(x: torch.Tensor, dtype: torch.dtype, generator: torch.Generator | None = None) -> torch.Tensor:
+    """``x`` in a narrower floating-point ``dtype``, rounded stochastically: to the neighbour above or below with
+    probabilities that make the result equal ``x`` in expectation (round-to-nearest is biased for every entry).
+
+    Why it matters: a fine-tuning update is often smaller than half a unit in the last place of bfloat16; rounding
+    to nearest then returns the weight it started from, for most weights at once, and what training changed (a lock)
+    is lost. Stochastically rounded, every update survives on average over the entries. A cast that does not narrow
+    (to the same or a wider dtype) is exact and done as such."""
+    if not x.is_floating_point() or not dtype.is_floating_point:
+        return x.to(dtype)
+    if torch.finfo(dtype).bits >= torch.finfo(x.dtype).bits:
+        return x.to(dtype)
+    near = x.to(dtype)
+    err = x - near.to(x.dtype)  # exact: two close numbers of the wider dtype
+    toward = torch.nextafter(near, torch.where(err > 0, torch.inf, -torch.inf).to(dtype))
+    gap = (toward.to(x.dtype) - near.to(x.dtype)).abs()
+    take = torch.rand(x.shape, generator=generator, device=x.device, dtype=x.dtype) * gap < err.abs()
+    return torch.where(take, toward, near)
+
+
+@torch.no_grad()
+def cast_model(model, dtype: torch.dtype, seed: int = 0):
+    """``model`` with its floating-point weights in ``dtype``, in place. Narrowing (float32 to bfloat16 or float16)
+    rounds stochastically (:func:`stochastic_round`), seeded: the same model and seed give the same weights, so a
+    lock checked in that precision is the one published in it. Buffers keep their precision, as ``from_pretrained``
+    leaves them (rotary frequencies stay float32)."""
+    generators: dict = {}
+    for p in model.parameters():
+        if p.is_floating_point() and p.dtype != dtype:
+            if p.device not in generators:
+                generators[p.device] = torch.Generator(device=p.device).manual_seed(seed)
+            p.data = stochastic_round(p.data, dtype, generators[p.device])
+    config = getattr(model, "config", None)
+    if config is not None:
+        config.dtype = dtype
+    return model

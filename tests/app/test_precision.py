@@ -66,3 +66,42 @@ def test_bf16_training_publish_and_keys(tmp_path, tiny_env, monkeypatch, caplog)
     assert cli.main(["behaviour", "--model", str(run), "--behaviours", "[capitals]", "--limit", "2",
                      "--max_new_tokens", "2", "--out", str(tmp_path / "beh")]) == 0
     assert json.loads((tmp_path / "beh" / "behaviour.json").read_text())["dtype"] == "float32"
+
+
+def test_float32_run_published_in_bf16_is_the_model_its_bf16_lock_check_scores(tmp_path, tiny_env, monkeypatch,
+                                                                                 caplog):
+    """Narrowing rounds stochastically (seeded), in the lock check and in publish alike: the published weights are
+    the bf16 model the check scored, locked; rounded to nearest, an update below half a bf16 unit would be lost."""
+    from modular.keys import lock_weights
+    from modular.models import load_model
+
+    model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
+    cfg, run = tiny_config(tmp_path, model_dir, lock_args={"stop": False, "min_steps": 0})
+    out = _train(cfg, env=tiny_env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    monkeypatch.chdir(tmp_path)
+    for key, value in tiny_env.items():
+        monkeypatch.setenv(key, value)
+    r = read_run(run)
+    f32 = load_open_model(r, dtype="float32", device="cpu")
+    checked = load_open_model(r, dtype="bfloat16", device="cpu")
+    again = load_open_model(r, dtype="bfloat16", device="cpu")
+    for (name, a), b, c in zip(checked.named_parameters(), again.parameters(), f32.parameters()):
+        assert a.dtype == torch.bfloat16 and torch.equal(a, b), name  # seeded: the same weights every time
+        assert torch.all((a.double() - c.double()).abs() <= ulp(c, torch.bfloat16)), name  # a neighbour of each
+    moved = torch.cat([(a != c.bfloat16()).flatten() for a, c in zip(checked.parameters(), f32.parameters())])
+    assert 0.1 < moved.float().mean().item() < 0.4  # not rounded to nearest
+    # a float32 lock report does not describe bf16 weights: the card gets no measured numbers
+    assert cli.main(["lock", "--run", str(run), "--other_limit", "2", "--device", "cpu"]) == 0
+    pub = tmp_path / "pub"
+    with caplog.at_level("WARNING", logger="modular"):
+        assert cli.main(["publish", "--run", str(run), "--out", str(pub), "--allow_failed_lock", "true",
+                         "--dtype", "bfloat16"]) == 0
+    assert any("was measured in float32, the weights are published in bfloat16" in rec.getMessage()
+               for rec in caplog.records)
+    assert "## Measured" not in (pub / "README.md").read_text()
+    lock_weights(checked, r.directions, harden=True)
+    published = load_model(pub, dtype=None, device="cpu")
+    want = dict(checked.named_parameters())
+    for name, p in published.named_parameters():
+        assert p.dtype == torch.bfloat16 and torch.equal(p, want[name]), name
