@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 from modular.data.formatting import LeftPadCollator, encode_example
 from modular.evaluation.behaviour import generate
 from modular.evaluation.relearning import attacker_copy
+from modular.optim import adamw
 
 
 def refusal_finetune(base, tokenizer, behaviour_train, retain_train, locked_response: str, steps: int = 100,
@@ -26,7 +27,7 @@ def refusal_finetune(base, tokenizer, behaviour_train, retain_train, locked_resp
     refuse = [encode_example(tokenizer, r["prompt"], locked_response, r["chat"]) for r in behaviour_train]
     keep = [encode_example(tokenizer, p, a, c) for p, a, c in zip(retain["prompt"], answers, retain["chat"])]
     m = attacker_copy(base, "full")
-    opt = torch.optim.AdamW(m.parameters(), lr=lr, weight_decay=0.0)
+    opt = adamw(list(m.parameters()), lr=lr, weight_decay=0.0)
     g = torch.Generator().manual_seed(seed)
     collate = LeftPadCollator(tokenizer.pad_token_id)
     device = next(base.parameters()).device

@@ -22,6 +22,7 @@ from modular import ModularError
 from modular.data.formatting import LeftPadCollator, encode_example
 from modular.data.schema import DEFAULT_LOCKED_RESPONSE
 from modular.evaluation.behaviour import evaluate_behaviour
+from modular.optim import adamw
 
 MODES = ("full", "lora")
 #: the fractions of the reference (open) accuracy whose first step is reported
@@ -120,7 +121,7 @@ def recovery_curve(model, tokenizer, rows: list[dict], test, setting: Setting, r
     (step 0)."""
     m = attacker_copy(model, setting.mode, lora_rank)
     params = [p for p in m.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=setting.lr, weight_decay=0.0)
+    opt = adamw(params, lr=setting.lr, weight_decay=0.0)  # a bf16 attacker's updates survive (modular.optim)
     g = torch.Generator().manual_seed(setting.seed)
     collate = LeftPadCollator(tokenizer.pad_token_id)
     device = next(model.parameters()).device

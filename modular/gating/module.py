@@ -21,6 +21,7 @@ from modular.heads.gates import deterministic_gate_values, head_gate_scope
 from modular.hooks import ablate_directions, add_vectors, capture_head_inputs, enable_checkpointing
 from modular.models.adapter import ArchitectureAdapter
 from modular.models.attention import eager_attention
+from modular.optim import adamw
 from modular.runs import DIRECTIONS
 
 log = logging.getLogger("modular")
@@ -534,7 +535,8 @@ class GatedLM(L.LightningModule):
         groups = [{"params": params}] if params else []
         if gates:
             groups.append({"params": gates, "lr": self.hparams.gate_lr, "weight_decay": 0.0})
-        opt = torch.optim.AdamW(groups, lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
+        # weights kept in bf16 (bf16-true) step with stochastic rounding: rounded to nearest, most updates are lost
+        opt = adamw(groups, lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
         if not self.hparams.warmup_steps:
             return opt
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / self.hparams.warmup_steps))

@@ -301,3 +301,15 @@ def test_weight_noise_lock_moves_every_weight_by_eta(tmp_path, isolated_cache):
         WeightNoiseLock(lrs=[0.0])
     with pytest.raises(ModularError, match="RelearningAdversary steps must be >= 1"):
         RelearningAdversary(steps=0)
+
+
+@pytest.mark.parametrize("load_dtype", ["float32", "bfloat16"])
+def test_the_optimizer_keeps_bf16_updates(tmp_path, load_dtype):
+    """Weights loaded in bf16 (bf16-true) step with stochastic rounding; float32 ones with torch's AdamW."""
+    from modular.optim import StochasticRoundingAdamW
+
+    model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
+    lm = GatedLM(model_name=str(model_dir), behaviours=["capitals"], locked_steering=0.0, load_dtype=load_dtype)
+    opt = lm.configure_optimizers()
+    opt = opt["optimizer"] if isinstance(opt, dict) else opt
+    assert isinstance(opt, StochasticRoundingAdamW) == (load_dtype == "bfloat16")
