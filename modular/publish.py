@@ -157,7 +157,7 @@ def _write_folders(writers: dict[Path, callable]) -> None:
 
 
 def model_card(behaviours: list[str], base: str, measured: dict | None, hardened: bool,
-               step: int | None = None, lock_check: dict | None = None) -> str:
+               step: int | None = None, lock_check: dict | None = None, dtype: str | None = None) -> str:
     failed = lock_check is not None and not lock_check.get("verified", False)
     lines = [
         "---", "library_name: transformers", "tags: [modular, locked-behaviour]", "---", "",
@@ -180,6 +180,11 @@ def model_card(behaviours: list[str], base: str, measured: dict | None, hardened
               "`modular unlock --model <this folder> --key <key file> --out <folder>`.", ""]
     if step is not None:
         lines += [f"Trained weights: step {step} of the training run.", ""]
+    if dtype == "float32":
+        lines += ["These weights are float32. Loaded in bfloat16 or float16 (`from_pretrained(..., dtype=...)` rounds",
+                  "to nearest) some of what training changed is lost, and with it part of the lock. To serve in",
+                  "bfloat16, use weights published in bfloat16 (`modular publish --dtype bfloat16`, which rounds",
+                  "stochastically) and check them (`modular lock --dtype bfloat16`).", ""]
     if measured:
         lines += ["## Measured (held-out test split)", "", "| state | " + " | ".join(behaviours)
                   + " | retain first-token KL | perplexity ratio |",
@@ -246,7 +251,8 @@ def publish_model(open_model, tokenizer, directions: dict, out: str | Path, base
                 for state, row in measured.get("states", {}).items()
             }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-        (tmp / "README.md").write_text(model_card(behaviours, base_name, measured, harden, step, lock_check))
+        dtype = str(next(open_model.parameters()).dtype).removeprefix("torch.")
+        (tmp / "README.md").write_text(model_card(behaviours, base_name, measured, harden, step, lock_check, dtype))
 
     def write_keys(tmp: Path) -> None:
         for key in keys:

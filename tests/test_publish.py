@@ -126,6 +126,9 @@ def test_published_folder_holds_no_key_material(tmp_path, tok):
             assert not any(secret in data for secret in secrets), path
     card = (out / "README.md").read_text()
     assert "not part of this folder" in card and "distributed apart" in card
+    assert "These weights are float32. Loaded in bfloat16" in card  # serving them in bf16 weakens the lock
+    bf16_out, _ = publish_model(make_tiny_model("llama").to(torch.bfloat16), tok, _dirs(), tmp_path / "p16", "tiny")
+    assert "These weights are float32" not in (bf16_out / "README.md").read_text()
     with pytest.raises(ModularError, match="may not lie inside the published folder"):
         publish_model(make_tiny_model("llama"), tok, _dirs(), tmp_path / "p2", "tiny", keys_out=tmp_path / "p2" / "k")
     assert not (tmp_path / "p2").exists()
