@@ -186,6 +186,33 @@ def ablate_directions(adapter: ArchitectureAdapter, directions: torch.Tensor) ->
 
 
 @contextmanager
+def ablate_rows(adapter: ArchitectureAdapter, row_sets: list[tuple[torch.Tensor, torch.Tensor]]) -> Iterator[None]:
+    """:func:`ablate_directions` row by row, so that sequences locked in different ways share one forward pass.
+
+    ``row_sets``: ``(rows, directions)`` pairs: ``rows`` a (batch,) boolean mask, ``directions`` (k, d) projected out
+    of every residual write of those rows (masks may not overlap). Rows in no mask are left untouched; a row's
+    result is that of :func:`ablate_directions` with its own directions."""
+    sets = [(rows, directions.reshape(-1, directions.shape[-1]).detach()) for rows, directions in row_sets]
+    if sum(rows.long() for rows, _ in sets).max() > 1 if sets else False:
+        raise ValueError("ablate_rows: a row is in two masks")
+    hooks = []
+    for site in adapter.write_sites():
+        bases = [(rows, write_space_basis(adapter, site, directions)) for rows, directions in sets]
+
+        def fn(module, args, output, bases=bases):
+            x = _hidden(output)
+            for rows, basis in bases:
+                b = basis.to(dtype=x.dtype, device=x.device)
+                keep = rows.to(device=x.device, dtype=x.dtype).reshape(-1, *([1] * (x.dim() - 1)))
+                x = x - keep * ((x @ b.T) @ b)
+            return _replace_hidden(output, x)
+
+        hooks.append((site.module, "forward", fn))
+    with registered(hooks):
+        yield
+
+
+@contextmanager
 def add_vectors(adapter: ArchitectureAdapter, vectors: Mapping[int, torch.Tensor]) -> Iterator[None]:
     """Add ``vectors[i]`` to the residual stream leaving block ``i`` at all positions.
 

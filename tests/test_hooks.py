@@ -3,6 +3,7 @@ import torch
 
 from modular.hooks import (
     ablate_directions,
+    ablate_rows,
     add_vectors,
     capture_head_inputs,
     capture_residual,
@@ -194,3 +195,32 @@ def test_interventions_are_replayed_in_blocks_recomputed_by_gradient_checkpointi
     except torch.utils.checkpoint.CheckpointError:
         return
     assert any(not torch.allclose(forgetful[n], plain[n], atol=1e-6) for n in plain)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "gpt2", "olmo2"])
+def test_ablate_rows_gives_each_row_its_own_lock(arch, tokens):
+    """Rows locked in different ways (or not at all) in one forward pass give what each gives alone."""
+    model = make_tiny_model(arch)
+    adapter = ArchitectureAdapter(model)
+    q = torch.linalg.qr(torch.randn(D, 3, generator=torch.Generator().manual_seed(0)))[0].T
+    batch = tokens[:1].repeat(4, 1)
+    sets = {0: q[:1], 2: q[1:], 3: q[:1]}  # row 1: no lock
+    masks = {}
+    for row, dirs in sets.items():
+        key = tuple(dirs.flatten()[:2].tolist())
+        masks.setdefault(key, (torch.zeros(4, dtype=torch.bool), dirs))[0][row] = True
+    with ablate_rows(adapter, list(masks.values())):
+        together = model(batch).logits
+    for row in range(4):
+        if row in sets:
+            with ablate_directions(adapter, sets[row]):
+                alone = model(batch[row:row + 1]).logits
+        else:
+            alone = model(batch[row:row + 1]).logits
+        assert torch.allclose(together[row], alone[0], atol=1e-5), row
+    with ablate_directions(adapter, q[:1]):
+        locked = model(batch[:1]).logits
+    assert not torch.allclose(locked[0], together[1], atol=1e-3)  # the unlocked row really differs
+    with pytest.raises(ValueError, match="two masks"):
+        with ablate_rows(adapter, [(torch.ones(4, dtype=torch.bool), q[:1]), (torch.ones(4, dtype=torch.bool), q[1:])]):
+            pass

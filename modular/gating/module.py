@@ -18,7 +18,7 @@ from modular.data.formatting import IGNORE
 from modular.gating.losses import response_margins
 from modular.gating.objectives import HeadTaskTerm, Piece, StepContext, Term, check_objectives, default_objectives
 from modular.heads.gates import deterministic_gate_values, head_gate_scope
-from modular.hooks import ablate_directions, add_vectors, capture_head_inputs, enable_checkpointing
+from modular.hooks import ablate_directions, ablate_rows, add_vectors, capture_head_inputs, enable_checkpointing
 from modular.models.adapter import ArchitectureAdapter
 from modular.models.attention import eager_attention
 from modular.optim import adamw
@@ -335,8 +335,9 @@ class GatedLM(L.LightningModule):
         return StepContext(self, batch, train, extra)
 
     def model_step(self, batch: dict, train: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """One gated step: every objective's pieces, those sharing an ablated set in one forward pass (long raw
-        text in a forward of its own, so the short chat examples are not padded to its length); the loss is
+        """One gated step: every objective's pieces in one forward pass, open and locked rows alike, each row with
+        its own directions ablated (:func:`~modular.hooks.ablate_rows`; long raw text in a forward of its own, so the
+        short chat examples are not padded to its length); the loss is
         ``Σ weight · λ^locked · term``. With ``gate_scope: tasks`` the task pieces run apart, their closed heads
         fed the counterfactual run's inputs, and every other piece runs with the gates off."""
         hp = self.hparams
@@ -348,17 +349,23 @@ class GatedLM(L.LightningModule):
         if len(set(names)) != len(names):
             twice = sorted({n for n in names if names.count(n) > 1})
             raise ModularError(f"model.objectives: two terms compute {', '.join(twice)} (list each term once)")
-        groups: dict[tuple[frozenset, bool, bool], list[Piece]] = {}
+        # one forward pass per kind of rows (chat pieces, raw text, head-gate task pieces): open and locked rows
+        # share it, each row with its own directions ablated (task pieces keep one ablated set per pass)
+        groups: dict[tuple[frozenset | None, bool, bool], list[Piece]] = {}
         for p in pieces:
-            groups.setdefault((p.ablated, p.raw_text, scoped and p.task), []).append(p)
+            task_group = scoped and p.task
+            groups.setdefault((p.ablated if task_group else None, p.raw_text, task_group), []).append(p)
         terms: dict[str, torch.Tensor] = {}
         weights: dict[str, float] = {}
-        for (ablated, _, task_group), items in groups.items():
+        for (_, _, task_group), items in groups.items():
             merged = concat_left_padded([p.batch for p in items], pad)
             readers = [(t, p, name) for p in items for t in self.objectives if (name := t.reads(p))]
             with ExitStack() as stack:
-                if ablated:
-                    stack.enter_context(ablate_directions(self.adapter, self.directions[sorted(ablated)]))
+                row_sets = self._row_ablations(items, merged["input_ids"].shape[0])
+                if len(row_sets) == 1 and bool(row_sets[0][0].all()):  # every row alike: the plain hooks
+                    stack.enter_context(ablate_directions(self.adapter, row_sets[0][1]))
+                elif row_sets:
+                    stack.enter_context(ablate_rows(self.adapter, row_sets))
                 if task_group:
                     full = any(isinstance(t, HeadTaskTerm) and t.needs_cf_logits and t.active(ctx)
                                for t in self.objectives)
@@ -457,6 +464,18 @@ class GatedLM(L.LightningModule):
         with head_gate_scope(self.hf_model, active=False), capture_head_inputs(self.adapter) as z:
             logits = self.model(**inputs).logits if full_logits else last_position_logits(self.model, inputs)
         return dict(z), logits
+
+    def _row_ablations(self, items: list[Piece], n_rows: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(rows, directions)`` for every ablated set among the pieces: a (n_rows,) mask of their rows."""
+        masks: dict[frozenset, torch.Tensor] = {}
+        row = 0
+        for piece in items:
+            n = piece.batch["input_ids"].shape[0]
+            if piece.ablated:
+                mask = masks.setdefault(piece.ablated, torch.zeros(n_rows, dtype=torch.bool, device=self.device))
+                mask[row:row + n] = True
+            row += n
+        return [(mask, self.directions[sorted(ablated)]) for ablated, mask in masks.items()]
 
     def _row_vectors(self, items: list[Piece], n_rows: int) -> dict[int, torch.Tensor]:
         """{block: (n_rows, d) vectors}: each steered piece's vector on its rows, zeros elsewhere."""

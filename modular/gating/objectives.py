@@ -2,8 +2,9 @@
 
 A step's loss is ``Σ_terms weight · λ^locked · term`` (λ: the module's ``locked_weight``, on locked-state pieces).
 A term says which rows it adds to the step's forward passes (:class:`Piece`: a sub-batch, the directions ablated
-on it, an optional steering vector) and what its loss is on their logits. The module runs every piece that shares
-an ablated set in one forward pass, so a term costs the rows it adds, not a pass of its own. Terms that read
+on it, an optional steering vector) and what its loss is on their logits. The module runs the pieces in one forward
+pass (each row with its own directions ablated; raw text in a pass of its own), so a term costs the rows it adds,
+not a pass of its own. Terms that read
 another term's rows (:class:`DirectionWrite` reads the open answers' hidden states) or a whole group of task rows
 (the head terms under ``gate_scope: tasks``) override :meth:`Term.reads` or :meth:`Term.group_terms`.
 

@@ -183,6 +183,36 @@ def test_every_config_keeps_its_loss_and_gradients(config, tmp_path, isolated_ca
         torch.testing.assert_close(g, old_grads[name], rtol=1e-3, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
 
 
+def test_open_and_locked_rows_share_one_forward_pass(tmp_path, isolated_cache):
+    """The default config's step: one pass for the chat pieces (open and locked rows, each with its own directions
+    ablated) and one for the raw text, where each state once had a pass of its own."""
+    cfg = yaml.safe_load((CONFIGS / "gate_capitals_smollm2.yaml").read_text())
+    model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
+    lm = GatedLM(model_name=str(model_dir), objectives=[_instantiate(s) for s in cfg["model"]["objectives"]],
+                 locked_steering=0.0)
+    dm = GatingDataModule(model_name=str(model_dir), behaviours=lm.behaviours, batch_size=4, max_length=64,
+                          lm_max_length=32, reference_max_new_tokens=4, reference_top_k=8, neighbour_items=8,
+                          **{k: cfg["data"][k] for k in _DATA_KEYS if k in cfg["data"]})
+    dm.setup("fit")
+
+    class _Trainer:
+        datamodule = dm
+        global_step = 0
+
+    lm._trainer = _Trainer()
+    lm.eval()
+    batch = next(iter(dm.train_dataloader()))
+    batch = batch[0] if isinstance(batch, tuple) else batch
+    passes = []
+    handle = lm.hf_model.register_forward_pre_hook(lambda module, args: passes.append(1))
+    try:
+        _, terms = lm.model_step(batch, train=False)
+    finally:
+        handle.remove()
+    assert any("locked" in n for n in terms) and any("open" in n for n in terms)
+    assert len(passes) == 2
+
+
 def test_terms_check_their_options():
     with pytest.raises(ModularError, match="KeepReference weight must be >= 0"):
         KeepReference(weight=-1.0)
