@@ -193,7 +193,7 @@ def ablate_rows(adapter: ArchitectureAdapter, row_sets: list[tuple[torch.Tensor,
     of every residual write of those rows (masks may not overlap). Rows in no mask are left untouched; a row's
     result is that of :func:`ablate_directions` with its own directions."""
     sets = [(rows, directions.reshape(-1, directions.shape[-1]).detach()) for rows, directions in row_sets]
-    if sum(rows.long() for rows, _ in sets).max() > 1 if sets else False:
+    if sets and int(sum(rows.long() for rows, _ in sets).max()) > 1:
         raise ValueError("ablate_rows: a row is in two masks")
     hooks = []
     for site in adapter.write_sites():
