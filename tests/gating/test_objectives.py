@@ -142,6 +142,19 @@ VARIANTS = {"gate_capitals_smollm2.yaml+write": ("gate_capitals_smollm2.yaml", _
                                                       write_target=0.2))}
 
 
+def _first_batch(lm, dm) -> dict:
+    """Attach ``dm`` as the module's data module (model_step reads the pad id from it), eval mode, one train batch."""
+
+    class _Trainer:
+        datamodule = dm
+        global_step = 0
+
+    lm._trainer = _Trainer()
+    lm.eval()
+    batch = next(iter(dm.train_dataloader()))
+    return batch[0] if isinstance(batch, tuple) else batch
+
+
 @pytest.mark.parametrize("config", sorted(OLD) + sorted(VARIANTS))
 def test_every_config_keeps_its_loss_and_gradients(config, tmp_path, isolated_cache):
     """On the same batch, the config's objectives give the loss and the gradients of the flat options it had
@@ -164,14 +177,7 @@ def test_every_config_keeps_its_loss_and_gradients(config, tmp_path, isolated_ca
         q, _ = torch.linalg.qr(torch.randn(lm.directions.shape[1], len(lm.behaviours)))
         lm.directions.copy_(q.T)
 
-    class _Trainer:  # model_step reads the tokenizer's pad id from the trainer's data module
-        datamodule = dm
-        global_step = 0
-
-    lm._trainer = _Trainer()
-    lm.eval()
-    batch = next(iter(dm.train_dataloader()))
-    batch = batch[0] if isinstance(batch, tuple) else batch
+    batch = _first_batch(lm, dm)
     new, terms = lm.model_step(batch, train=False)
     assert len(terms) >= 3
     new_grads = _grads(lm, new)
@@ -195,14 +201,7 @@ def test_open_and_locked_rows_share_one_forward_pass(tmp_path, isolated_cache):
                           **{k: cfg["data"][k] for k in _DATA_KEYS if k in cfg["data"]})
     dm.setup("fit")
 
-    class _Trainer:
-        datamodule = dm
-        global_step = 0
-
-    lm._trainer = _Trainer()
-    lm.eval()
-    batch = next(iter(dm.train_dataloader()))
-    batch = batch[0] if isinstance(batch, tuple) else batch
+    batch = _first_batch(lm, dm)
     passes = []
     handle = lm.hf_model.register_forward_pre_hook(lambda module, args: passes.append(1))
     try:
