@@ -355,7 +355,7 @@ class GatedLM(L.LightningModule):
         for p in pieces:
             task_group = scoped and p.task
             groups.setdefault((p.ablated if task_group else None, p.raw_text, task_group), []).append(p)
-        terms: dict[str, torch.Tensor] = {}
+        terms: dict[str, torch.Tensor] = ctx.losses  # readers see the losses computed before them
         weights: dict[str, float] = {}
         for (_, _, task_group), items in groups.items():
             merged = concat_left_padded([p.batch for p in items], pad)

@@ -78,6 +78,9 @@ class StepContext:
     batch: dict
     train: bool
     extra: list[frozenset] = field(default_factory=list)
+    #: the losses computed so far in this step, by log name (a term that reads another's rows sees the losses of
+    #: the pieces of its forward pass)
+    losses: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def behaviours(self) -> list[str]:
@@ -210,29 +213,50 @@ class DirectionWrite(Term):
     block output, carries its direction with a cosine of at least ``target``
     (:func:`~modular.gating.losses.direction_write_shortfall`), ``<behaviour>/open_write``. Ablating the
     direction then removes a signal the model holds, and the locked state can learn to read its absence; without
-    it a small behaviour (a few dozen items) may never learn that within its step budget. It reads the hidden
-    states of :class:`BehaviourAnswer`'s rows: no rows of its own.
+    it a behaviour may never learn that within its step budget (open and locked rows differ only by the
+    direction's component, which a low-variance direction barely has). It reads the hidden states of
+    :class:`BehaviourAnswer`'s rows: no rows of its own.
+
+    The term starts the lock; kept at full strength once the lock is learned, it keeps pushing the residual stream
+    and costs the retain KL. With ``fade`` it is scaled, per behaviour and step, by ``min(1, L / fade)`` where
+    ``L`` is the behaviour's locked-state loss in the same step (:class:`LockedState`; the scale carries no
+    gradient): full while the locked response is unlearned, fading as it is learned, back if the lock is lost.
 
     Args:
         weight: Weight of the term.
         target: The share of the residual norm (cosine) the direction should reach, in (0, 1].
+        fade: The locked-state loss (token-mean, nats) below which the term fades in proportion; None: always full.
     """
 
-    def __init__(self, weight: float = 1.0, target: float = 0.2):
+    def __init__(self, weight: float = 1.0, target: float = 0.2, fade: float | None = None):
         super().__init__(weight)
         if not 0.0 < target <= 1.0:
             raise ModularError(f"DirectionWrite target must be in (0, 1] (a share of the residual norm), got {target}")
+        if fade is not None and fade <= 0:
+            raise ModularError(f"DirectionWrite fade must be > 0 (a locked-state loss in nats) or null, got {fade}")
         self.target = target
+        self.fade = fade
 
     def reads(self, piece: Piece) -> str | None:
         if isinstance(piece.term, BehaviourAnswer):
             return piece.name.replace("/open_ce", "/open_write")
         return None
 
+    def scale(self, ctx: StepContext, index: int) -> float:
+        """The term's scale on behaviour ``index`` in this step: 1, or ``min(1, locked-state loss / fade)``."""
+        if self.fade is None:
+            return 1.0
+        b = ctx.behaviours[index]
+        locked = [v for k, v in ctx.losses.items() if k.startswith(f"{b}/locked_")]
+        if not locked:  # no locked-state rows in this step's forward: nothing says the lock is learned
+            return 1.0
+        return min(1.0, float(sum(v.detach() for v in locked)) / self.fade)
+
     def loss_on(self, ctx, piece, logits, hidden):
         # block outputs only: the embedding and the final norm's output are left out
-        return direction_write_shortfall(hidden[1:-1], piece.batch["labels"], ctx.lm.directions[piece.index],
-                                         self.target)
+        shortfall = direction_write_shortfall(hidden[1:-1], piece.batch["labels"], ctx.lm.directions[piece.index],
+                                              self.target)
+        return shortfall * self.scale(ctx, piece.index)
 
 
 # --- what stays as it was --------------------------------------------------------------------------------------

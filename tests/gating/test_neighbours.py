@@ -136,6 +136,44 @@ def test_the_write_term_carries_the_direction_into_the_open_answers(tiny_dm):
     assert not any(k.endswith("/open_write") for k in off.model_step(batch, train=True)[1])
 
 
+def test_the_write_term_fades_as_the_locked_response_is_learned(tiny_dm):
+    """DirectionWrite(fade=F): the shortfall scaled by min(1, the behaviour's locked-state loss / F) of the same
+    step, the scale without gradient; full while the locked loss is above F."""
+    from modular.gating.module import GatedLM
+
+    dm, model_dir = tiny_dm
+    torch.manual_seed(0)
+    full, fading = DirectionWrite(weight=1.0), DirectionWrite(weight=1.0)
+    lm = GatedLM(model_name=str(model_dir), behaviours=["capitals"], locked_steering=0.0,
+                 objectives=[BehaviourAnswer(), LockedState(), full])
+    lm.directions.copy_(torch.nn.functional.normalize(torch.randn_like(lm.directions), dim=-1))
+
+    class _Trainer:
+        datamodule = dm
+
+    lm._trainer = _Trainer()
+    batch = next(iter(dm.train_dataloader()))[0]
+    terms = lm.model_step(batch, train=True)[1]
+    raw, locked = terms["capitals/open_write"], terms["capitals/locked_refusal"].item()
+    assert locked > 0.5 and raw.item() > 0.5  # an untrained tiny model: the locked response is far from learned
+    lm.objectives[-1] = fading
+    for fade, scale in [(locked / 4, 1.0), (4 * locked, 0.25)]:
+        fading.fade = fade
+        faded = lm.model_step(batch, train=True)[1]["capitals/open_write"]
+        assert faded.item() == pytest.approx(scale * raw.item(), rel=1e-4)
+    lm.zero_grad()
+    faded.backward()  # the gradient is the raw shortfall's, scaled: nothing flows through the locked loss
+    g_faded = [p.grad.clone() if p.grad is not None else None for p in lm.hf_model.parameters()]
+    lm.zero_grad()
+    lm.objectives[-1] = full
+    lm.model_step(batch, train=True)[1]["capitals/open_write"].backward()
+    for a, p in zip(g_faded, lm.hf_model.parameters()):
+        if a is not None:
+            assert torch.allclose(a, 0.25 * p.grad, atol=1e-6)
+    with pytest.raises(ModularError, match="DirectionWrite fade must be > 0"):
+        DirectionWrite(fade=0.0)
+
+
 def test_a_cold_cache_loads_the_base_model_once(tmp_path, isolated_cache, monkeypatch):
     import modular.models
 

@@ -27,15 +27,16 @@ from tests.conftest import save_tiny_folder
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
-#: each training config's loss options as flat module options, before the terms became objects (the capitals config
-#: has the refusal guard in it: guard_weight 1 at floor -3)
+#: each training config's loss options as flat module options, before the terms became objects (the capitals
+#: configs have the refusal guard, guard_weight 1 at floor -3, and the write term, weight 10 at target 0.2, fading
+#: below a locked-state CE of 1)
 OLD = {
     "gate_capitals_smollm2.yaml": dict(retain_weight=1.0, retain_ce_weight=0.0, first_token_weight=1.0,
-                                       write_weight=0.0, guard_weight=1.0, guard_floor=-3.0, locked_objective="refusal",
-                                       task_weight=1.0),
+                                       write_weight=10.0, write_target=0.2, write_fade=1.0, guard_weight=1.0,
+                                       guard_floor=-3.0, locked_objective="refusal", task_weight=1.0),
     "gate_capitals_lora_large.yaml": dict(retain_weight=1.0, retain_ce_weight=0.0, first_token_weight=1.0,
-                                          write_weight=0.0, guard_weight=1.0, guard_floor=-3.0,
-                                          locked_objective="refusal", task_weight=1.0),
+                                          write_weight=10.0, write_target=0.2, write_fade=1.0, guard_weight=1.0,
+                                          guard_floor=-3.0, locked_objective="refusal", task_weight=1.0),
     "gate_ioi_smollm2.yaml": dict(retain_weight=1.0, retain_ce_weight=0.0, first_token_weight=1.0, write_weight=0.0,
                                   guard_weight=0.0, locked_objective="refusal", task_weight=1.0),
     "gate_two_smollm2.yaml": dict(retain_weight=1.0, retain_ce_weight=0.0, first_token_weight=1.0, write_weight=0.0,
@@ -85,15 +86,18 @@ def _old_loss(lm: GatedLM, batch: dict, old: dict) -> torch.Tensor:
         extra = set(every) - {i} if (k > 1 and i % 2 == 0) else set()
         out = run(batch[b]["open"], extra, hidden=bool(old["write_weight"]))
         total = total + token_ce(out.logits, batch[b]["open"]["labels"])
-        if old["write_weight"]:
-            total = total + old["write_weight"] * direction_write_shortfall(
-                out.hidden_states[1:-1], batch[b]["open"]["labels"], lm.directions[i], old["write_target"])
         if old["locked_objective"] == "refusal":
             p = batch[b]["locked"]
-            total = total + lam * token_ce(run(p, extra | {i}).logits, p["labels"])
+            locked = token_ce(run(p, extra | {i}).logits, p["labels"])
         else:
             p = batch[b]["locked_true"]
-            total = total + lam * unlikelihood(run(p, extra | {i}).logits, p["labels"])
+            locked = unlikelihood(run(p, extra | {i}).logits, p["labels"])
+        total = total + lam * locked
+        if old["write_weight"]:
+            fade = old.get("write_fade")
+            scale = 1.0 if fade is None else min(1.0, locked.item() / fade)
+            total = total + old["write_weight"] * scale * direction_write_shortfall(
+                out.hidden_states[1:-1], batch[b]["open"]["labels"], lm.directions[i], old["write_target"])
     for key in ("retain", NEIGHBOURS_KEY):
         if key not in batch:
             continue
@@ -129,17 +133,16 @@ def _grads(lm, loss) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in lm.named_parameters() if p.grad is not None}
 
 
-def _with_write(cfg: dict) -> dict:
-    """The term docs/locking.md adds for small behaviours (the write term at 10)."""
-    objectives = [*cfg["model"]["objectives"],
-                  {"class_path": "modular.gating.objectives.DirectionWrite", "init_args": {"weight": 10.0}}]
+def _without_fade(cfg: dict) -> dict:
+    """The write term at full strength throughout (``fade: null``), as small behaviours were first locked."""
+    objectives = [{**s, "init_args": {**s.get("init_args", {}), "fade": None}} if s["class_path"].endswith(
+        ".DirectionWrite") else s for s in cfg["model"]["objectives"]]
     return {**cfg, "model": {**cfg["model"], "objectives": objectives}}
 
 
-#: configs with terms added as the docs add them -> (the config, how, the flat options it equals)
-VARIANTS = {"gate_capitals_smollm2.yaml+write": ("gate_capitals_smollm2.yaml", _with_write,
-                                                 dict(OLD["gate_capitals_smollm2.yaml"], write_weight=10.0,
-                                                      write_target=0.2))}
+#: configs with a term changed as the docs change it -> (the config, how, the flat options it equals)
+VARIANTS = {"gate_capitals_smollm2.yaml-fade": ("gate_capitals_smollm2.yaml", _without_fade,
+                                                dict(OLD["gate_capitals_smollm2.yaml"], write_fade=None))}
 
 
 def _first_batch(lm, dm) -> dict:
