@@ -37,6 +37,9 @@ def _config(folder, arch="llama", extra_model=None, callbacks=()):
     cfg, run = tiny_config(folder, model_dir, lock_args={"stop": False},
                            extra_model={"locked_steering": 1.0, "steering_refresh": 2, **(extra_model or {})})
     c = yaml.safe_load(cfg.read_text())
+    # without the write term: its per-position mean, weighted 10, makes two processes' mean of means differ from one
+    # process's mean by 4.4e-2 (measured), more than a broken data split; the other terms keep the check sharp
+    c["model"]["objectives"] = [o for o in c["model"]["objectives"] if not o["class_path"].endswith(".DirectionWrite")]
     c["trainer"].update({"max_steps": STEPS, "val_check_interval": STEPS, "accelerator": "cpu"})
     c["trainer"]["callbacks"] += [{"class_path": "tests.app.recorder.Recorder", "init_args": {"out": str(folder / "rec")}},
                                   *callbacks]
