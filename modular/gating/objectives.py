@@ -242,15 +242,16 @@ class DirectionWrite(Term):
             return piece.name.replace("/open_ce", "/open_write")
         return None
 
-    def scale(self, ctx: StepContext, index: int) -> float:
-        """The term's scale on behaviour ``index`` in this step: 1, or ``min(1, locked-state loss / fade)``."""
+    def scale(self, ctx: StepContext, index: int) -> float | torch.Tensor:
+        """The term's scale on behaviour ``index`` in this step: 1, or ``min(1, locked-state loss / fade)`` (a
+        tensor on the loss's device without gradient: no device sync in the step)."""
         if self.fade is None:
             return 1.0
         b = ctx.behaviours[index]
         locked = [v for k, v in ctx.losses.items() if k.startswith(f"{b}/locked_")]
         if not locked:  # no locked-state rows in this step's forward: nothing says the lock is learned
             return 1.0
-        return min(1.0, float(sum(v.detach() for v in locked)) / self.fade)
+        return (torch.stack(locked).sum().detach() / self.fade).clamp(max=1.0)
 
     def loss_on(self, ctx, piece, logits, hidden):
         # block outputs only: the embedding and the final norm's output are left out
