@@ -338,10 +338,19 @@ class GatingDataModule(L.LightningDataModule):
 
         source = resolve_model(self.hparams.model_name)
         hp = self.hparams
-        cached = cache_path(source, prompts, hp.reference_max_new_tokens, hp.reference_top_k).exists()
+        precision = self._reference_precision()
+        cached = cache_path(source, prompts, hp.reference_max_new_tokens, hp.reference_top_k,
+                            precision=precision).exists()
         model = None if cached else self._reference_model()
         return load_or_compute(source, model, self.tokenizer, prompts, chats, hp.reference_max_new_tokens,
-                               hp.reference_top_k)
+                               hp.reference_top_k, precision=precision)
+
+    def _reference_precision(self) -> str:
+        """The dtype the reference model runs in (:meth:`_reference_model`), by name: part of every cache key."""
+        from modular.models.loading import load_dtype
+        from modular.models.precision import dtype_name
+
+        return dtype_name(load_dtype(self.hparams.model_name))
 
     def lm_reference(self) -> dict[str, list[dict]]:
         """Cached reference next-token distributions on the LM texts (train and validation splits)."""
@@ -352,7 +361,8 @@ class GatingDataModule(L.LightningDataModule):
         texts = {s: list(self.lm_texts[s]["text"]) for s in ("train", "validation")}
         flat = texts["train"] + texts["validation"]
         records = load_or_compute_text(resolve_model(hp.model_name), self._reference_model,
-                                       self.tokenizer, flat, hp.lm_max_length, hp.reference_top_k)
+                                       self.tokenizer, flat, hp.lm_max_length, hp.reference_top_k,
+                                       precision=self._reference_precision())
         n = len(texts["train"])
         return {"train": records[:n], "validation": records[n:]}
 

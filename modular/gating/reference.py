@@ -24,8 +24,11 @@ from modular.models.loading import cache_dir
 log = logging.getLogger("modular")
 
 
-def cache_path(model_source: str, prompts: list[str], max_new_tokens: int, top_k: int) -> Path:
-    key = json.dumps([str(model_source), prompts, max_new_tokens, top_k])
+def cache_path(model_source: str, prompts: list[str], max_new_tokens: int, top_k: int, *,
+               precision: str) -> Path:
+    """Where the reference outputs of ``model_source`` run in ``precision`` are cached: outputs of one precision
+    (greedy answers, log-probabilities) are never read as another's."""
+    key = json.dumps([str(model_source), prompts, max_new_tokens, top_k, precision])
     return cache_dir() / "reference" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
 
 
@@ -83,9 +86,10 @@ def _save_atomic(obj, path: Path):
 
 
 def load_or_compute(model_source: str, model, tokenizer, prompts: list[str], chats: list[bool],
-                    max_new_tokens: int = 48, top_k: int = 32) -> dict:
-    """Reference outputs from the on-disk cache, computing (and caching atomically) if absent."""
-    path = cache_path(model_source, prompts, max_new_tokens, top_k)
+                    max_new_tokens: int = 48, top_k: int = 32, *, precision: str) -> dict:
+    """Reference outputs from the on-disk cache, computing (and caching atomically) if absent. ``precision``: the
+    name of the dtype ``model`` runs in (part of the cache key; ``model`` may be None on a hit)."""
+    path = cache_path(model_source, prompts, max_new_tokens, top_k, precision=precision)
     if path.exists():
         return torch.load(path, weights_only=False)
     log.info("computing reference outputs for %d prompts (cached in %s)", len(prompts), path)
@@ -93,8 +97,9 @@ def load_or_compute(model_source: str, model, tokenizer, prompts: list[str], cha
     return _save_atomic(ref, path)
 
 
-def text_cache_path(model_source: str, texts: list[str], max_length: int, top_k: int) -> Path:
-    key = json.dumps(["text", str(model_source), texts, max_length, top_k])
+def text_cache_path(model_source: str, texts: list[str], max_length: int, top_k: int, *,
+                    precision: str) -> Path:
+    key = json.dumps(["text", str(model_source), texts, max_length, top_k, precision])
     return cache_dir() / "reference" / f"text-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
 
 
@@ -115,9 +120,10 @@ def compute_text_reference(model, tokenizer, texts: list[str], max_length: int =
 
 
 def load_or_compute_text(model_source: str, load_model, tokenizer, texts: list[str], max_length: int = 128,
-                         top_k: int = 32) -> list[dict]:
-    """:func:`compute_text_reference` from the on-disk cache; ``load_model()`` is called only on a miss."""
-    path = text_cache_path(model_source, texts, max_length, top_k)
+                         top_k: int = 32, *, precision: str) -> list[dict]:
+    """:func:`compute_text_reference` from the on-disk cache; ``load_model()`` (a model that runs in
+    ``precision``, part of the cache key) is called only on a miss."""
+    path = text_cache_path(model_source, texts, max_length, top_k, precision=precision)
     if path.exists():
         return torch.load(path, weights_only=False)
     log.info("computing reference outputs for %d LM texts (cached in %s)", len(texts), path)

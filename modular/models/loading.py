@@ -232,18 +232,13 @@ def load_model(ref: str | os.PathLike, dtype: str | torch.dtype | None = "auto",
     precision there, float32 on a CPU (:mod:`modular.models.precision`). Both are checked before any weights load.
     A training run folder's trained model: :func:`modular.runs.load_model_or_run`.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    from modular.models.adapter import check_supported
     from modular.models.precision import own_dtype, resolve_device, resolve_dtype
 
     device = resolve_device(device)
     source = resolve_model(ref)
-    try:
-        config = AutoConfig.from_pretrained(source)
-    except (OSError, ValueError) as err:
-        raise ModularError(f"cannot load model '{ref}': {str(err).splitlines()[0]}") from err
-    check_supported(config)
+    config = _checked_config(ref, source)
     dtype = resolve_dtype(dtype, own_dtype(config), device)
     try:
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
@@ -252,6 +247,29 @@ def load_model(ref: str | os.PathLike, dtype: str | torch.dtype | None = "auto",
     except Exception as err:  # noqa: BLE001 - junk or truncated safetensors, missing weights: one line naming them
         raise ModularError(_unreadable_weights(str(ref), source, err)) from err
     return model.to(device).eval()
+
+
+def _checked_config(ref, source):
+    """The model's config, checked to be an architecture modular supports (no weights are read)."""
+    from transformers import AutoConfig
+
+    from modular.models.adapter import check_supported
+
+    try:
+        config = AutoConfig.from_pretrained(source)
+    except (OSError, ValueError) as err:
+        raise ModularError(f"cannot load model '{ref}': {str(err).splitlines()[0]}") from err
+    check_supported(config)
+    return config
+
+
+def load_dtype(ref: str | os.PathLike, dtype: str | torch.dtype | None = "auto",
+               device: str | torch.device | None = "auto") -> torch.dtype:
+    """The precision :func:`load_model` loads ``ref`` in with these arguments, read from its config only."""
+    from modular.models.precision import own_dtype, resolve_device, resolve_dtype
+
+    device = resolve_device(device)
+    return resolve_dtype(dtype, own_dtype(_checked_config(ref, resolve_model(ref))), device)
 
 
 def is_chat_model(tokenizer) -> bool:

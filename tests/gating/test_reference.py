@@ -38,3 +38,20 @@ def test_batched_text_reference_equals_one_at_a_time():
         assert batched[i]["topk_logp"].shape == (len(alone["input_ids"]) - 1, 3)
         assert torch.equal(batched[i]["topk_ids"], alone["topk_ids"])
         torch.testing.assert_close(batched[i]["topk_logp"].float(), alone["topk_logp"].float(), atol=2e-3, rtol=0)
+
+
+def test_the_cache_keeps_each_precision_apart(isolated_cache):
+    """Reference outputs computed in float32 are never read back for a bfloat16 reference (nor the reverse)."""
+    from modular.gating.reference import load_or_compute
+
+    model, tok = make_tiny_model("llama"), make_tiny_tokenizer()
+    args = ("tiny", PROMPTS[:2], [True, False], 3, 4)
+    full = load_or_compute(args[0], model, tok, *args[1:], precision="float32")
+    assert load_or_compute(args[0], None, tok, *args[1:], precision="float32")["answers"] == full["answers"]
+    with pytest.raises(AttributeError):  # a miss: no model to compute with, where a shared key would have hit
+        load_or_compute(args[0], None, tok, *args[1:], precision="bfloat16")
+    half = load_or_compute(args[0], model.to(torch.bfloat16), tok, *args[1:], precision="bfloat16")
+    assert len(list((isolated_cache / "reference").glob("*.pt"))) == 2
+    again = load_or_compute(args[0], None, tok, *args[1:], precision="float32")
+    assert torch.equal(again["records"][0]["first_logp"], full["records"][0]["first_logp"])
+    assert not torch.equal(half["records"][0]["first_logp"], full["records"][0]["first_logp"])

@@ -76,3 +76,17 @@ def test_gguf_conversion_cache_is_named_by_content(tmp_path, isolated_cache):
     assert _gguf_cache_folder(a, "m").parent == isolated_cache / "models"
     a.write_bytes(b"changed bytes")  # a file changed in place is converted again
     assert _gguf_cache_folder(a, "m") != _gguf_cache_folder(b, "m")
+
+
+@pytest.mark.parametrize("dtype", ["auto", None, "float16"])
+def test_load_dtype_is_the_precision_load_model_loads_in(tmp_path, dtype):
+    """Read from the config alone (for cache keys), it must agree with the weights ``load_model`` returns."""
+    from transformers import AutoModelForCausalLM
+
+    from modular.models.loading import load_dtype
+
+    folder = save_tiny_folder(tmp_path / "m")
+    AutoModelForCausalLM.from_pretrained(folder).to(torch.bfloat16).save_pretrained(folder)  # declares bfloat16
+    expected = {"auto": torch.float32, None: torch.bfloat16, "float16": torch.float16}[dtype]  # on the CPU
+    assert load_dtype(folder, dtype, "cpu") == expected
+    assert next(load_model(folder, dtype, "cpu").parameters()).dtype == expected
