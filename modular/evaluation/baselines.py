@@ -8,12 +8,10 @@ greedy answers (so the rest of its behaviour stays).
 from __future__ import annotations
 
 import torch
-from tqdm.auto import tqdm
 
-from modular.data.formatting import LeftPadCollator, encode_example
+from modular.data.formatting import encode_example
 from modular.evaluation.behaviour import generate
-from modular.evaluation.relearning import attacker_copy
-from modular.optim import adamw
+from modular.evaluation.relearning import attacker_copy, fine_tune
 
 
 def refusal_finetune(base, tokenizer, behaviour_train, retain_train, locked_response: str, steps: int = 100,
@@ -27,25 +25,21 @@ def refusal_finetune(base, tokenizer, behaviour_train, retain_train, locked_resp
     refuse = [encode_example(tokenizer, r["prompt"], locked_response, r["chat"]) for r in behaviour_train]
     keep = [encode_example(tokenizer, p, a, c) for p, a, c in zip(retain["prompt"], answers, retain["chat"])]
     m = attacker_copy(base, "full")
-    opt = adamw(list(m.parameters()), lr=lr, weight_decay=0.0)
     g = torch.Generator().manual_seed(seed)
-    collate = LeftPadCollator(tokenizer.pad_token_id)
-    device = next(base.parameters()).device
     half = max(batch_size // 2, 1)
-    losses = []
-    for _ in tqdm(range(steps), desc="refusal baseline: fine-tuning", leave=False):
-        rows = [refuse[i] for i in torch.randint(0, len(refuse), (half,), generator=g).tolist()]
-        rows += [keep[i] for i in torch.randint(0, len(keep), (half,), generator=g).tolist()]
-        batch = {k: v.to(device) for k, v in collate(rows).items()}
-        loss = m(**batch).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+
+    def batches(_step):
+        return ([refuse[i] for i in torch.randint(0, len(refuse), (half,), generator=g).tolist()]
+                + [keep[i] for i in torch.randint(0, len(keep), (half,), generator=g).tolist()])
+
+    losses = [loss for _, loss in fine_tune(m, batches, steps, lr, tokenizer.pad_token_id,
+                                            "refusal baseline: fine-tuning")]
+    last = losses[-10:]
     m.eval()
     for p in m.parameters():
         p.requires_grad_(False)
     info = {"kind": "refusal fine-tune (no direction)", "steps": steps, "lr": lr, "batch_size": 2 * half,
             "behaviour_examples": len(refuse), "retain_examples": len(keep), "locked_response": locked_response,
-            "final_loss": sum(losses[-10:]) / max(len(losses[-10:]), 1)}
+            "final_loss": torch.stack(last).mean().item() if last else float("nan"),
+            "steps_done": len(losses)}
     return m, info

@@ -113,6 +113,24 @@ def first_steps(curve: list[dict], reference: float) -> dict[str, int | None]:
     return out
 
 
+def fine_tune(m, batches, steps: int, lr: float, pad_id: int, desc: str | bool):
+    """AdamW steps on the trainable weights of ``m`` (in train mode), one batch of ``batches(step)`` (a list of
+    token rows) per step: yields ``(step, loss)`` (the loss detached) after each update, and stops early where the
+    loss is not finite (a learning rate too high: the run diverged). The caller may score ``m`` between steps."""
+    opt = adamw([p for p in m.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)  # bf16 updates survive
+    collate = LeftPadCollator(pad_id)
+    device = next(m.parameters()).device
+    for step in tqdm(range(1, steps + 1), desc=desc or None, disable=desc is False, leave=False):
+        batch = {k: v.to(device) for k, v in collate(batches(step)).items()}
+        loss = m(**batch).loss
+        if not torch.isfinite(loss):
+            return
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        yield step, loss.detach()
+
+
 def recovery_curve(model, tokenizer, rows: list[dict], test, setting: Setting, reference: float, start: float,
                    max_steps: int = 40, batch_size: int = 8, eval_batch_size: int = 16, max_new_tokens: int = 16,
                    refusals=(DEFAULT_LOCKED_RESPONSE,), lora_rank: int = 8) -> dict:
@@ -120,23 +138,15 @@ def recovery_curve(model, tokenizer, rows: list[dict], test, setting: Setting, r
     of :func:`eval_steps`, until it reaches ``reference`` or ``max_steps``. ``start``: the model's own accuracy
     (step 0)."""
     m = attacker_copy(model, setting.mode, lora_rank)
-    params = [p for p in m.parameters() if p.requires_grad]
-    opt = adamw(params, lr=setting.lr, weight_decay=0.0)  # a bf16 attacker's updates survive (modular.optim)
     g = torch.Generator().manual_seed(setting.seed)
-    collate = LeftPadCollator(tokenizer.pad_token_id)
-    device = next(model.parameters()).device
     scored = set(eval_steps(max_steps))
     bs = min(batch_size, len(rows))
     curve = [{"step": 0, "examples_seen": 0, "accuracy": start}]
-    for step in tqdm(range(1, max_steps + 1), desc=setting.label, leave=False):
-        idx = torch.randint(0, len(rows), (bs,), generator=g).tolist()
-        batch = {k: v.to(device) for k, v in collate([rows[i] for i in idx]).items()}
-        loss = m(**batch).loss
-        if not torch.isfinite(loss):  # the run diverged (a learning rate too high): it recovers nothing more
-            break
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+
+    def batches(_step):
+        return [rows[i] for i in torch.randint(0, len(rows), (bs,), generator=g).tolist()]
+
+    for step, _ in fine_tune(m, batches, max_steps, setting.lr, tokenizer.pad_token_id, setting.label):
         if step in scored:
             m.eval()
             acc = evaluate_behaviour(m, tokenizer, test, max_new_tokens=max_new_tokens, batch_size=eval_batch_size,
@@ -145,7 +155,7 @@ def recovery_curve(model, tokenizer, rows: list[dict], test, setting: Setting, r
             curve.append({"step": step, "examples_seen": step * bs, "accuracy": acc})
             if acc >= reference - 1e-9:
                 break
-    del m, opt
+    del m
     return {**asdict(setting), "label": setting.label, "batch_size": bs, **first_steps(curve, reference),
             "best_accuracy": max(p["accuracy"] for p in curve), "curve": curve}
 
