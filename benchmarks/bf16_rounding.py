@@ -28,7 +28,7 @@ import torch
 
 from modular.data import load_behaviour
 from modular.evaluation.behaviour import evaluate_behaviour
-from modular.hooks import _hidden, _replace_hidden, ablate_directions, registered
+from modular.hooks import ablate_directions, edit_writes
 from modular.models import load_model, load_tokenizer
 from modular.models.adapter import ArchitectureAdapter
 from modular.models.precision import cast_model
@@ -42,13 +42,12 @@ def rounding_leak(adapter: ArchitectureAdapter, directions: torch.Tensor, scale:
     rounding the projected write to bfloat16 leaves."""
     q = torch.linalg.qr(directions.T.double())[0].T.float()
 
-    def fn(module, args, output):
-        o = _hidden(output)
+    def leak_back(o):
         o = o - (o @ q.T) @ q
         leak = ((o.bfloat16().float() - o) @ q.T) @ q
-        return _replace_hidden(output, o + scale * leak)
+        return o + scale * leak
 
-    with registered([(s.module, "forward", fn) for s in adapter.write_sites()]):
+    with edit_writes(adapter, lambda site: leak_back):
         yield
 
 

@@ -165,6 +165,24 @@ def write_space_basis(adapter: ArchitectureAdapter, site, directions: torch.Tens
 
 
 @contextmanager
+def edit_writes(adapter: ArchitectureAdapter,
+                edit: Callable[[object], Callable[[torch.Tensor], torch.Tensor]]) -> Iterator[None]:
+    """Replace every residual write's output ``x`` (embeddings, attention and MLP outputs, before any
+    post-sublayer norm) by ``edit(site)(x)``; ``edit`` is called once per write site on entry (so per-site
+    constants, such as a basis, are computed once)."""
+    hooks = []
+    for site in adapter.write_sites():
+        f = edit(site)
+
+        def fn(module, args, output, f=f):
+            return _replace_hidden(output, f(_hidden(output)))
+
+        hooks.append((site.module, "forward", fn))
+    with registered(hooks):
+        yield
+
+
+@contextmanager
 def ablate_directions(adapter: ArchitectureAdapter, directions: torch.Tensor) -> Iterator[None]:
     """Project ``directions`` ((d,) or (k, d)) out of every residual write (embeddings, attention, MLP).
 
@@ -173,15 +191,12 @@ def ablate_directions(adapter: ArchitectureAdapter, directions: torch.Tensor) ->
     orthogonalised weights reproduce.
     """
     directions = directions.reshape(-1, directions.shape[-1]).detach()
-    hooks = []
-    for site in adapter.write_sites():
+
+    def edit(site):
         basis = write_space_basis(adapter, site, directions)
+        return lambda x: _project_out(x, basis)
 
-        def fn(module, args, output, basis=basis):
-            return _replace_hidden(output, _project_out(_hidden(output), basis))
-
-        hooks.append((site.module, "forward", fn))
-    with registered(hooks):
+    with edit_writes(adapter, edit):
         yield
 
 
@@ -195,20 +210,20 @@ def ablate_rows(adapter: ArchitectureAdapter, row_sets: list[tuple[torch.Tensor,
     sets = [(rows, directions.reshape(-1, directions.shape[-1]).detach()) for rows, directions in row_sets]
     if sets and int(sum(rows.long() for rows, _ in sets).max()) > 1:
         raise ValueError("ablate_rows: a row is in two masks")
-    hooks = []
-    for site in adapter.write_sites():
+
+    def edit(site):
         bases = [(rows, write_space_basis(adapter, site, directions)) for rows, directions in sets]
 
-        def fn(module, args, output, bases=bases):
-            x = _hidden(output)
+        def f(x):
             for rows, basis in bases:
                 b = basis.to(dtype=x.dtype, device=x.device)
                 keep = rows.to(device=x.device, dtype=x.dtype).reshape(-1, *([1] * (x.dim() - 1)))
                 x = x - keep * ((x @ b.T) @ b)
-            return _replace_hidden(output, x)
+            return x
 
-        hooks.append((site.module, "forward", fn))
-    with registered(hooks):
+        return f
+
+    with edit_writes(adapter, edit):
         yield
 
 

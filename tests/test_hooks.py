@@ -8,6 +8,7 @@ from modular.hooks import (
     capture_head_inputs,
     capture_residual,
     capture_writes,
+    edit_writes,
     enable_checkpointing,
     replace_heads,
     replay_interventions,
@@ -224,3 +225,24 @@ def test_ablate_rows_gives_each_row_its_own_lock(arch, tokens):
     with pytest.raises(ValueError, match="two masks"):
         with ablate_rows(adapter, [(torch.ones(4, dtype=torch.bool), q[:1]), (torch.ones(4, dtype=torch.bool), q[1:])]):
             pass
+
+
+def test_edit_writes_edits_every_write_site_once_and_cleans_up(tiny_model, tokens):
+    """``edit(site)`` is built once per write site; its function replaces what the site writes; nothing stays."""
+    adapter = ArchitectureAdapter(tiny_model)
+    with torch.no_grad():
+        plain = tiny_model(tokens).logits
+        built, seen = [], []
+
+        def edit(site):
+            built.append(site.name)
+            return lambda x: (seen.append(site.name), x)[1]
+
+        with edit_writes(adapter, edit):
+            same = tiny_model(tokens).logits
+        assert built == [s.name for s in adapter.write_sites()] and sorted(seen) == sorted(built)
+        torch.testing.assert_close(same, plain, atol=0, rtol=0)
+        with edit_writes(adapter, lambda site: torch.zeros_like):  # nothing is written: every input looks alike
+            blank = tiny_model(tokens).logits
+        torch.testing.assert_close(blank, blank[:1, :1].expand_as(blank))
+        torch.testing.assert_close(tiny_model(tokens).logits, plain, atol=0, rtol=0)
