@@ -41,8 +41,10 @@ class LockMetricsCallback(Callback):
     capitals' 306 train items but 14 passes over 28 items, on which the open state overfits. The budget scales with the data: enough steps for ``max_passes`` passes over the largest
     gated behaviour's train split in the locked state (half of each batch), at most ``trainer.max_steps`` (and at
     least ``min_steps``); ``max_passes: null`` leaves ``trainer.max_steps`` as the budget. Either way :attr:`status`
-    (written to ``run.json`` as ``lock``) says whether the final step holds the lock; a budget spent without it is
-    logged as a warning in one line.
+    (written to ``run.json`` as ``lock``) says whether the final step holds the lock, and its ``history`` lists every
+    check (step, verdict, what failed, the validation metrics); each check is logged in one line (the gated
+    behaviours' open, base and locked accuracy, the retain KL, what failed), a budget spent without the lock as a
+    warning.
 
     Accuracy, refusal share and KL are torchmetrics metrics (:mod:`modular.evaluation.metrics`): with several
     processes (DDP) every process scores the same validation items and the values, synced on ``compute()``, are those
@@ -84,14 +86,17 @@ class LockMetricsCallback(Callback):
         self.stop_from = min_steps  # the first step at which the lock may stop training (min_passes may lower it)
         self.base_accuracy: dict[str, float] = {}
         self.status: dict = {}
+        self.history: list[dict] = []  # every check: step, reached, failing, validation
 
     # --- state kept in checkpoints: a resumed run keeps its base accuracy and its last verdict ------------------
     def state_dict(self) -> dict:
-        return {"base_accuracy": dict(self.base_accuracy), "status": dict(self.status)}
+        return {"base_accuracy": dict(self.base_accuracy), "status": dict(self.status),
+                "history": list(self.history)}
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.base_accuracy = dict(state_dict.get("base_accuracy", {}))
         self.status = dict(state_dict.get("status", {}))
+        self.history = list(state_dict.get("history", []))
 
     @torch.no_grad()
     def on_train_start(self, trainer, pl_module) -> None:
@@ -202,6 +207,29 @@ class LockMetricsCallback(Callback):
         return {"reached": not failing, "step": step, "budget": self.budget, "targets": dict(t), "failing": failing,
                 "base_accuracy": dict(self.base_accuracy), "validation": dict(metrics)}
 
+    def _check(self, trainer, pl_module, metrics: dict[str, float]) -> None:
+        """The verdict on ``metrics`` becomes :attr:`status`, joins the history and is logged in one line."""
+        self.status = self.verdict(metrics, pl_module.behaviours, trainer.global_step)
+        entry = {k: self.status[k] for k in ("step", "reached", "failing", "validation")}
+        self.history = [h for h in self.history if h["step"] != entry["step"]] + [entry]
+        self.status["history"] = list(self.history)
+        if trainer.is_global_zero:
+            log.info(self.summary(self.status, pl_module.behaviours))
+
+    def summary(self, status: dict, behaviours: list[str]) -> str:
+        """One line of a check: per gated behaviour open (base) and locked accuracy, the retain KL, the verdict."""
+        m = status["validation"]
+        parts = []
+        for b in behaviours:
+            base = status["base_accuracy"].get(b)
+            parts.append(f"{b} open {m[f'val/{b}/accuracy_open']:.2f}"
+                         + (f" (base {base:.2f})" if base is not None else "")
+                         + f", locked {m[f'val/{b}/accuracy_locked']:.2f}")
+        kl = [m.get(f"val/retain/first_token_kl_{s}") for s in ("open", "locked")]
+        parts.append("retain KL " + " / ".join("-" if v is None else f"{v:.3f}" for v in kl))
+        verdict = "the lock holds" if status["reached"] else "not locked: " + "; ".join(status["failing"])
+        return f"step {status['step']} (validation): {'; '.join(parts)}: {verdict}"
+
     @torch.no_grad()
     def on_validation_epoch_end(self, trainer, pl_module) -> None:
         if trainer.sanity_checking:
@@ -211,7 +239,7 @@ class LockMetricsCallback(Callback):
             pl_module.log(name, value, batch_size=1, sync_dist=True)  # equal on every process
         if not pl_module.behaviours:
             return
-        self.status = self.verdict(metrics, pl_module.behaviours, trainer.global_step)
+        self._check(trainer, pl_module, metrics)
         pl_module.log("val/lock_holds", float(self.status["reached"]), batch_size=1, sync_dist=True)
         if (self.stop and self.status["reached"] and trainer.global_step >= self.stop_from
                 and trainer.state.fn == TrainerFn.FITTING):
@@ -234,7 +262,7 @@ class LockMetricsCallback(Callback):
             metrics = self.measure(trainer, pl_module)
             for lg in trainer.loggers:
                 lg.log_metrics(metrics, step=trainer.global_step)
-            self.status = self.verdict(metrics, pl_module.behaviours, trainer.global_step)
+            self._check(trainer, pl_module, metrics)
         if not self.status["reached"]:
             log.warning("lock not reached after %d steps (the step budget): %s", trainer.global_step,
                         "; ".join(self.status["failing"]))

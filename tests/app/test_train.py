@@ -316,6 +316,11 @@ def test_a_run_that_cannot_reach_the_lock_is_reported_and_not_published_as_locke
     assert lock["reached"] is False and lock["step"] == 4 == record["checkpoint_step"]
     assert any(f.startswith("retain KL ") for f in lock["failing"])
     assert set(lock["base_accuracy"]) == {"capitals"} and "val/capitals/accuracy_locked" in lock["validation"]
+    assert [(h["step"], h["reached"]) for h in lock["history"]] == [(2, False), (4, False)]
+    assert lock["history"][-1]["failing"] == lock["failing"]
+    checks = [line for line in out.stderr.splitlines() if "(validation): capitals open " in line]
+    assert [c.split("step ")[1].split(" ")[0] for c in checks] == ["2", "4"], out.stderr[-2000:]
+    assert all("not locked: retain KL " in c and "retain KL " in c.split(": ")[1] for c in checks)
     pub = tmp_path / "pub"
     res = _publish(run, pub, env=tiny_env, cwd=tmp_path)
     _one_line_error(res, "the lock did not hold on validation at step 4", "--allow_failed_lock")
@@ -339,7 +344,9 @@ def test_training_stops_once_the_lock_holds(tmp_path, tiny_env):
     record = json.loads((run / "run.json").read_text())
     assert record["lock"]["reached"] is True and record["lock"]["failing"] == []
     assert record["global_step"] == 2 == record["checkpoint_step"] == record["lock"]["step"]
-    assert "lock not reached" not in out.stderr
+    assert [(h["step"], h["reached"]) for h in record["lock"]["history"]] == [(2, True)]
+    assert "lock not reached" not in out.stderr and "step 2 (validation): capitals open " in out.stderr
+    assert "the lock holds" in out.stderr
     out = _train(cfg, "--trainer.max_steps", "8", "--trainer.val_check_interval", "2", env=tiny_env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads((run / "run.json").read_text())["global_step"] == 2
