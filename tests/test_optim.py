@@ -78,3 +78,46 @@ def test_adamw_picks_torch_for_float32_and_takes_param_groups():
     assert isinstance(opt, StochasticRoundingAdamW) and opt.param_groups[0]["lr"] == 5e-4
     with pytest.raises(ValueError):
         StochasticRoundingAdamW(list(model.parameters()), lr=-1.0)
+
+
+def _sharded_worker(rank: int, store: str, out: str) -> None:
+    """One of two processes: a bfloat16 weight sharded by rows as FSDP2 shards it (a DTensor), three steps of
+    :class:`StochasticRoundingAdamW`; the full weight (gathered) is written out."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        w, g = _sharded_data()
+        p = torch.nn.Parameter(distribute_tensor(w.bfloat16(), mesh, [Shard(0)]))
+        grad = distribute_tensor(g.bfloat16(), mesh, [Shard(0)])
+        assert p.to_local().shape[0] == w.shape[0] // 2  # each process holds half the rows
+        _steps(StochasticRoundingAdamW, [p], [grad], lr=1e-2, weight_decay=0.1)
+        torch.save(p.full_tensor(), f"{out}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _sharded_data():
+    gen = torch.Generator().manual_seed(5)
+    return torch.randn(6, 4, generator=gen), torch.randn(6, 4, generator=gen)
+
+
+def test_a_sharded_weight_takes_the_same_step_as_a_whole_one(tmp_path):
+    """Under FSDP2 bf16 weights and gradients are DTensors: the optimizer steps each process's local shard (rounding
+    it stochastically), and the gathered weight is within a bfloat16 unit of torch's float32 AdamW on the whole
+    weight, from the same bf16 start, the same on every process."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_sharded_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+    w, g = _sharded_data()
+    w, g = w.bfloat16().float(), g.bfloat16().float()
+    whole = _steps(torch.optim.AdamW, [torch.nn.Parameter(w.clone())], [g], lr=1e-2, weight_decay=0.1)[0].detach()
+    got = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
+    assert got[0].dtype == torch.bfloat16 and torch.equal(got[0], got[1])
+    ulp = (torch.nextafter(whole.bfloat16(), torch.full_like(whole, torch.inf).bfloat16()).float()
+           - whole.bfloat16().float()).abs()
+    assert ((got[0].float() - whole).abs() <= 3 * ulp).all()  # three steps, each rounded to a neighbour
+    assert (got[0].float() != w).float().mean() > 0.9  # the steps moved the weight
