@@ -25,6 +25,10 @@ def first_token_kl(model, tokenizer, prompts, chats, reference_logp: torch.Tenso
     return mean_kl(reference_logp.float(), first_token_logp(model, tokenizer, prompts, chats))
 
 
+#: fewer validation items than this per gated behaviour: the lock check is coarse, and training says so
+FEW_VALIDATION_ITEMS = 20
+
+
 class LockMetricsCallback(Callback):
     """After each validation: behaviour accuracy open / locked (greedy responses), first-token KL of the retain
     validation prompts to the reference model, open / locked, and the neighbours' accuracy and refusal share, open /
@@ -135,6 +139,12 @@ class LockMetricsCallback(Callback):
         if not pl_module.behaviours:
             return
         dm = trainer.datamodule
+        for b in pl_module.behaviours:
+            n = len(dm.behaviour_data[b]["validation"])
+            if 0 < n < FEW_VALIDATION_ITEMS and trainer.is_global_zero:
+                log.warning("'%s': the lock is checked on %d validation items (one item is %.0f points of accuracy): "
+                            "a verdict on so few can pass where held-out items fail; give it %d or more", b, n,
+                            100 / n, FEW_VALIDATION_ITEMS)
         items = max(len(dm.behaviour_data[b]["train"]) for b in pl_module.behaviours)
         self.stop_from = self.stop_step(items, dm.hparams.batch_size)
         if self.stop_from != self.min_steps:

@@ -202,6 +202,7 @@ def test_jsonl_without_validation_split_trains(tmp_path, tiny_env):
     out = _train(cfg, env=tiny_env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "behaviour 'mine' has no validation split: 1 of its train items moved to validation" in out.stderr
+    assert "'mine': the lock is checked on 1 validation items (one item is 100 points of accuracy)" in out.stderr
     record = json.loads((run / "run.json").read_text())
     assert record["global_step"] == 3 and "val/mine/accuracy_locked" in record["metrics"], record["metrics"]
     data.write_text("".join(json.dumps({**r, "split": "test"}) + "\n" for r in rows))
