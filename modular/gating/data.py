@@ -273,6 +273,7 @@ class GatingDataModule(L.LightningDataModule):
                 neighbour_data(name, load_jsonl(source))
         self._ready = False
         self._reference_model_cache = None
+        self._reference_precision_cache: str | None = None
 
     def _training_data(self, name: str, data):
         """:func:`training_data`, with a warning (once per behaviour) where a validation split was carved."""
@@ -347,10 +348,12 @@ class GatingDataModule(L.LightningDataModule):
 
     def _reference_precision(self) -> str:
         """The dtype the reference model runs in (:meth:`_reference_model`), by name: part of every cache key."""
-        from modular.models.loading import load_dtype
-        from modular.models.precision import dtype_name
+        if self._reference_precision_cache is None:  # read from the model's config once
+            from modular.models.loading import load_dtype
+            from modular.models.precision import dtype_name
 
-        return dtype_name(load_dtype(self.hparams.model_name))
+            self._reference_precision_cache = dtype_name(load_dtype(self.hparams.model_name))
+        return self._reference_precision_cache
 
     def lm_reference(self) -> dict[str, list[dict]]:
         """Cached reference next-token distributions on the LM texts (train and validation splits)."""
