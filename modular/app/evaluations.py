@@ -17,7 +17,7 @@ from modular.data.schema import DEFAULT_LOCKED_RESPONSE
 from modular.evaluation.attack import plot_attack, residual_scale, steering_attack, weight_attack
 from modular.evaluation.baselines import refusal_finetune
 from modular.evaluation.behaviour import evaluate_behaviour
-from modular.evaluation.lock import lock_report, plot_lock
+from modular.evaluation.lock import NEIGHBOUR_TOLERANCE, lock_report, plot_lock
 from modular.evaluation.quantized import quantized_report
 from modular.evaluation.relearning import (
     DEFAULT_LRS,
@@ -97,8 +97,8 @@ def behaviour(
 
 
 def lock(run: str, out: str | None = None, other_limit: int = 64, harden: bool = True,
-         max_new_tokens: int = 24, neighbours: list[str] | None = None, batch_size: int = 16, device: str = "auto",
-         dtype: DTypeName = "auto") -> dict:
+         max_new_tokens: int = 24, neighbours: list[str] | None = None, neighbour_tolerance: float = NEIGHBOUR_TOLERANCE,
+         batch_size: int = 16, device: str = "auto", dtype: DTypeName = "auto") -> dict:
     """Lock evaluation of a gated run: accuracy and retain measures for base, open, locked (hooks),
     published_locked (weights) and unlocked (keys applied), for the gated behaviours, their neighbours (with the
     share of answers that are the locked response) and far built-in behaviours; writes lock.json and lock.png.
@@ -111,6 +111,9 @@ def lock(run: str, out: str | None = None, other_limit: int = 64, harden: bool =
         max_new_tokens: For the gated behaviours and their neighbours.
         neighbours: More neighbours to score, besides the built-in neighbours of the gated built-in behaviours and
             those the run kept in training (run.json ``neighbour_sources``).
+        neighbour_tolerance: A neighbour whose accuracy moves further than this from base's (either way) in any
+            state is named in one warning line, with the items it lost and gained and the paired test's p-value
+            (``neighbour_shifts`` in lock.json).
     """
     r = read_run(run)
     trained = dict(r.record.get("neighbour_sources") or {})
@@ -126,7 +129,12 @@ def lock(run: str, out: str | None = None, other_limit: int = 64, harden: bool =
                          seed=int(r.record.get("seed", 0)), other_limit=other_limit, harden=harden,
                          max_new_tokens=max_new_tokens, sources=behaviour_sources(r),
                          locked_responses=r.record.get("locked_responses"), neighbours=named,
-                         trained_neighbours=list(trained), batch_size=batch_size)
+                         trained_neighbours=list(trained), batch_size=batch_size,
+                         neighbour_tolerance=neighbour_tolerance)
+    if report["neighbour_shifts"]:
+        log.warning("neighbours moved more than %.0f points from base: %s", 100 * neighbour_tolerance, "; ".join(
+            f"{x['neighbour']} {x['state']} {100 * x['change']:+.1f} ({x['lost']} lost, {x['gained']} gained of "
+            f"{x['n']}; paired p = {x['p_value']:.2g})" for x in report["neighbour_shifts"]))
     report = {"run": str(run), "model": r.model_name, "step": step, "dtype": dtype_name(model_dtype(open_model)),
               **report}  # the checkpoint step it describes
     write_json(out_dir / "lock.json", report)

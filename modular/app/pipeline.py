@@ -126,6 +126,10 @@ def summarise(run_dir: Path, out_dir: Path) -> dict:
         untrained = [n for n in neighbours if n not in lock.get("neighbours_trained", [])]
         if untrained:
             lines.append(f"neighbours never trained on: {', '.join(untrained)}")
+        for x in lock.get("neighbour_shifts", []):
+            lines.append(f"neighbour moved more than {100 * lock['neighbour_tolerance']:.0f} points from base: "
+                         f"{x['neighbour']} {x['state']} {100 * x['change']:+.1f} ({x['lost']} lost, {x['gained']} "
+                         f"gained of {x['n']}; paired p = {x['p_value']:.2g})")
     ex = lock["exactness"]
     lines.append(f"published vs hook-locked max |Δlogit|: {ex['published_vs_hook_locked_max_abs_logit_diff']:.2e}; "
                  f"unlocked vs open max |Δw|: {ex['unlocked_vs_open_max_abs_weight_diff']:.2e}")

@@ -20,7 +20,7 @@ from modular.data.schema import all_refusals, is_refusal
 from modular.evaluation.behaviour import evaluate_behaviour, generate, last_logits
 from modular.evaluation.metrics import share
 from modular.evaluation.retain import first_token_logp, mean_kl, perplexity
-from modular.evaluation.stats import wilson_interval
+from modular.evaluation.stats import paired_change, wilson_interval
 from modular.hooks import ablate_directions
 from modular.keys import apply_key, lock_weights, ulp
 from modular.models.adapter import ArchitectureAdapter
@@ -28,6 +28,9 @@ from modular.models.adapter import ArchitectureAdapter
 log = logging.getLogger("modular")
 
 STATES = ("base", "open", "locked", "published_locked", "unlocked")
+
+#: how far (accuracy, either way) a neighbour may move from base in any state before the report names it
+NEIGHBOUR_TOLERANCE = 0.03
 
 
 def max_param_diff(a, b) -> float:
@@ -78,7 +81,7 @@ def lock_report(base, open_model, tokenizer, directions: dict[str, torch.Tensor]
                 other_limit: int = 64, harden: bool = True, max_new_tokens: int = 24,
                 sources: dict[str, str] | None = None, locked_responses: dict[str, str] | None = None,
                 neighbours: dict[str, str] | None = None, trained_neighbours: list[str] = (),
-                batch_size: int = 16) -> dict:
+                batch_size: int = 16, neighbour_tolerance: float = NEIGHBOUR_TOLERANCE) -> dict:
     """Every number of ``lock.json``. ``sources``: where each gated behaviour's data is, by name (default: the
     name); ``locked_responses``: each behaviour's locked response, never scored as a correct answer.
 
@@ -86,7 +89,11 @@ def lock_report(base, open_model, tokenizer, directions: dict[str, torch.Tensor]
     test split in every state with the share of answers that are a locked response (refusal leakage);
     ``trained_neighbours``: those whose train split was kept in training (the report marks the others). The far
     "other" behaviours are the built-in ones that are neither gated nor neighbours. Retain test prompts get a
-    refusal-leakage share too. ``batch_size``: prompts per generation or forward batch."""
+    refusal-leakage share too. ``batch_size``: prompts per generation or forward batch.
+
+    Each neighbour is compared with base item by item in every other state (``vs_base``: items lost and gained, and
+    the paired test's p-value); ``neighbour_shifts`` lists every neighbour and state whose accuracy moved from
+    base's by more than ``neighbour_tolerance`` either way."""
     states, published, unlocked, _ = build_states(base, open_model, directions, harden)
     gated = list(directions)
     neighbours = {n: src for n, src in (neighbours or {}).items() if n not in gated}
@@ -111,6 +118,7 @@ def lock_report(base, open_model, tokenizer, directions: dict[str, torch.Tensor]
         "unlocked_vs_open_max_ulps": max_param_ulps(unlocked, open_model),
     }
     responses: dict[str, dict[str, list[str]]] = {}
+    neighbour_correct: dict[str, dict[str, list[bool]]] = {}
 
     ref_logp = first_token_logp(base, tokenizer, retain["prompt"], retain["chat"])
     base_ppl = perplexity(base, tokenizer, texts)
@@ -130,8 +138,10 @@ def lock_report(base, open_model, tokenizer, directions: dict[str, torch.Tensor]
             r = evaluate_behaviour(model, tokenizer, data[n], max_new_tokens, batch_size, intervention=ctx,
                                    desc=f"{state}:{n}",
                                    refusals=every_refusal)
-            k = sum(i["correct"] for i in r.items)
-            row["neighbours"][n] = {**r.summary(), "ci95": wilson_interval(k, r.n)}
+            correct = neighbour_correct.setdefault(state, {})[n] = [i["correct"] for i in r.items]
+            row["neighbours"][n] = {**r.summary(), "ci95": wilson_interval(sum(correct), r.n)}
+            if state != "base":
+                row["neighbours"][n]["vs_base"] = paired_change(neighbour_correct["base"][n], correct)
         for b in others:
             # tasks with a competing answer are scored by choice accuracy (one forward pass), others by generation
             r = evaluate_behaviour(model, tokenizer, data[b], 12, batch_size, limit=other_limit, intervention=ctx,
@@ -162,6 +172,13 @@ def lock_report(base, open_model, tokenizer, directions: dict[str, torch.Tensor]
                 for n in neighbours), default=0.0)
         for s in states
     }
+    report["neighbour_tolerance"] = neighbour_tolerance
+    report["neighbour_shifts"] = [
+        {"state": s, "neighbour": n, "change": change, **report["states"][s]["neighbours"][n]["vs_base"]}
+        for s in states if s != "base" for n in neighbours
+        if abs(change := report["states"][s]["neighbours"][n]["accuracy"] - base_row["neighbours"][n]["accuracy"])
+        > neighbour_tolerance + 1e-9
+    ]
     report["neighbours_max_refusal_rate"] = {
         s: max((report["states"][s]["neighbours"][n]["refusal_rate"] for n in neighbours), default=0.0)
         for s in states

@@ -51,8 +51,12 @@ def test_the_summary_names_every_sweeps_worst_case(tmp_path, capsys):
     from modular.app.pipeline import summarise
 
     state = {"behaviours": {"capitals": {"accuracy": 0.5}}, "retain_first_token_kl": 0.01, "perplexity_ratio": 1.0}
+    state.update(neighbours={"continents": {"accuracy": 0.643}}, retain_refusal_rate=0.0)
     (tmp_path / "lock.json").write_text(json.dumps({
-        "gated": ["capitals"], "states": {"open": state},
+        "gated": ["capitals"], "states": {"open": state}, "neighbours": ["continents"],
+        "neighbours_trained": ["continents"], "neighbours_max_refusal_rate": {"open": 0.0},
+        "neighbour_tolerance": 0.03, "neighbour_shifts": [{"state": "open", "neighbour": "continents", "change": -3 / 42,
+                                                           "lost": 3, "gained": 0, "n": 42, "p_value": 0.25}],
         "exactness": {"published_vs_hook_locked_max_abs_logit_diff": 1e-5, "unlocked_vs_open_max_abs_weight_diff": 0}}))
 
     def sw(n, s50, s90):
@@ -69,6 +73,8 @@ def test_the_summary_names_every_sweeps_worst_case(tmp_path, capsys):
     lines = summarise(tmp_path, tmp_path)["table"]
     text = "\n".join(lines)
     assert "(a) weights best 0.000, (b) steering best 0.100 (base 0.500)" in text
+    assert ("neighbour moved more than 3 points from base: continents open -7.1 (3 lost, 0 gained of 42; "
+            "paired p = 0.25)") in text
     assert "gated (c) relearning: worst case over 36 settings, steps to 50% / 90% of open: 1 / 3" in text
     assert "gated (d) neutral: worst case over 6 settings, steps to 50% / 90% of open: >16 / >16" in text
     assert "refusal baseline (c) relearning: worst case over 36 settings, steps to 50% / 90% of open: 2 / 4" in text

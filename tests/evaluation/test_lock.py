@@ -21,7 +21,8 @@ def near(tmp_path):
 
 def test_lock_report_scores_neighbours_and_refusal_leakage_in_every_state(tmp_path, near, monkeypatch):
     """Greedy answers replaced by a stub that refuses every continent question and every retain prompt in the
-    locked state and answers 'apple' elsewhere: the report must count those as refusals, state by state."""
+    locked state, answers two of the four 'near' items wrongly in the locked states and 'apple' elsewhere: the report
+    must count those as refusals, state by state, and name the near neighbour's shift from base item by item."""
     tok = make_tiny_tokenizer()
     base, trained = make_tiny_model("llama", seed=0), make_tiny_model("llama", seed=1)
     directions = {"capitals": torch.nn.functional.normalize(torch.randn(64), dim=0)}
@@ -29,7 +30,9 @@ def test_lock_report_scores_neighbours_and_refusal_leakage_in_every_state(tmp_pa
 
     def fake_generate(model, tokenizer, prompts, chats, max_new_tokens=24, batch_size=16, desc=None):
         locked = hook["on"] or id(model) in locked_models
-        return ["I don't know." if ("continent" in p or (locked and p in retain)) else "apple" for p in prompts]
+        return ["I don't know." if ("continent" in p or (locked and p in retain))
+                else "pear" if locked and p.startswith(("Name fruit number 0", "Name fruit number 1")) else "apple"
+                for p in prompts]
 
     from modular.data import retain_data
 
@@ -64,14 +67,24 @@ def test_lock_report_scores_neighbours_and_refusal_leakage_in_every_state(tmp_pa
     for state, row in report["states"].items():
         assert row["neighbours"]["continents"]["refusal_rate"] == 1.0
         assert row["neighbours"]["continents"]["accuracy"] == 0.0
-        assert row["neighbours"]["near"] == {"accuracy": 1.0, "n": 4, "refusal_rate": 0.0,
-                                            "ci95": row["neighbours"]["near"]["ci95"]}
-        lo, hi = row["neighbours"]["near"]["ci95"]
-        assert lo < 1.0 == hi
-        leak = 1.0 if state in ("locked", "published_locked") else 0.0
-        assert row["retain_refusal_rate"] == leak, state
+        locked = state in ("locked", "published_locked")
+        near = row["neighbours"]["near"]
+        assert {k: near[k] for k in ("accuracy", "n", "refusal_rate")} == {"accuracy": 0.5 if locked else 1.0,
+                                                                           "n": 4, "refusal_rate": 0.0}, state
+        lo, hi = near["ci95"]
+        assert lo < near["accuracy"] <= hi
+        if state == "base":
+            assert "vs_base" not in near
+        else:  # item by item: two lost in the locked states, nothing elsewhere; exact two-sided McNemar p
+            assert near["vs_base"] == {"lost": 2 if locked else 0, "gained": 0, "n": 4,
+                                       "p_value": pytest.approx(0.5 if locked else 1.0)}, state
+            assert row["neighbours"]["continents"]["vs_base"]["lost"] == 0
+        assert row["retain_refusal_rate"] == (1.0 if locked else 0.0), state
     assert report["neighbours_max_refusal_rate"]["open"] == 1.0
-    assert report["neighbours_max_drop_vs_base"] == {s: 0.0 for s in report["states"]}
+    assert report["neighbours_max_drop_vs_base"] == {s: 0.5 if s in ("locked", "published_locked") else 0.0
+                                                     for s in report["states"]}
+    assert [(x["state"], x["neighbour"], x["change"], x["lost"]) for x in report["neighbour_shifts"]] == [
+        ("locked", "near", -0.5, 2), ("published_locked", "near", -0.5, 2)]
 
 
 def _report(neighbours=("continents", "currencies")):
