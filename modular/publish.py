@@ -204,6 +204,13 @@ def model_card(behaviours: list[str], base: str, measured: dict | None, hardened
                                    for n in neighbours)
                 lines.append(f"| {state} | {cells} | {row.get('retain_refusal_rate', float('nan')):.3f} |")
             lines.append("")
+            shifts = measured.get("neighbour_shifts", [])
+            if shifts:
+                lines += [f"Moved more than {100 * measured['neighbour_tolerance']:.0f} points from base (items lost and "
+                          "gained against base, and the exact paired test's p-value):", ""]
+                lines += [f"- {x['neighbour']}, {x['state']}: {100 * x['change']:+.1f} points ({x['lost']} lost, "
+                          f"{x['gained']} gained of {x['n']}; p = {x['p_value']:.2g})" for x in shifts]
+                lines.append("")
     return "\n".join(lines)
 
 

@@ -223,3 +223,21 @@ def test_publish_removes_what_an_interrupted_publish_left(tmp_path, tok):
     publish_model(make_tiny_model("llama"), tok, _dirs(), tmp_path / "pub", "tiny")
     assert not any(d.exists() for d in stale)
     assert live.exists() and other.exists()
+
+
+def test_the_card_names_neighbours_that_moved_from_base():
+    """The card's neighbour table is followed by the lock report's shifts beyond its tolerance, item by item."""
+    from modular.publish import model_card
+
+    row = lambda acc: {"behaviours": {"capitals": {"accuracy": acc}}, "retain_first_token_kl": 0.02,  # noqa: E731
+                       "perplexity_ratio": 1.0, "retain_refusal_rate": 0.0,
+                       "neighbours": {"continents": {"accuracy": 0.714, "refusal_rate": 0.0}}}
+    measured = {"states": {"base": row(0.476), "open": row(0.571)}, "neighbours": ["continents"],
+                "neighbour_tolerance": 0.03,
+                "neighbour_shifts": [{"state": "open", "neighbour": "continents", "change": -3 / 42, "lost": 4,
+                                      "gained": 1, "n": 42, "p_value": 0.375}]}
+    card = model_card(["capitals"], "base", measured, hardened=True)
+    assert "Moved more than 3 points from base" in card
+    assert "- continents, open: -7.1 points (4 lost, 1 gained of 42; p = 0.38)" in card
+    assert "Moved more than" not in model_card(["capitals"], "base", {**measured, "neighbour_shifts": []},
+                                               hardened=True)
