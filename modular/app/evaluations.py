@@ -17,7 +17,7 @@ from modular.data.schema import DEFAULT_LOCKED_RESPONSE
 from modular.evaluation.attack import plot_attack, residual_scale, steering_attack, weight_attack
 from modular.evaluation.baselines import refusal_finetune
 from modular.evaluation.behaviour import evaluate_behaviour
-from modular.evaluation.lock import NEIGHBOUR_TOLERANCE, lock_report, plot_lock
+from modular.evaluation.lock import NEIGHBOUR_TOLERANCE, lock_report, plot_lock, shift_text
 from modular.evaluation.quantized import quantized_report
 from modular.evaluation.relearning import (
     DEFAULT_LRS,
@@ -132,9 +132,8 @@ def lock(run: str, out: str | None = None, other_limit: int = 64, harden: bool =
                          trained_neighbours=list(trained), batch_size=batch_size,
                          neighbour_tolerance=neighbour_tolerance)
     if report["neighbour_shifts"]:
-        log.warning("neighbours moved more than %.0f points from base: %s", 100 * neighbour_tolerance, "; ".join(
-            f"{x['neighbour']} {x['state']} {100 * x['change']:+.1f} ({x['lost']} lost, {x['gained']} gained of "
-            f"{x['n']}; paired p = {x['p_value']:.2g})" for x in report["neighbour_shifts"]))
+        log.warning("neighbours moved more than %.0f points from base: %s", 100 * neighbour_tolerance,
+                    "; ".join(shift_text(x) for x in report["neighbour_shifts"]))
     report = {"run": str(run), "model": r.model_name, "step": step, "dtype": dtype_name(model_dtype(open_model)),
               **report}  # the checkpoint step it describes
     write_json(out_dir / "lock.json", report)

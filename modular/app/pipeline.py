@@ -15,6 +15,7 @@ from modular import ModularError
 from modular.app.evaluations import attack, lock
 from modular.app.publishing import publish, unlock
 from modular.app.train import main as train
+from modular.evaluation.lock import shift_text
 from modular.models.precision import DTypeName
 from modular.publish import key_path, keys_folder_for
 from modular.runs import RUN_RECORD, behaviour_sources, checkpoint_step, lock_verdict, read_run
@@ -128,8 +129,7 @@ def summarise(run_dir: Path, out_dir: Path) -> dict:
             lines.append(f"neighbours never trained on: {', '.join(untrained)}")
         for x in lock.get("neighbour_shifts", []):
             lines.append(f"neighbour moved more than {100 * lock['neighbour_tolerance']:.0f} points from base: "
-                         f"{x['neighbour']} {x['state']} {100 * x['change']:+.1f} ({x['lost']} lost, {x['gained']} "
-                         f"gained of {x['n']}; paired p = {x['p_value']:.2g})")
+                         + shift_text(x))
     ex = lock["exactness"]
     lines.append(f"published vs hook-locked max |Δlogit|: {ex['published_vs_hook_locked_max_abs_logit_diff']:.2e}; "
                  f"unlocked vs open max |Δw|: {ex['unlocked_vs_open_max_abs_weight_diff']:.2e}")

@@ -33,6 +33,13 @@ STATES = ("base", "open", "locked", "published_locked", "unlocked")
 NEIGHBOUR_TOLERANCE = 0.03
 
 
+def shift_text(shift: dict) -> str:
+    """One entry of ``neighbour_shifts`` in words: ``continents open -7.1 (4 lost, 1 gained of 42; paired p = 0.38)``
+    (the change in points)."""
+    return (f"{shift['neighbour']} {shift['state']} {100 * shift['change']:+.1f} ({shift['lost']} lost, "
+            f"{shift['gained']} gained of {shift['n']}; paired p = {shift['p_value']:.2g})")
+
+
 def max_param_diff(a, b) -> float:
     sa, sb = a.state_dict(), b.state_dict()
     return max((sa[k].float() - sb[k].float()).abs().max().item() for k in sa if k in sb)
