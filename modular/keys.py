@@ -27,6 +27,17 @@ for every order of the other behaviours' keys before it, so with up to
 restores to within the tolerance as well. Beyond that only the first key applied
 does; later ones skip their corrections (in bfloat16 a tiny model with 5
 behaviours ends thousands of units in the last place off at some entries).
+
+In bfloat16 and float16 nearly every entry whose restore is off is one where the
+locked value lies in a coarser binade than the restored one (``a bᵀ`` larger
+than the weight): the rounding of the locked weights lost bits there that adding
+back cannot recover. Which entries those are, the unlocker can tell from the
+locked weights and the component alone, so a key stores no positions for them:
+only, for each such entry in order, how many steps of the dtype's grid the
+restored value is from the trained one (mostly 0 or ±1), as an LZMA-compressed
+stream (``residual``). The few other entries keep explicit corrections. This
+makes a bit-exact key (``ulp_tol=0``, the default) about as small as a
+one-unit-in-the-last-place one stored entry by entry.
 Tied input/output embeddings are untied first (the unembedding must not change
 when the embedding is orthogonalised).
 """
@@ -35,10 +46,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import lzma
 from dataclasses import dataclass, field
 from itertools import permutations
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -47,12 +60,17 @@ from torch import nn
 from modular import ModularError
 from modular.models.adapter import ArchitectureAdapter, weight_out_in
 
+#: /5: 16-bit weights also carry a residual stream over the entries whose locked value is in a coarser binade;
 #: /4: a correction is the entry's value in the weights' dtype, stored at a uint16 gap from the previous one;
 #: /3: float64 arithmetic rounded once (corrections: int64 index, difference in a wider dtype);
 #: /2: digests of content and of what it produces
-KEY_FORMAT = "modular-key/4"
+KEY_FORMAT = "modular-key/5"
 #: formats still applied (a /2 key adds a bᵀ rounded to the weights' dtype, then rounds the sum, as it was made)
-READABLE_FORMATS = (KEY_FORMAT, "modular-key/3", "modular-key/2")
+READABLE_FORMATS = (KEY_FORMAT, "modular-key/4", "modular-key/3", "modular-key/2")
+#: formats whose corrections are differences added to the restored entries (later ones set the entries' values)
+ADDING_FORMATS = ("modular-key/3", "modular-key/2")
+#: 16-bit float dtypes: restores are corrected by a residual stream (steps of the dtype's grid)
+GRID_DTYPES = (torch.bfloat16, torch.float16)
 MAX_GAP = 2**16 - 1  # the largest gap between two corrected entries a uint16 holds; 0 marks a skip of MAX_GAP
 MANTISSA_BITS = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}
 #: corrections are recorded for every ordered prefix of the other keys up to this many behaviours (beyond it only
@@ -74,16 +92,26 @@ class Component:
     fix_after: dict[tuple[str, ...], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     legacy: bool = False  # made by a modular-key/2 key: the update is rounded before it is added
     fix_adds: bool = False  # made by a modular-key/3 or /2 key: a correction is added, not set
+    # 16-bit weights (/5): the grid steps from the restored to the trained value at each entry whose value before
+    # the key lies in a coarser binade than after it (:func:`_coarser`), LZMA-compressed; and the same per order
+    residual: torch.Tensor | None = None
+    residual_after: dict[tuple[str, ...], torch.Tensor] = field(default_factory=dict)
 
     def fix_for(self, applied: tuple[str, ...]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The correction for this key applied after the keys ``applied`` (in that order). An order not recorded
-        (beyond ``MAX_PREFIX_BEHAVIOURS``) gets none from a /4 key: its values would set the other keys' entries
-        back to locked ones (a /3 or /2 difference still applies, approximately)."""
+        (beyond ``MAX_PREFIX_BEHAVIOURS``) gets none from a /5 or /4 key: its values would set the other keys'
+        entries back to locked ones (a /3 or /2 difference still applies, approximately)."""
         if applied in self.fix_after:
             return self.fix_after[applied]
         if applied and not self.fix_adds:
             return None, None
         return self.fix_index, self.fix_value
+
+    def residual_for(self, applied: tuple[str, ...]) -> torch.Tensor | None:
+        """The residual stream for this key applied after the keys ``applied`` (none for an order not recorded)."""
+        if applied:
+            return self.residual_after.get(applied)
+        return self.residual
 
 
 @dataclass
@@ -154,17 +182,84 @@ def ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(x == 0, torch.full_like(x, torch.finfo(dtype).tiny), spacing)
 
 
+def _grid_order(x: torch.Tensor) -> torch.Tensor:
+    """The position of each 16-bit float on its dtype's grid, as int32: consecutive representable values get
+    consecutive integers (−0 just below +0), so a difference counts grid steps, across binades too."""
+    bits = x.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
+    return torch.where(bits < 0x8000, bits, 0x7FFF - bits)
+
+
+def _from_grid_order(order: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The 16-bit floats at grid positions ``order`` (positions wrap modulo 2^16, as residuals are stored)."""
+    order = torch.remainder(order + 0x8000, 0x10000) - 0x8000
+    bits = torch.where(order >= 0, order, 0x7FFF - order)
+    return torch.where(bits >= 0x8000, bits - 0x10000, bits).to(torch.int16).view(dtype)
+
+
+def _binade(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For 16-bit floats: the exponent field that sets each value's grid spacing (subnormals and zero share the
+    smallest normal binade's), and whether the value is the bottom of a binade above that one (its next value toward
+    zero lies in a finer binade). Read from the bits: exact and cheap."""
+    mantissa_bits = MANTISSA_BITS[x.dtype]
+    bits = x.contiguous().view(torch.int16).to(torch.int32) & 0x7FFF
+    exponent = bits >> mantissa_bits
+    bottom = ((bits & ((1 << mantissa_bits) - 1)) == 0) & (exponent >= 2)
+    return exponent.clamp(min=1), bottom
+
+
+def _coarser(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
+    """The entries whose value before a key lies in a coarser binade than the value after it (or than the next
+    value toward zero, for a restored value at the bottom of its binade): the locked weight's rounding lost bits
+    there, and the key's residual stream says how many grid steps the restored value is off. Both sides of the key
+    compute this from the locked weights and the component alone."""
+    spacing_before, _ = _binade(before)
+    spacing_after, bottom = _binade(after)
+    return spacing_before > spacing_after - bottom.to(torch.int32)
+
+
+def _encode_residual(steps: torch.Tensor) -> torch.Tensor:
+    """Grid steps (int) as stored: modulo 2^16 as little-endian int16, LZMA-compressed, in a uint8 tensor."""
+    wrapped = torch.remainder(steps.to(torch.int64), 0x10000)
+    wrapped = torch.where(wrapped >= 0x8000, wrapped - 0x10000, wrapped)  # the same steps modulo 2^16, as int16
+    raw = wrapped.cpu().numpy().astype("<i2").tobytes()
+    return torch.frombuffer(bytearray(lzma.compress(raw)), dtype=torch.uint8)
+
+
+def _decode_residual(stream: torch.Tensor, n: int) -> torch.Tensor:
+    """The ``n`` grid steps of :func:`_encode_residual` (int32); a stream of another length is refused."""
+    try:
+        raw = lzma.decompress(stream.cpu().numpy().tobytes())
+    except lzma.LZMAError as err:
+        raise ModularError(f"a key's residual stream is unreadable ({err})") from None
+    if len(raw) != 2 * n:
+        raise ModularError(f"a key's residual stream holds {len(raw) // 2} entries where these weights need {n}: "
+                           "it was made for other weights")
+    return torch.from_numpy(np.frombuffer(raw, dtype="<i2").astype("int32"))
+
+
+def _apply_residual(param: torch.Tensor, before: torch.Tensor, stream: torch.Tensor) -> None:
+    """Move each entry :func:`_coarser` marks by its stored number of grid steps."""
+    mask = _coarser(before, param)
+    steps = _decode_residual(stream, int(mask.sum())).to(param.device)
+    param[mask] = _from_grid_order(_grid_order(param[mask]) + steps, param.dtype)
+
+
 @torch.no_grad()
 def _apply_corrected(param: torch.Tensor, c: Component, sign: float, applied: tuple[str, ...]) -> None:
     """:func:`_apply_component` with the rounding correction for this key applied after the keys ``applied``: the
-    entries set to their values after the component (removing the component again, ``sign < 0``, needs none); a
-    /3 or /2 correction is added after the component, or taken off before it when ``sign < 0``."""
+    residual stream moves the entries whose locked value was coarser, then the entries with explicit corrections
+    are set to their values (removing the component again, ``sign < 0``, needs neither); a /3 or /2 correction is
+    added after the component, or taken off before it when ``sign < 0``."""
     index, value = c.fix_for(applied)
     fixed = index is not None and index.numel() > 0
     if fixed:
         index = index.to(param.device)
     if not c.fix_adds:
+        stream = c.residual_for(applied) if sign > 0 else None
+        before = param.detach().clone() if stream is not None else None
         _apply_component(param, c, sign)
+        if stream is not None:
+            _apply_residual(param, before, stream)
         if sign > 0 and fixed:
             param.view(-1)[index] = value.to(param.device, param.dtype)
         return
@@ -195,10 +290,12 @@ def _prefixes(behaviours: list[str]) -> list[tuple[str, ...]]:
 
 @torch.no_grad()
 def _record_corrections(param: torch.Tensor, original: torch.Tensor, comps: list[Component], tol: float,
-                        behaviours: list[str], ulp_tol: float = 1.0) -> None:
+                        behaviours: list[str], ulp_tol: float = 0.0) -> None:
     """For each component removed from ``param``, the entries that adding it back would not restore within ``tol``
     (float32: absolute; bfloat16 and float16: ``ulp_tol`` units in the last place of the target), for every order in
-    which the other behaviours' keys may have been applied before it.
+    which the other behaviours' keys may have been applied before it. In bfloat16 and float16 the entries that
+    :func:`_coarser` marks get a residual stream first (their grid steps to the target; steps within ``ulp_tol``
+    stored as 0), and only the entries still off after it get explicit corrections.
 
     After the keys of ``prefix``, the target of component ``c`` is ``original`` minus every component whose
     behaviour is still locked, rounded to the parameter's dtype; the start is the locked ``param`` with the
@@ -217,8 +314,20 @@ def _record_corrections(param: torch.Tensor, original: torch.Tensor, comps: list
             restored = param.detach().clone()
             for i, earlier in enumerate(prefix):
                 _apply_corrected(restored, by_name[earlier], 1.0, prefix[:i])
+            before = restored.clone()
             _apply_component(restored, c, 1.0)
             rounded = target.to(param.dtype).double()
+            if param.dtype in GRID_DTYPES:
+                mask = _coarser(before, restored)
+                steps = _grid_order(rounded.to(param.dtype)[mask]) - _grid_order(restored[mask])
+                steps = torch.where(steps.abs() <= ulp_tol, torch.zeros_like(steps), steps)
+                if bool(steps.any()):
+                    stream = _encode_residual(steps)
+                    if prefix:
+                        c.residual_after[prefix] = stream
+                    else:
+                        c.residual = stream
+                    _apply_residual(restored, before, stream)
             err = (rounded - restored.double()).flatten()
             allowed = tol if param.dtype == torch.float32 else ulp_tol * ulp(rounded, param.dtype).flatten()
             index = (err.abs() > allowed).nonzero().flatten()
@@ -240,12 +349,13 @@ def _rms_like(norm: nn.Module | None) -> bool:
 
 @torch.no_grad()
 def lock_weights(model: nn.Module, directions: dict[str, torch.Tensor], harden: bool = True,
-                 exact_tol: float = 1e-7, ulp_tol: float = 1.0) -> list[Key]:
+                 exact_tol: float = 1e-7, ulp_tol: float = 0.0) -> list[Key]:
     """Orthogonalise writers (and, with ``harden``, readers) against each behaviour's direction, in place, in the
     weights' own precision and device (computed in float64, rounded once).
 
     Returns one :class:`Key` per behaviour; applying keys restores each weight to within ``exact_tol`` (float32)
-    or ``ulp_tol`` units in its last place (bfloat16, float16). The model must not be wrapped (merge LoRA first).
+    or ``ulp_tol`` units in its last place (bfloat16, float16; 0: bit-exact). The model must not be wrapped (merge
+    LoRA first).
     """
     untie_embeddings(model)
     adapter = ArchitectureAdapter(model)
@@ -437,10 +547,14 @@ def save_key(key: Key, path: str | Path, locked_hash: str,
         tensors[f"c{i}.b"] = c.b.contiguous()
         if c.fix_index is not None and c.fix_index.numel():
             tensors[f"c{i}.fix_gap"], tensors[f"c{i}.fix_value"] = _pack_fix(c.fix_index, c.fix_value)
+        if c.residual is not None:
+            tensors[f"c{i}.residual"] = c.residual.contiguous()
         after = []
         for j, (prefix, (index, value)) in enumerate(c.fix_after.items()):
             after.append(list(prefix))
             tensors[f"c{i}.after{j}.fix_gap"], tensors[f"c{i}.after{j}.fix_value"] = _pack_fix(index, value)
+            if prefix in c.residual_after:
+                tensors[f"c{i}.after{j}.residual"] = c.residual_after[prefix].contiguous()
         entry = {"param": c.param, "transposed": c.transposed}
         if after:  # the prefixes of the corrections c{i}.after{j}.* (behaviours applied before, in order)
             entry["fix_after"] = after
@@ -479,11 +593,16 @@ def load_key(path: str | Path) -> tuple[Key, dict]:
             return _unpack_fix(tensors[f"{prefix}.fix_gap"], tensors[f"{prefix}.fix_value"])
         return tensors.get(f"{prefix}.fix_index"), tensors.get(f"{prefix}.fix_value")  # /3, /2: flat int64 indices
 
+    def residual_after(i: int, e: dict) -> dict:
+        return {tuple(prefix): tensors[f"c{i}.after{j}.residual"] for j, prefix in enumerate(e.get("fix_after", []))
+                if f"c{i}.after{j}.residual" in tensors}
+
     try:
         comps = [
             Component(e["param"], tensors[f"c{i}.a"], tensors[f"c{i}.b"], e["transposed"], *fix(f"c{i}"),
                       {tuple(prefix): fix(f"c{i}.after{j}") for j, prefix in enumerate(e.get("fix_after", []))},
-                      meta["format"] == "modular-key/2", meta["format"] != KEY_FORMAT)
+                      meta["format"] == "modular-key/2", meta["format"] in ADDING_FORMATS,
+                      tensors.get(f"c{i}.residual"), residual_after(i, e))
             for i, e in enumerate(meta["components"])
         ]
     except KeyError as err:
