@@ -212,9 +212,9 @@ def _coarser(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
     value toward zero, for a restored value at the bottom of its binade): the locked weight's rounding lost bits
     there, and the key's residual stream says how many grid steps the restored value is off. Both sides of the key
     compute this from the locked weights and the component alone."""
-    spacing_before, _ = _binade(before)
-    spacing_after, bottom = _binade(after)
-    return spacing_before > spacing_after - bottom.to(torch.int32)
+    exponent_before, _ = _binade(before)
+    exponent_after, bottom = _binade(after)
+    return exponent_before > exponent_after - bottom.to(torch.int32)
 
 
 def _encode_residual(steps: torch.Tensor) -> torch.Tensor:
