@@ -27,7 +27,7 @@ import torch
 
 from modular.directions import load_direction_file, random_direction
 from modular.evaluation.lock import max_param_ulps
-from modular.keys import _apply_component, _coarser, apply_key, load_key, lock_weights, save_key, weights_hash
+from modular.keys import apply_key, load_key, lock_weights, restore_misses, save_key, weights_hash
 from modular.models.precision import cast_model, resolve_device, resolve_dtype
 from modular.runs import load_model_or_run, read_run
 from modular.tracking import write_json
@@ -41,22 +41,6 @@ def direction(ref: str | None, d: int) -> tuple[str, torch.Tensor]:
         name, u = next(iter(read_run(ref).directions.items()))
         return f"{ref}: {name}", u.flatten()
     return ref, load_direction_file(ref, d)
-
-
-@torch.no_grad()
-def uncovered(published, key, opened: dict) -> tuple[int, int]:
-    """Entries of the locked ``published`` weights that adding the key's components back (no correction) leaves off
-    the trained ones (``opened``), and how many of them the residual stream covers."""
-    params = dict(published.named_parameters())
-    off = covered = 0
-    for c in key.components:
-        before = params[c.param].detach().clone()
-        restored = before.clone()
-        _apply_component(restored, c, 1.0)
-        wrong = restored != opened.get(c.param, opened.get("model.embed_tokens.weight"))
-        off += int(wrong.sum())
-        covered += int((wrong & _coarser(before, restored)).sum())
-    return off, covered
 
 
 def main() -> None:
@@ -84,7 +68,7 @@ def main() -> None:
         lock_s = time.perf_counter() - start
         weights = sum(p.numel() * p.element_size() for p in published.parameters())
         if tol == args.tolerances[0]:
-            off, covered = uncovered(published, key, opened)
+            off, covered = restore_misses(published, key, opened)
             report["entries_off_after_adding_back"] = off
             report["of_them_in_the_residual_stream"] = covered
         with tempfile.TemporaryDirectory() as tmp:

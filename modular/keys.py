@@ -245,6 +245,24 @@ def _apply_residual(param: torch.Tensor, before: torch.Tensor, stream: torch.Ten
 
 
 @torch.no_grad()
+def restore_misses(locked: nn.Module, key: Key, trained: dict[str, torch.Tensor]) -> tuple[int, int]:
+    """How many entries adding ``key``'s components back to the ``locked`` weights, with no correction, leaves off the
+    ``trained`` state (a tied unembedding is looked up as the embedding), and how many of those the residual stream
+    covers (:func:`_coarser`): what a bit-exact key must correct, and what it corrects without positions."""
+    params = dict(locked.named_parameters(remove_duplicate=False))
+    tied = trained.get("model.embed_tokens.weight")
+    off = covered = 0
+    for c in key.components:
+        before = params[c.param].detach().clone()
+        restored = before.clone()
+        _apply_component(restored, c, 1.0)
+        wrong = restored != trained.get(c.param, tied).to(restored.device)
+        off += int(wrong.sum())
+        covered += int((wrong & _coarser(before, restored)).sum()) if restored.dtype in GRID_DTYPES else 0
+    return off, covered
+
+
+@torch.no_grad()
 def _apply_corrected(param: torch.Tensor, c: Component, sign: float, applied: tuple[str, ...]) -> None:
     """:func:`_apply_component` with the rounding correction for this key applied after the keys ``applied``: the
     residual stream moves the entries whose locked value was coarser, then the entries with explicit corrections

@@ -71,22 +71,12 @@ def _fixes(key):
 def _off_after_adding_back(model_dtype=torch.bfloat16):
     """Entries that adding the components back (no correction) leaves off the trained weights, and how many of them
     lie where the locked value is in a coarser binade (what the residual stream covers)."""
-    from modular.keys import _apply_component, _coarser
+    from modular.keys import restore_misses
 
     model = make_tiny_model("llama").to(model_dtype)
     open_state = {k: v.clone() for k, v in model.state_dict().items()}
     (key,) = lock_weights(model, _dirs())
-    params = dict(model.named_parameters())
-    off = covered = 0
-    for c in key.components:
-        p = params[c.param].detach().clone()
-        before = p.clone()
-        _apply_component(p, c, 1.0)
-        ref = open_state.get(c.param, open_state["model.embed_tokens.weight"])
-        wrong = p != ref
-        off += int(wrong.sum())
-        covered += int((wrong & _coarser(before, p)).sum())
-    return off, covered
+    return restore_misses(model, key, open_state)
 
 
 def test_the_residual_stream_covers_nearly_every_entry_a_bit_exact_key_corrects():
