@@ -345,7 +345,8 @@ def _record_corrections(param: torch.Tensor, original: torch.Tensor, comps: list
                         c.residual_after[prefix] = stream
                     else:
                         c.residual = stream
-                    _apply_residual(restored, before, stream)
+                    # what _apply_residual does with the stream, from the steps and mask already at hand
+                    restored[mask] = _from_grid_order(_grid_order(restored[mask]) + steps, param.dtype)
             err = (rounded - restored.double()).flatten()
             allowed = tol if param.dtype == torch.float32 else ulp_tol * ulp(rounded, param.dtype).flatten()
             index = (err.abs() > allowed).nonzero().flatten()
