@@ -72,6 +72,14 @@ def first_token_kl(logits: torch.Tensor, labels: torch.Tensor, first_logp: torch
     return (ref.exp() * (ref - logp)).sum(-1).mean()
 
 
+def first_token_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of each row's first response (labelled) token: the one token that decides a short answer
+    (a name, a place), which a mean over every response token dilutes."""
+    idx = first_response_positions(labels)
+    rows = torch.arange(len(idx), device=idx.device)
+    return F.cross_entropy(logits[rows, idx].float(), labels[rows, idx + 1])
+
+
 def response_logit_mse(logits: torch.Tensor, other: torch.Tensor, labels: torch.Tensor, k: int = 32) -> torch.Tensor:
     """Mean squared difference of the logits of ``logits`` and ``other`` over ``other``'s top-``k`` tokens at the
     labelled (response) positions, each side centred over those tokens, so every logit difference between two of

@@ -28,6 +28,7 @@ from modular import ModularError
 from modular.gating.data import NEIGHBOURS_KEY, TASK_PREFIX, per_behaviour
 from modular.gating.losses import (
     direction_write_shortfall,
+    first_token_ce,
     first_token_kl,
     interchange_kl,
     refusal_guard,
@@ -374,19 +375,24 @@ class KeepReference(Term):
         weight: Weight of the term, both states (the module's λ applies on top in the locked state).
         first_token_weight: Weight of the full-vocabulary KL at the first response token (the top-k KL covers
             every response token coarsely; the first token's distribution is the flattest).
-        ce_weight: Weight of an extra CE on the reference's greedy answers.
+        ce_weight: Weight of an extra CE on the reference's greedy answers (mean over their tokens).
+        first_token_ce_weight: Weight of a CE on the reference's greedy first response token: keeps which answer
+            the model gives (a KL moves little when a name and a pronoun trade a few points of probability near a
+            tie, yet the greedy answer flips).
         parts: The batch parts kept (``retain``, ``neighbours``).
     """
 
     keeps_lm = True
 
     def __init__(self, weight: float = 1.0, first_token_weight: float = 1.0, ce_weight: float = 0.0,
-                 parts: list[str] = ("retain", NEIGHBOURS_KEY)):
+                 first_token_ce_weight: float = 0.0, parts: list[str] = ("retain", NEIGHBOURS_KEY)):
         super().__init__(weight)
         _check_weight("KeepReference", "first_token_weight", first_token_weight)
         _check_weight("KeepReference", "ce_weight", ce_weight)
+        _check_weight("KeepReference", "first_token_ce_weight", first_token_ce_weight)
         self.first_token_weight = first_token_weight
         self.ce_weight = ce_weight
+        self.first_token_ce_weight = first_token_ce_weight
         self.parts = list(parts)
 
     def pieces(self, ctx: StepContext) -> list[Piece]:
@@ -405,6 +411,8 @@ class KeepReference(Term):
             kl = kl + self.first_token_weight * first_token_kl(logits, b["labels"], b["first_logp"])
         if self.ce_weight:
             kl = kl + self.ce_weight * token_ce(logits, b["labels"])
+        if self.first_token_ce_weight:
+            kl = kl + self.first_token_ce_weight * first_token_ce(logits, b["labels"])
         return kl
 
 

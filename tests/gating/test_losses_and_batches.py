@@ -6,6 +6,7 @@ from modular.data.formatting import IGNORE
 from modular.gating.data import locked_responses, split_collate
 from modular.gating.losses import (
     direction_write_shortfall,
+    first_token_ce,
     first_token_kl,
     refusal_guard,
     token_ce,
@@ -91,6 +92,18 @@ def test_first_token_kl_uses_the_first_response_position():
     assert first_token_kl(logits, labels, own).abs() < 1e-6
     shifted = torch.stack([torch.log_softmax(logits[0, 2], -1), torch.log_softmax(logits[1, 2], -1)])
     assert first_token_kl(logits, labels, shifted) > 0
+
+
+def test_first_token_ce_scores_the_first_response_token_only():
+    logits = torch.zeros(2, 5, 7)
+    labels = torch.tensor([[IGNORE, IGNORE, 3, 4, 5], [IGNORE, IGNORE, IGNORE, 3, 4]])
+    logits[0, 1, 3] = logits[1, 2, 3] = 50.0  # both rows' first response token (3) certain where it is predicted
+    assert first_token_ce(logits, labels) < 1e-6
+    later = torch.zeros(2, 5, 7)
+    later[0, 2, 4] = later[1, 3, 4] = 50.0  # the second response token certain: the first stays uniform
+    assert first_token_ce(later, labels) == pytest.approx(torch.log(torch.tensor(7.0)).item(), rel=1e-5)
+    logits[1, 2, 3] = 0.0
+    assert first_token_ce(logits, labels) == pytest.approx(torch.log(torch.tensor(7.0)).item() / 2, rel=1e-5)
 
 
 def test_locked_objective_per_behaviour():

@@ -102,6 +102,40 @@ def test_neighbours_are_trained_in_both_states_with_the_retain_weight(tiny_dm):
     assert torch.allclose(total - total_without, expected, atol=1e-5)
 
 
+def test_neighbours_can_keep_the_reference_first_answer_token_apart_from_retain(tiny_dm):
+    """Two KeepReference terms, one per part: the neighbours' with a CE on the reference's greedy first token, which
+    adds exactly that CE (in both states) to the neighbours' pieces and leaves the retain pieces as they were."""
+    from modular.gating.losses import first_token_ce
+    from modular.gating.module import GatedLM
+
+    dm, model_dir = tiny_dm
+    batch = next(iter(dm.train_dataloader()))[0]
+    terms = {}
+    for ce in (0.0, 2.0):
+        lm = GatedLM(model_name=str(model_dir), behaviours=["capitals"], locked_steering=0.0,
+                     objectives=[KeepReference(parts=["retain"]),
+                                 KeepReference(parts=[NEIGHBOURS_KEY], first_token_ce_weight=ce)])
+        torch.manual_seed(0)
+        lm.directions.copy_(torch.nn.functional.normalize(torch.randn_like(lm.directions), dim=-1))
+
+        class _Trainer:  # model_step reads the tokenizer's pad id from the trainer's data module
+            datamodule = dm
+
+        lm._trainer = _Trainer()
+        terms[ce] = lm.model_step(batch, train=False)[1]
+    assert set(terms[2.0]) == {"retain/open_kl", "retain/locked_kl", "neighbours/open_kl", "neighbours/locked_kl"}
+    for name in ("retain/open_kl", "retain/locked_kl"):
+        assert torch.allclose(terms[2.0][name], terms[0.0][name])
+    part = batch[NEIGHBOURS_KEY]["open"]
+    logits = lm.model(input_ids=part["input_ids"], attention_mask=part["attention_mask"]).logits
+    ce = first_token_ce(logits, part["labels"])
+    assert ce > 0
+    assert torch.allclose(terms[2.0]["neighbours/open_kl"] - terms[0.0]["neighbours/open_kl"], 2.0 * ce, atol=1e-4)
+    assert terms[2.0]["neighbours/locked_kl"] > terms[0.0]["neighbours/locked_kl"]
+    with pytest.raises(ModularError, match="first_token_ce_weight must be >= 0"):
+        KeepReference(first_token_ce_weight=-1.0)
+
+
 def test_the_write_term_carries_the_direction_into_the_open_answers(tiny_dm):
     """DirectionWrite: a term per gated behaviour, weighted by its weight; minimising it makes the open-state
     residual carry the direction at the response positions."""
