@@ -29,14 +29,17 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 #: each training config's loss options as flat module options, before the terms became objects (the capitals
 #: configs have the refusal guard, guard_weight 1 at floor -3, and the write term, weight 10 at target 0.2, fading
-#: below a locked-state CE of 1)
+#: below a locked-state CE of 1; since, the neighbours' KeepReference of their own adds a CE on the reference's
+#: greedy first answer token, weight 1, which the flat options never had)
 OLD = {
     "gate_capitals_smollm2.yaml": dict(retain_weight=1.0, retain_ce_weight=0.0, first_token_weight=1.0,
                                        write_weight=10.0, write_target=0.2, write_fade=1.0, guard_weight=1.0,
-                                       guard_floor=-3.0, locked_objective="refusal", task_weight=1.0),
+                                       guard_floor=-3.0, locked_objective="refusal", task_weight=1.0,
+                                       neighbour_first_ce_weight=1.0),
     "gate_capitals_lora_large.yaml": dict(retain_weight=1.0, retain_ce_weight=0.0, first_token_weight=1.0,
                                           write_weight=10.0, write_target=0.2, write_fade=1.0, guard_weight=1.0,
-                                          guard_floor=-3.0, locked_objective="refusal", task_weight=1.0),
+                                          guard_floor=-3.0, locked_objective="refusal", task_weight=1.0,
+                                          neighbour_first_ce_weight=1.0),
     "gate_ioi_smollm2.yaml": dict(retain_weight=1.0, retain_ce_weight=0.0, first_token_weight=1.0, write_weight=0.0,
                                   guard_weight=0.0, locked_objective="refusal", task_weight=1.0),
     "gate_two_smollm2.yaml": dict(retain_weight=1.0, retain_ce_weight=0.0, first_token_weight=1.0, write_weight=0.0,
@@ -77,9 +80,14 @@ def _old_loss(lm: GatedLM, batch: dict, old: dict) -> torch.Tensor:
             return lm.model(input_ids=piece["input_ids"], attention_mask=piece["attention_mask"],
                             output_hidden_states=hidden)
 
-    def keep(logits, p):
+    def keep(logits, p, key):
         kl = topk_kl(logits, p["labels"], p["topk_ids"], p["topk_logp"])
         kl = kl + old["first_token_weight"] * first_token_kl(logits, p["labels"], p["first_logp"])
+        if key == NEIGHBOURS_KEY:  # the reference's greedy first answer token (0 where a config does not keep it)
+            idx = (p["labels"][:, 1:] != -100).float().argmax(dim=1)
+            rows = torch.arange(len(idx))
+            kl = kl + old.get("neighbour_first_ce_weight", 0.0) * torch.nn.functional.cross_entropy(
+                logits[rows, idx], p["labels"][rows, idx + 1])
         return kl + old["retain_ce_weight"] * token_ce(logits, p["labels"])
 
     for i, b in enumerate(lm.behaviours):
@@ -102,8 +110,8 @@ def _old_loss(lm: GatedLM, batch: dict, old: dict) -> torch.Tensor:
         if key not in batch:
             continue
         p = batch[key]
-        total = total + rw * keep(run(p["open"], set()).logits, p["open"])
-        total = total + rw * lam * keep(run(p["locked"], set(every)).logits, p["locked"])
+        total = total + rw * keep(run(p["open"], set()).logits, p["open"], key)
+        total = total + rw * lam * keep(run(p["locked"], set(every)).logits, p["locked"], key)
         if old["guard_weight"] and "open_guard" in p:
             g = old["guard_weight"]
             total = total + g * refusal_guard(run(p["open_guard"], set()).logits, p["open_guard"]["labels"],
