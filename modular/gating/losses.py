@@ -77,7 +77,7 @@ def first_token_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     (a name, a place), which a mean over every response token dilutes."""
     idx = first_response_positions(labels)
     rows = torch.arange(len(idx), device=idx.device)
-    return F.cross_entropy(logits[rows, idx].float(), labels[rows, idx + 1])
+    return F.cross_entropy(logits[rows, idx].float(), labels[rows, idx + 1], ignore_index=IGNORE)
 
 
 def response_logit_mse(logits: torch.Tensor, other: torch.Tensor, labels: torch.Tensor, k: int = 32) -> torch.Tensor:
