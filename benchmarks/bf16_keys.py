@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from modular.directions import load_direction_file, random_direction
-from modular.evaluation.lock import max_param_ulps
+from modular.evaluation.lock import max_param_ulps, weights_bit_exact
 from modular.keys import apply_key, load_key, lock_weights, restore_misses, save_key, weights_hash
 from modular.models.precision import cast_model, resolve_device, resolve_dtype
 from modular.runs import load_model_or_run, read_run
@@ -83,8 +83,7 @@ def main() -> None:
             "key_bytes": size, "published_bytes": weights, "key_share_of_weights": size / weights,
             "explicit_corrections": sum(c.fix_index.numel() for c in key.components if c.fix_index is not None),
             "restored_max_ulps": max_param_ulps(published, model),
-            "restored_bit_exact": all(torch.equal(v.view(torch.int16), opened[k].view(torch.int16))
-                                      for k, v in restored.items() if k in opened),
+            "restored_bit_exact": weights_bit_exact(restored, opened),
             "lock_seconds": lock_s, "apply_seconds": apply_s,
         }
         del published

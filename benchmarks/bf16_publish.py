@@ -21,11 +21,9 @@ import copy
 import tempfile
 from pathlib import Path
 
-import torch
-
 from modular.data import load_behaviour, retain_data
 from modular.evaluation.behaviour import evaluate_behaviour, last_logits
-from modular.evaluation.lock import build_states, max_param_diff, max_param_ulps
+from modular.evaluation.lock import build_states, max_param_diff, max_param_ulps, weights_bit_exact
 from modular.keys import lock_weights, save_key, weights_hash
 from modular.models import load_tokenizer
 from modular.runs import behaviour_sources, load_open_model, read_run
@@ -69,9 +67,7 @@ def main() -> None:
     report["key_corrections"] = sum(c.fix_index.numel() for k in keys for c in k.components if c.fix_index is not None)
     report["unlocked_vs_open_max_ulps"] = max_param_ulps(unlocked, open_bf16)
     report["unlocked_vs_open_max_abs_weight_diff"] = max_param_diff(unlocked, open_bf16)
-    opened = open_bf16.state_dict()
-    report["unlocked_bit_exact"] = all(torch.equal(v.view(torch.int16), opened[k].view(torch.int16))
-                                       for k, v in unlocked.state_dict().items() if k in opened)
+    report["unlocked_bit_exact"] = weights_bit_exact(unlocked.state_dict(), open_bf16.state_dict())
 
     ulp_pub = copy.deepcopy(open_bf16)
     ulp_keys = lock_weights(ulp_pub, run.directions, ulp_tol=1.0)

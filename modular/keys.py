@@ -237,11 +237,15 @@ def _decode_residual(stream: torch.Tensor, n: int) -> torch.Tensor:
     return torch.from_numpy(np.frombuffer(raw, dtype="<i2").astype("int32"))
 
 
+def _step_entries(param: torch.Tensor, mask: torch.Tensor, steps: torch.Tensor) -> None:
+    """Move the entries of ``param`` under ``mask`` by ``steps`` grid steps each (in place)."""
+    param[mask] = _from_grid_order(_grid_order(param[mask]) + steps, param.dtype)
+
+
 def _apply_residual(param: torch.Tensor, before: torch.Tensor, stream: torch.Tensor) -> None:
     """Move each entry :func:`_coarser` marks by its stored number of grid steps."""
     mask = _coarser(before, param)
-    steps = _decode_residual(stream, int(mask.sum())).to(param.device)
-    param[mask] = _from_grid_order(_grid_order(param[mask]) + steps, param.dtype)
+    _step_entries(param, mask, _decode_residual(stream, int(mask.sum())).to(param.device))
 
 
 @torch.no_grad()
@@ -345,8 +349,7 @@ def _record_corrections(param: torch.Tensor, original: torch.Tensor, comps: list
                         c.residual_after[prefix] = stream
                     else:
                         c.residual = stream
-                    # what _apply_residual does with the stream, from the steps and mask already at hand
-                    restored[mask] = _from_grid_order(_grid_order(restored[mask]) + steps, param.dtype)
+                    _step_entries(restored, mask, steps)  # what applying the stream does, without decoding it
             err = (rounded - restored.double()).flatten()
             allowed = tol if param.dtype == torch.float32 else ulp_tol * ulp(rounded, param.dtype).flatten()
             index = (err.abs() > allowed).nonzero().flatten()

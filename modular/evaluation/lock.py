@@ -45,6 +45,15 @@ def max_param_diff(a, b) -> float:
     return max((sa[k].float() - sb[k].float()).abs().max().item() for k in sa if k in sb)
 
 
+def weights_bit_exact(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    """Whether every tensor of state dict ``a`` that ``b`` also has equals it bit for bit (compared as raw bits, so
+    ``-0.0`` and ``0.0`` differ and equal NaNs match)."""
+    def bits(t):
+        return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+    return all(a[k].dtype == b[k].dtype and torch.equal(bits(a[k]), bits(b[k])) for k in a if k in b)
+
+
 def max_param_ulps(a, b) -> float:
     """The largest difference between ``a``'s and ``b``'s weights in units in the last place of ``b``'s."""
     sa, sb = a.state_dict(), b.state_dict()

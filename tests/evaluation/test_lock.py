@@ -119,3 +119,16 @@ def test_lock_figure_without_neighbours_has_no_neighbour_panels():
     fig = lock_module.lock_figure({**_report(()), "neighbours": []})
     titles = {ax.get_title() for ax in fig.axes}
     assert "neighbour behaviours" not in titles and "gated behaviours" in titles
+
+
+def test_weights_bit_exact_compares_raw_bits_of_shared_tensors():
+    from modular.evaluation.lock import weights_bit_exact
+
+    a = {"w": torch.tensor([1.0, 0.0, 2.0], dtype=torch.bfloat16), "only_a": torch.ones(2)}
+    assert weights_bit_exact(a, {"w": a["w"].clone()})
+    assert not weights_bit_exact(a, {"w": torch.tensor([1.0, -0.0, 2.0], dtype=torch.bfloat16)})  # -0.0 != 0.0
+    nudged = a["w"].clone()
+    nudged[2] = torch.nextafter(nudged[2].float(), torch.tensor(3.0)).to(torch.bfloat16) + 0.01
+    assert not weights_bit_exact(a, {"w": nudged})
+    assert not weights_bit_exact(a, {"w": a["w"].float()})  # same values, other precision
+    assert weights_bit_exact({"x": torch.tensor([1.5])}, {"x": torch.tensor([1.5])})  # float32
