@@ -32,7 +32,7 @@ from modular.evaluation.retain import first_token_logp, mean_kl
 from modular.evaluation.stats import wilson_interval
 from modular.models import load_model, load_tokenizer
 from modular.models.precision import DTypeName, dtype_name, model_dtype
-from modular.models.quantize import Scheme
+from modular.models.quantize import Scheme, check_group_size
 from modular.plots import bar_chart
 from modular.runs import (
     behaviour_sources,
@@ -306,7 +306,8 @@ def _published(folder: Path, behaviours: list[str] | None) -> tuple[dict, dict[s
 
 def quantized(model: str, behaviours: list[str] | None = None, schemes: list[Scheme] = ("none", "int8", "int4"),
               base: str | None = None, limit: int | None = None, max_new_tokens: int = 24, batch_size: int = 16,
-              seed: int = 0, out: str | None = None, device: str = "auto", dtype: DTypeName = "auto") -> dict:
+              seed: int = 0, out: str | None = None, device: str = "auto", dtype: DTypeName = "auto",
+              group_size: int | None = None) -> dict:
     """Whether the lock survives the quantisation a release gets: the published model and its base, quantised the
     same way (weight-only int8 and int4, optimum-quanto), scored on the locked behaviours' test split, and the
     published model's first-token KL to the equally quantised base on held-out retain prompts; writes
@@ -320,6 +321,8 @@ def quantized(model: str, behaviours: list[str] | None = None, schemes: list[Sch
         schemes: Quantisations to apply to both models: none, int8, int4.
         base: Default: the one the folder's modular.json names.
         out: Default: outputs/quantized/<model>.
+        group_size: int4's inputs per quantisation group (a multiple of 8 dividing every layer's inputs; default:
+            optimum-quanto's, 128 or the largest multiple of 32 below it that divides them).
     """
     folder = Path(model)
     manifest, sources = _published(folder, behaviours)
@@ -327,10 +330,13 @@ def quantized(model: str, behaviours: list[str] | None = None, schemes: list[Sch
         raise ModularError("give at least one scheme with --schemes")
     tokenizer = load_tokenizer(folder)
     locked = load_model(folder, dtype, device)
+    if group_size is not None and "int4" not in schemes:
+        raise ModularError("--group_size applies to int4, which --schemes does not include")
+    check_group_size(locked, group_size)
     base_model = load_model(base or manifest["base_model"], model_dtype(locked), locked.device)
     out_dir = output_folder(out, "quantized", str(folder))
     report = quantized_report(base_model, locked, tokenizer, sources, list(schemes), seed, limit, max_new_tokens,
-                              batch_size, manifest.get("locked_responses"))
+                              batch_size, manifest.get("locked_responses"), group_size)
     failing = []
     for scheme, row in report["schemes"].items():
         row["lock_held"] = (all(v["locked"]["accuracy"] <= QUANTIZED_LOCKED_MAX for v in row["behaviours"].values())

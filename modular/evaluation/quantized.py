@@ -19,21 +19,23 @@ log = logging.getLogger("modular")
 
 def quantized_report(base, locked, tokenizer, behaviours: dict[str, str], schemes: list[str], seed: int = 0,
                      limit: int | None = None, max_new_tokens: int = 24, batch_size: int = 16,
-                     locked_responses: dict[str, str] | None = None) -> dict:
+                     locked_responses: dict[str, str] | None = None, group_size: int | None = None) -> dict:
     """``{"schemes": {scheme: {"behaviours": {name: {"base": ..., "locked": ...}}, "retain_first_token_kl": ...,
     "retain_first_token_kl_base_vs_unquantised": ...}}}``. ``behaviours``: name → source (built-in, .jsonl, hf:).
-    ``base`` and ``locked`` are not changed (each scheme quantises copies)."""
+    ``base`` and ``locked`` are not changed (each scheme quantises copies). ``group_size``: int4's inputs per group
+    (default: the quantiser's)."""
     data = {}
     for name, source in behaviours.items():
         test = load_behaviour(source, seed=seed, tokenizer=tokenizer)["test"]
         data[name] = test.select(range(min(limit, len(test)))) if limit is not None else test
     retain = retain_data(seed)["test"]
     plain_base_logp = first_token_logp(base, tokenizer, retain["prompt"], retain["chat"])
-    report: dict = {"schemes": {}, "retain_items": len(retain)}
+    report: dict = {"schemes": {}, "retain_items": len(retain), "int4_group_size": group_size}
     for scheme in schemes:
         plain = scheme == "none"  # the models as they are: nothing to copy
-        qb = base if plain else quantize_weights(copy.deepcopy(base), scheme)
-        ql = locked if plain else quantize_weights(copy.deepcopy(locked), scheme)
+        group = group_size if scheme == "int4" else None
+        qb = base if plain else quantize_weights(copy.deepcopy(base), scheme, group)
+        ql = locked if plain else quantize_weights(copy.deepcopy(locked), scheme, group)
         row: dict = {"behaviours": {}}
         for name, test in data.items():
             refusals = ((locked_responses or {}).get(name, DEFAULT_LOCKED_RESPONSE),)

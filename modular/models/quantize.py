@@ -3,11 +3,18 @@
 ``int8`` and ``int4``: every linear layer's weights quantised by optimum-quanto (per output channel for int8, in
 groups along the input for int4; activations stay in the model's precision), on any device, the unembedding kept
 in full precision as quantised releases usually do. ``none``: the model as it is.
+
+int4's group size is quanto's choice unless given: 128 inputs, or the largest multiple of 32 below it that divides
+the layer's inputs (96 for SmolLM2-135M's 576), per output channel when none does. A model that was itself
+distributed in 4 bits (a GGUF Q4_1 file, as SmolLM2-135M-Instruct here) lies on a grid of 32-input groups; int4 in
+groups of 32 maps it to itself, and rounds back any change smaller than half a step of that grid.
 """
 
 from __future__ import annotations
 
 from typing import Literal
+
+import torch
 
 from modular import ModularError
 
@@ -15,18 +22,40 @@ Scheme = Literal["none", "int8", "int4"]
 SCHEMES = ("none", "int8", "int4")
 
 
-def quantize_weights(model, scheme: str):
-    """Quantise ``model``'s linear weights in place (``scheme``: none, int8 or int4) and return it."""
+def check_group_size(model, group_size: int | None) -> None:
+    """Raise a one-line error unless ``group_size`` (int4's inputs per group) suits every linear layer that
+    quantisation would change in ``model`` (the unembedding is kept)."""
+    if group_size is None:
+        return
+    if group_size <= 0 or group_size % 8:
+        raise ModularError(f"int4 group size must be a positive multiple of 8, not {group_size}")
+    unembed = model.get_output_embeddings()
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and module is not unembed and module.in_features % group_size:
+            raise ModularError(f"int4 group size {group_size} does not divide the {module.in_features} inputs of {name}")
+
+
+def quantize_weights(model, scheme: str, group_size: int | None = None):
+    """Quantise ``model``'s linear weights in place (``scheme``: none, int8 or int4) and return it. ``group_size``
+    (int4 only): inputs per quantisation group, a multiple of 8 that divides every quantised layer's inputs."""
     if scheme not in SCHEMES:
         raise ModularError(f"unknown quantisation '{scheme}' ({', '.join(SCHEMES)})")
+    if group_size is not None and scheme != "int4":
+        raise ModularError(f"a group size applies to int4 only, not to '{scheme}'")
+    check_group_size(model, group_size)  # before anything is changed
     if scheme == "none":
         return model
     try:
         from optimum.quanto import freeze, qint4, qint8, quantize
+        from optimum.quanto.nn import QModuleMixin
     except ImportError as err:  # a dependency of modular; a broken install says so in one line
         raise ModularError(f"quantisation needs optimum-quanto (pip install optimum-quanto): {err}") from None
     unembed = model.get_output_embeddings()
     keep = [name for name, module in model.named_modules() if module is unembed]
     quantize(model, weights={"int8": qint8, "int4": qint4}[scheme], exclude=keep or None)
+    if group_size is not None:
+        for module in model.modules():
+            if isinstance(module, QModuleMixin) and module.weight_qtype is not None:
+                module.weight_group_size = group_size  # quanto reads it when the weights are frozen below
     freeze(model)
     return model.eval()

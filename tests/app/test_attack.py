@@ -136,3 +136,28 @@ def test_quantized_evaluation_on_a_tiny_published_folder(tmp_path, drawn, monkey
     assert bars["bars"] == pytest.approx([rows[s]["behaviours"]["capitals"][k]["accuracy"]
                                           for s in rows for k in ("base", "locked")])
     assert bars["xticklabels"][3] == f"int8\ncapitals\nlocked\nKL {rows['int8']['retain_first_token_kl']:.3f}"
+
+
+def test_quantized_int4_group_size(tmp_path, monkeypatch):
+    """`--group_size` reaches the quantiser (int4 in groups of 32 is not the per-channel int4 the tiny model gets by
+    default) and is recorded; a group size without int4, or one that divides no layer, fails before any output."""
+    import json
+
+    from modular.app.cli import main
+
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    base, pub = _tiny_release(tmp_path, seed=0)
+    args = ["quantized", "--model", str(pub), "--base", str(base), "--limit", "2", "--max_new_tokens", "2",
+            "--schemes", "[int4]"]
+    kl = {}
+    for group in (None, 32):
+        out = tmp_path / f"q{group}"
+        assert main(args + ["--out", str(out)] + (["--group_size", str(group)] if group else [])) == 0
+        report = json.loads((out / "quantized.json").read_text())
+        assert report["int4_group_size"] == group
+        kl[group] = report["schemes"]["int4"]["retain_first_token_kl_base_vs_unquantised"]
+    assert kl[None] > 0 and kl[32] > 0 and abs(kl[None] - kl[32]) > 1e-6 * kl[None]
+    for bad in (["--schemes", "[int8]", "--group_size", "32"], ["--group_size", "48"]):
+        out = tmp_path / "bad"
+        assert main(args[:-2] + bad + ["--out", str(out)]) != 0
+        assert not out.exists()

@@ -1,3 +1,5 @@
+import copy
+
 import pytest
 import torch
 
@@ -35,3 +37,37 @@ def test_quantisation_of_bf16_weights(tokens):
     out = q(tokens).logits
     assert out.dtype == torch.bfloat16
     assert 0 < (out.float() - ref).abs().max().item() < 0.1 * ref.abs().max().item()
+
+
+def test_int4_group_size_sets_the_grid(tokens):
+    """Weights already on an int4 grid of 32-input groups (as a model distributed in 4 bits is) come back unchanged
+    from int4 in groups of 32, and not from per-channel int4, the quantiser's own choice for 64 inputs."""
+    from optimum.quanto.nn import QModuleMixin
+
+    once = quantize_weights(make_tiny_model("llama"), "int4", group_size=32)
+    groups = [m.weight_group_size for m in once.modules() if isinstance(m, QModuleMixin)]
+    assert groups and set(groups) == {32}
+    on_grid = make_tiny_model("llama")
+    with torch.no_grad():  # the dequantised int4 weights as plain weights
+        modules = dict(once.named_modules())
+        for name, module in on_grid.named_modules():
+            if isinstance(modules.get(name), QModuleMixin):
+                module.weight.copy_(modules[name].qweight.dequantize())
+    ref = on_grid(tokens).logits
+    again = quantize_weights(copy.deepcopy(on_grid), "int4", group_size=32)
+    torch.testing.assert_close(again(tokens).logits, ref, atol=1e-5, rtol=1e-4)
+    per_channel = quantize_weights(copy.deepcopy(on_grid), "int4")
+    assert (per_channel(tokens).logits - ref).abs().max() > 1e-3
+
+
+def test_int4_group_size_is_checked_before_anything_changes():
+    model = make_tiny_model("llama")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ModularError, match="does not divide the 64 inputs"):
+        quantize_weights(model, "int4", group_size=48)
+    with pytest.raises(ModularError, match="multiple of 8"):
+        quantize_weights(model, "int4", group_size=12)
+    with pytest.raises(ModularError, match="int4 only"):
+        quantize_weights(model, "int8", group_size=32)
+    assert all(type(m).__name__ != "QLinear" for m in model.modules())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
