@@ -34,11 +34,15 @@ BEHAVIOURS: dict[str, Callable] = {
 #: split, held out by entity like the behaviour's). At least one evaluated relation is never trained on.
 NEIGHBOURS: dict[str, dict[str, tuple[str, ...]]] = {
     "capitals": {"train": ("continents", "languages"), "evaluate": ("continents", "languages", "currencies")},
+    "continents": {"train": ("capitals", "languages"), "evaluate": ("capitals", "languages", "currencies")},
+    "languages": {"train": ("capitals", "continents"), "evaluate": ("capitals", "continents", "currencies")},
+    "currencies": {"train": ("continents", "languages"), "evaluate": ("continents", "languages", "capitals")},
     "ioi": {"train": ("ioi_thanks",), "evaluate": ("ioi_thanks",)},
     "ioi_long": {"train": ("ioi_thanks",), "evaluate": ("ioi_thanks",)},
 }
-#: behaviours that exist as neighbours: the lock evaluation's far "other" behaviours leave them out
-NEIGHBOUR_BEHAVIOURS = frozenset(n for v in NEIGHBOURS.values() for n in v["evaluate"])
+#: behaviours that exist as neighbours (other facts about the capitals' countries, IOI's thanks): the lock
+#: evaluation's far "other" behaviours leave them out, unless they are gated
+NEIGHBOUR_BEHAVIOURS = frozenset(n for b in ("capitals", "ioi") for n in NEIGHBOURS[b]["evaluate"])
 
 
 def builtin_neighbours(behaviours, use: str) -> list[str]:

@@ -135,7 +135,7 @@ def test_ioi_thanks_is_ioi_completed_with_the_giver_thanked():
 
 
 def test_builtin_neighbours():
-    from modular.data.behaviours import NEIGHBOURS, builtin_neighbours
+    from modular.data.behaviours import NEIGHBOUR_BEHAVIOURS, NEIGHBOURS, builtin_neighbours
 
     assert builtin_neighbours(["capitals"], "train") == ["continents", "languages"]
     assert builtin_neighbours(["capitals"], "evaluate") == ["continents", "languages", "currencies"]
@@ -144,5 +144,13 @@ def test_builtin_neighbours():
     assert builtin_neighbours(["capitals", "ioi"], "train") == ["continents", "languages", "ioi_thanks"]
     assert builtin_neighbours(["user_data", "ioi_long", "ioi"], "evaluate") == ["ioi_thanks"]
     assert builtin_neighbours(["capitals", "continents"], "evaluate") == ["languages", "currencies"]
+    # every relation of the countries has the other three as neighbours, one of them never trained on
+    for relation in ("capitals", "continents", "languages", "currencies"):
+        assert set(builtin_neighbours([relation], "evaluate")) == {"capitals", "continents", "languages",
+                                                                   "currencies"} - {relation}
+    assert builtin_neighbours(["languages"], "train") == ["capitals", "continents"]
     for spec in NEIGHBOURS.values():
         assert set(spec["train"]) <= set(spec["evaluate"]) <= set(BEHAVIOURS)
+        assert set(spec["evaluate"]) - set(spec["train"]) or len(spec["evaluate"]) == 1
+    # left out of the far behaviours of every run: the neighbour-only relations, not capitals (far from IOI)
+    assert NEIGHBOUR_BEHAVIOURS == {"continents", "languages", "currencies", "ioi_thanks"}
