@@ -34,9 +34,11 @@ BEHAVIOURS: dict[str, Callable] = {
 #: split, held out by entity like the behaviour's). At least one evaluated relation is never trained on.
 NEIGHBOURS: dict[str, dict[str, tuple[str, ...]]] = {
     "capitals": {"train": ("continents", "languages"), "evaluate": ("continents", "languages", "currencies")},
-    "continents": {"train": ("capitals", "languages"), "evaluate": ("capitals", "languages", "currencies")},
-    "languages": {"train": ("capitals", "continents"), "evaluate": ("capitals", "continents", "currencies")},
-    "currencies": {"train": ("continents", "languages"), "evaluate": ("continents", "languages", "capitals")},
+    # evaluated only: languages gated alone with capitals and continents kept in training did not lock (validation
+    # locked 0.84 at steps 25, 50 and 75; without them 0.00 at step 100; docs/locking.md)
+    "continents": {"train": (), "evaluate": ("capitals", "languages", "currencies")},
+    "languages": {"train": (), "evaluate": ("capitals", "continents", "currencies")},
+    "currencies": {"train": (), "evaluate": ("capitals", "continents", "languages")},
     "ioi": {"train": ("ioi_thanks",), "evaluate": ("ioi_thanks",)},
     "ioi_long": {"train": ("ioi_thanks",), "evaluate": ("ioi_thanks",)},
 }

@@ -144,11 +144,11 @@ def test_builtin_neighbours():
     assert builtin_neighbours(["capitals", "ioi"], "train") == ["continents", "languages", "ioi_thanks"]
     assert builtin_neighbours(["user_data", "ioi_long", "ioi"], "evaluate") == ["ioi_thanks"]
     assert builtin_neighbours(["capitals", "continents"], "evaluate") == ["languages", "currencies"]
-    # every relation of the countries has the other three as neighbours, one of them never trained on
+    # every relation of the countries has the other three as neighbours, at least one of them never trained on
     for relation in ("capitals", "continents", "languages", "currencies"):
         assert set(builtin_neighbours([relation], "evaluate")) == {"capitals", "continents", "languages",
                                                                    "currencies"} - {relation}
-    assert builtin_neighbours(["languages"], "train") == ["capitals", "continents"]
+    assert builtin_neighbours(["languages"], "train") == []  # evaluated only (see NEIGHBOURS)
     for spec in NEIGHBOURS.values():
         assert set(spec["train"]) <= set(spec["evaluate"]) <= set(BEHAVIOURS)
         assert set(spec["evaluate"]) - set(spec["train"]) or len(spec["evaluate"]) == 1
