@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from modular.models import load_model
+from modular.publish import MANIFEST
 from modular.tracking import write_json
 
 
@@ -34,7 +35,7 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=32, help="inputs per quantisation group")
     parser.add_argument("--out", default="outputs/benchmarks", help="folder for quant_grid.json")
     args = parser.parse_args()
-    base_ref = args.base or json.loads((Path(args.published) / "modular.json").read_text())["base_model"]
+    base_ref = args.base or json.loads((Path(args.published) / MANIFEST).read_text())["base_model"]
     base = load_model(base_ref, "float32", "cpu")
     pub = load_model(args.published, "float32", "cpu")
     skip = {id(base.get_input_embeddings().weight), id(base.get_output_embeddings().weight)}
