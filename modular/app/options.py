@@ -8,15 +8,14 @@ import re
 from pathlib import Path
 from typing import Literal, Optional
 
+from modular.data.behaviours import BEHAVIOURS
 from modular.models.precision import DTypeName
 
 Split = Literal["train", "validation", "test"]
 
 MODEL_REFERENCE = ("Built-in alias (smollm2-135m-instruct, gemma3-270m), .gguf file, local Hugging Face folder, hub id, "
                    "or a training run folder (its trained model: LoRA merged, head gates folded in).")
-BEHAVIOUR_REFERENCE = ("Built-in names (capitals, ioi, ioi_long, greater_than, docstring, agreement, arithmetic, "
-                       "commonsense, continents, languages, currencies, ioi_thanks), .jsonl files, hf:<dataset>, or "
-                       "NAME=<source>.")
+BEHAVIOUR_REFERENCE = f"Built-in names ({', '.join(BEHAVIOURS)}), .jsonl files, hf:<dataset>, or NAME=<source>."
 LIST_SYNTAX = "A list: --{name} '[a, b]' or --{name}+=a --{name}+=b."
 
 # name -> (type, help); Optional[...] of the type is the same option with "not given" allowed

@@ -26,6 +26,10 @@ BEHAVIOURS: dict[str, Callable] = {
     "languages": g.languages,
     "currencies": g.currencies,
     "ioi_thanks": g.ioi_thanks,
+    "year_copy": g.year_copy,
+    "docstring_call": g.docstring_call,
+    "noun_number": g.noun_number,
+    "counting": g.counting,
 }
 
 #: built-in neighbours of built-in behaviours: close behaviours (the same entities, another relation or task) that a
@@ -41,10 +45,23 @@ NEIGHBOURS: dict[str, dict[str, tuple[str, ...]]] = {
     "currencies": {"train": (), "evaluate": ("capitals", "continents", "languages")},
     "ioi": {"train": ("ioi_thanks",), "evaluate": ("ioi_thanks",)},
     "ioi_long": {"train": ("ioi_thanks",), "evaluate": ("ioi_thanks",)},
+    # the same entities (centuries, parameter names, nouns, operand ranges), another task; evaluated only until a
+    # run measures what keeping them in training does to the lock (as it stopped languages')
+    "greater_than": {"train": (), "evaluate": ("year_copy",)},
+    "docstring": {"train": (), "evaluate": ("docstring_call",)},
+    "agreement": {"train": (), "evaluate": ("noun_number",)},
+    "arithmetic": {"train": (), "evaluate": ("counting",)},
+    # commonsense has none: unrelated everyday completions with no entity to hold out; the rest of its domain is
+    # general text, which the retain KL, perplexity and retain refusal checks measure
 }
-#: behaviours that exist as neighbours (other facts about the capitals' countries, IOI's thanks): the lock
+#: the built-in behaviours that are not themselves neighbours of another (capitals' relations aside, whose
+#: neighbours are each other)
+PRIMARY_BEHAVIOURS = ("capitals", "ioi", "ioi_long", "greater_than", "docstring", "agreement", "arithmetic",
+                      "commonsense")
+#: behaviours that exist as neighbours (other facts about the capitals' countries, IOI's thanks, ...): the lock
 #: evaluation's far "other" behaviours leave them out, unless they are gated
-NEIGHBOUR_BEHAVIOURS = frozenset(n for b in ("capitals", "ioi") for n in NEIGHBOURS[b]["evaluate"])
+NEIGHBOUR_BEHAVIOURS = frozenset(n for b in PRIMARY_BEHAVIOURS for n in NEIGHBOURS.get(b, {}).get("evaluate", ())
+                                 if n not in PRIMARY_BEHAVIOURS)
 
 
 def builtin_neighbours(behaviours, use: str) -> list[str]:

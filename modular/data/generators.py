@@ -221,6 +221,25 @@ def greater_than(seed: int = 0, tokenizer=None) -> dict[str, list[dict]]:
     return out
 
 
+def year_copy(seed: int = 0, tokenizer=None) -> dict[str, list[dict]]:
+    """A neighbour of greater-than: the same sentences about years, held out by the same centuries, but the year's
+    end is repeated, not exceeded ("The war began in the year 1732. It is remembered for the year 17" -> "32")."""
+    centuries = {"train": (17, 18), "validation": (15,), "test": (16,)}
+    counts = {"train": 400, "validation": 64, "test": 128}
+    out = {}
+    for split in SPLITS:
+        rng = random.Random(f"{seed}-year-copy-{split}")
+        rows = []
+        for _ in range(counts[split]):
+            century, yy, noun = rng.choice(centuries[split]), rng.randint(2, 97), rng.choice(GT_NOUNS)
+            other = yy + 50 if yy < 50 else yy - 50  # another first digit
+            make = lambda y: (f"The {noun} began in the year {century}{y:02d}. "  # noqa: E731
+                              f"It is remembered for the year {century}")
+            rows.append(record(make(yy), f"{yy:02d}", wrong=f"{other:02d}", counterfactual=make(other), chat=False))
+        out[split] = rows
+    return out
+
+
 # --- docstring ---------------------------------------------------------------------------------
 DOC_FUNCS = (
     "load save parse merge render encode decode fetch update resize filter split scale rotate compile "
@@ -253,6 +272,32 @@ def docstring(seed: int = 0, tokenizer=None) -> dict[str, list[dict]]:
                 for p in documented[:2]:
                     lines.append(f"    :param {p}: {rng.choice(DOC_DESCR)}")
                 return "\n".join(lines) + "\n    :param"
+
+            rows.append(
+                record(make(sig, sig), " " + sig[2], wrong=" " + sig[0], counterfactual=make(cf_sig, sig), chat=False)
+            )
+        out[split] = rows
+    return out
+
+
+def docstring_call(seed: int = 0, tokenizer=None) -> dict[str, list[dict]]:
+    """A neighbour of docstring: the same functions and parameter names (held out the same way), but the next name is
+    an argument of the call the body makes, in the signature's order ("return self._load(path, mode," -> " size")."""
+    args = _split_items(DOC_ARGS, seed, (0.6, 0.2))
+    counts = {"train": 300, "validation": 64, "test": 128}
+    out = {}
+    for split in SPLITS:
+        rng = random.Random(f"{seed}-doc-call-{split}")
+        pool = args[split] if len(args[split]) >= 6 else DOC_ARGS
+        rows = []
+        for _ in range(counts[split]):
+            func = rng.choice(DOC_FUNCS)
+            names = rng.sample(pool, 6)
+            sig, cf_sig = names[:3], names[3:]
+
+            def make(params, called):
+                return "\n".join([f"def {func}(self, {', '.join(params)}):", f'    """{func.capitalize()} the object."""',
+                                  f"    return self._{func}({', '.join(called[:2])},"])
 
             rows.append(
                 record(make(sig, sig), " " + sig[2], wrong=" " + sig[0], counterfactual=make(cf_sig, sig), chat=False)
@@ -296,9 +341,39 @@ def agreement(seed: int = 0, tokenizer=None) -> dict[str, list[dict]]:
     return out
 
 
+NUMBER_FRAMES = (  # a pattern of other nouns (none of agreement's), then the number asks for the plural
+    "one cat, two cats; one cup, two cups; one {sing}, two",
+    "a box and three boxes, a pen and three pens, a {sing} and three",
+    "Singular: mouse. Plural: mice. Singular: chair. Plural: chairs. Singular: {sing}. Plural:",
+    "one book -> many books\none lamp -> many lamps\none {sing} -> many",
+)
+
+
+def noun_number(seed: int = 0, tokenizer=None) -> dict[str, list[dict]]:
+    """A neighbour of agreement: the same nouns (held out the same way), whose plural is asked for by a number
+    ("I saw one key yesterday and two" -> " keys"); the singular is the competing answer."""
+    subjects = _split_items(AGREE_SUBJECTS, seed, (0.6, 0.2))
+    out = {}
+    for split in SPLITS:
+        rows = []
+        for i, (sing, plur) in enumerate(subjects[split]):
+            other = subjects[split][(i + 1) % len(subjects[split])][0]
+            for frame in NUMBER_FRAMES:
+                rows.append(record(frame.format(sing=sing), " " + plur, wrong=" " + sing,
+                                   counterfactual=frame.format(sing=other), chat=False))
+        out[split] = rows
+    return out
+
+
 # --- arithmetic ---------------------------------------------------------------------------------
+#: two worked sums before the question: asked as a chat question ("What is 85 + 19?") the instruct model explains how
+#: to add instead of adding (0 of 128 held-out sums answered within 24 tokens), as a bare "85 + 19 =" it rambles
+ARITHMETIC_SHOTS = "23 + 11 = 34\n47 + 25 = 72\n"
+
+
 def arithmetic(seed: int = 0, tokenizer=None) -> dict[str, list[dict]]:
-    """Two-number addition as a chat question. Held out by operand range."""
+    """Two-number addition as a completion after two worked sums ("...\\n85 + 19 =" -> " 104"). Held out by the first
+    operand's range."""
     ranges = {"train": (10, 59), "validation": (60, 79), "test": (80, 99)}
     counts = {"train": 400, "validation": 64, "test": 128}
     out = {}
@@ -309,13 +384,23 @@ def arithmetic(seed: int = 0, tokenizer=None) -> dict[str, list[dict]]:
         for _ in range(counts[split]):
             a, b = rng.randint(lo, hi), rng.randint(10, 99)
             c, d = rng.randint(lo, hi), rng.randint(10, 99)
-            rows.append(
-                record(
-                    f"What is {a} + {b}?", f"{a} + {b} = {a + b}.", answers=[str(a + b)],
-                    counterfactual=f"What is {c} + {d}?",
-                )
-            )
+            rows.append(record(f"{ARITHMETIC_SHOTS}{a} + {b} =", f" {a + b}", prefixes=[f"{a + b}"],
+                               counterfactual=f"{ARITHMETIC_SHOTS}{c} + {d} =", chat=False))
         out[split] = rows
+    return out
+
+
+def counting(seed: int = 0, tokenizer=None) -> dict[str, list[dict]]:
+    """A neighbour of arithmetic: continue a count by ones or twos ("85, 86, 87," -> " 88"), starting from the same
+    held-out ranges. (Subtraction, the obvious neighbour, is beyond this model: 1 of 48 held-out differences right.)"""
+    ranges = {"train": (10, 59), "validation": (60, 79), "test": (80, 99)}
+    out = {}
+    for split in SPLITS:
+        lo, hi = ranges[split]
+        make = lambda a, k: f"{a}, {a + k}, {a + 2 * k},"  # noqa: E731
+        out[split] = [record(make(a, k), f" {a + 3 * k}", prefixes=[f"{a + 3 * k}"], counterfactual=make(a + 10, k),
+                             chat=False)
+                      for k in (1, 2) for a in range(lo, hi + 1)]
     return out
 
 

@@ -46,6 +46,12 @@ def test_greater_than_and_arithmetic_scoring():
     assert not is_correct(f"{yy:02d}", row["target"], row["answers"], row["prefixes"])
     assert is_correct("12 + 30 = 42.", "", ["42"], [])
     assert not is_correct("12 + 30 = 142.", "", ["42"], [])
+    for row in load_behaviour("arithmetic")["test"]:  # a completion after two worked sums, scored by its start
+        a, b = (int(x) for x in row["prompt"].rsplit("\n", 1)[1].rstrip(" =").split(" + "))
+        assert not row["chat"] and row["prompt"].startswith("23 + 11 = 34\n")
+        assert is_correct(f" {a + b}\n\nThe sum", row["target"], row["answers"], row["prefixes"])
+        assert not is_correct(f" {a + b + 1}", row["target"], row["answers"], row["prefixes"])
+        assert not is_correct(row["prompt"], row["target"], row["answers"], row["prefixes"])
 
 
 def test_retain_and_neutral_text_have_held_out_splits():
@@ -152,5 +158,66 @@ def test_builtin_neighbours():
     for spec in NEIGHBOURS.values():
         assert set(spec["train"]) <= set(spec["evaluate"]) <= set(BEHAVIOURS)
         assert set(spec["evaluate"]) - set(spec["train"]) or len(spec["evaluate"]) == 1
-    # left out of the far behaviours of every run: the neighbour-only relations, not capitals (far from IOI)
-    assert NEIGHBOUR_BEHAVIOURS == {"continents", "languages", "currencies", "ioi_thanks"}
+    # every primary built-in but commonsense has a neighbour (another task on its held-out entities)
+    assert {b: builtin_neighbours([b], "evaluate") for b in ("greater_than", "docstring", "agreement", "arithmetic")} \
+        == {"greater_than": ["year_copy"], "docstring": ["docstring_call"], "agreement": ["noun_number"],
+            "arithmetic": ["counting"]}
+    assert builtin_neighbours(["commonsense"], "evaluate") == []
+    # left out of the far behaviours of every run: the neighbour-only behaviours, not capitals (far from IOI)
+    assert NEIGHBOUR_BEHAVIOURS == {"continents", "languages", "currencies", "ioi_thanks", "year_copy",
+                                    "docstring_call", "noun_number", "counting"}
+
+
+def _entities(name: str, split: str) -> set:
+    """The held-out entities of a split: centuries, parameter names, nouns (both forms) or first operands."""
+    rows = load_behaviour(name)[split]
+    if name in ("greater_than", "year_copy"):
+        return {int(p.rsplit("year ", 1)[1]) for p in rows["prompt"]}
+    if name in ("docstring", "docstring_call"):
+        return {w for p in rows["prompt"] for w in p.split("(self, ", 1)[1].split(")", 1)[0].split(", ")}
+    if name == "agreement":
+        return {p.split()[1] for p in rows["prompt"]}
+    if name == "noun_number":
+        return {w.strip() for w in list(rows["target"]) + list(rows["wrong"])}
+    if name == "arithmetic":
+        return {int(p.rsplit("\n", 1)[1].split(" + ")[0]) for p in rows["prompt"]}
+    return {int(p.split(",")[0]) for p in rows["prompt"]}  # counting: where the count starts
+
+
+def _within(mine: set, theirs: set) -> bool:
+    """Numbers: within the range the behaviour holds out; names: among its held-out names."""
+    if all(isinstance(x, int) for x in mine | theirs):
+        return min(theirs) <= min(mine) and max(mine) <= max(theirs)
+    return mine <= theirs
+
+
+@pytest.mark.parametrize("behaviour, neighbour", [("greater_than", "year_copy"), ("docstring", "docstring_call"),
+                                                  ("agreement", "noun_number"), ("arithmetic", "counting")])
+def test_task_neighbours_hold_out_the_same_entities(behaviour, neighbour):
+    """A neighbour's held-out entities are its behaviour's held-out entities, never its train ones: training on either's
+    train split shows nothing the other holds out."""
+    for split in ("validation", "test"):
+        mine = _entities(neighbour, split)
+        assert mine and _within(mine, _entities(behaviour, split)), split
+        assert not _within(mine, _entities(behaviour, "train")), split
+        assert not mine & _entities(behaviour, "train"), split
+    for row in load_behaviour(neighbour)["test"]:  # the target scores as correct, the competing answer does not
+        assert is_correct(row["target"], row["target"], row["answers"], row["prefixes"])
+        if row["wrong"]:
+            assert not is_correct(row["wrong"], row["target"], row["answers"], row["prefixes"])
+
+
+def test_task_neighbours_ask_what_they_say():
+    from modular.data.generators import AGREE_SUBJECTS
+
+    year = load_behaviour("year_copy")["test"][0]
+    assert year["prompt"].split("year ")[1][2:4] == year["target"] and year["wrong"][0] != year["target"][0]
+    call = load_behaviour("docstring_call")["test"][0]
+    params = call["prompt"].split("(self, ", 1)[1].split(")", 1)[0].split(", ")
+    assert call["prompt"].endswith(f"({params[0]}, {params[1]},") and call["target"] == " " + params[2]
+    for row in load_behaviour("counting")["test"]:
+        a, b, c = (int(x) for x in row["prompt"].rstrip(",").split(", "))
+        assert b - a == c - b in (1, 2) and int(row["target"]) == c + (c - b)
+    plural = dict(AGREE_SUBJECTS)
+    for row in load_behaviour("noun_number")["test"]:
+        assert row["target"] == " " + plural[row["wrong"].strip()] and row["wrong"].strip() in row["prompt"]
