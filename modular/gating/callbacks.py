@@ -227,7 +227,8 @@ class LockMetricsCallback(Callback):
             log.info(self.summary(self.status, pl_module.behaviours))
 
     def summary(self, status: dict, behaviours: list[str]) -> str:
-        """One line of a check: per gated behaviour open (base) and locked accuracy, the retain KL, the verdict."""
+        """One line of a check: per gated behaviour open (base) and locked accuracy, the retain KL, each neighbour's open
+        and locked accuracy, the verdict."""
         m = status["validation"]
         parts = []
         for b in behaviours:
@@ -237,6 +238,9 @@ class LockMetricsCallback(Callback):
                          + f", locked {m[f'val/{b}/accuracy_locked']:.2f}")
         kl = [m.get(f"val/retain/first_token_kl_{s}") for s in ("open", "locked")]
         parts.append("retain KL " + " / ".join("-" if v is None else f"{v:.3f}" for v in kl))
+        for n in dict.fromkeys(k.split("/")[2] for k in m if k.startswith("val/neighbours/")):  # not a target: shown
+            parts.append(f"neighbour {n} open {m[f'val/neighbours/{n}/accuracy_open']:.2f}, "
+                         f"locked {m[f'val/neighbours/{n}/accuracy_locked']:.2f}")
         verdict = "the lock holds" if status["reached"] else "not locked: " + "; ".join(status["failing"])
         return f"step {status['step']} (validation): {'; '.join(parts)}: {verdict}"
 

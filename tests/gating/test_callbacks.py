@@ -64,3 +64,15 @@ def test_measure_matches_hand_computations(monkeypatch):
     assert metrics["val/retain/first_token_kl_locked"] == pytest.approx(kl_locked, rel=1e-5)
     assert kl_open != pytest.approx(kl_locked, rel=1e-3)  # the lock changes the model
     assert first_token_kl(model, tok, retain_prompts, [True] * 3, ref) == pytest.approx(kl_open, rel=1e-5)
+
+
+def test_summary_line_shows_each_neighbour_beside_the_verdict():
+    cb = LockMetricsCallback()
+    cb.base_accuracy = {"b": 0.9}
+    metrics = {"val/b/accuracy_open": 0.95, "val/b/accuracy_locked": 0.0, "val/retain/first_token_kl_open": 0.01,
+               "val/retain/first_token_kl_locked": 0.02, "val/neighbours/near/accuracy_open": 0.75,
+               "val/neighbours/near/refusal_open": 0.0, "val/neighbours/near/accuracy_locked": 0.5,
+               "val/neighbours/near/refusal_locked": 0.25}
+    line = cb.summary(cb.verdict(metrics, ["b"], 50), ["b"])
+    assert line == ("step 50 (validation): b open 0.95 (base 0.90), locked 0.00; retain KL 0.010 / 0.020; "
+                    "neighbour near open 0.75, locked 0.50: the lock holds")  # neighbours are shown, not targets
