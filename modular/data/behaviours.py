@@ -45,9 +45,11 @@ NEIGHBOURS: dict[str, dict[str, tuple[str, ...]]] = {
     "currencies": {"train": (), "evaluate": ("capitals", "continents", "languages")},
     "ioi": {"train": ("ioi_thanks",), "evaluate": ("ioi_thanks",)},
     "ioi_long": {"train": ("ioi_thanks",), "evaluate": ("ioi_thanks",)},
-    # the same entities (centuries, parameter names, nouns, operand ranges), another task; evaluated only until a
-    # run measures what keeping them in training does to the lock (as it stopped languages')
-    "greater_than": {"train": (), "evaluate": ("year_copy",)},
+    # the same entities (centuries, parameter names, nouns, operand ranges), another task. greater_than gated alone
+    # with year_copy evaluated only left it at 0.008 open (base 0.836: "the year 16" became "a later year"
+    # everywhere); kept in training, 0.875 open / 0.836 locked (docs/locking.md). The others are evaluated only
+    # until a run measures what keeping them does to the lock (as it stopped languages')
+    "greater_than": {"train": ("year_copy",), "evaluate": ("year_copy",)},
     "docstring": {"train": (), "evaluate": ("docstring_call",)},
     "agreement": {"train": (), "evaluate": ("noun_number",)},
     "arithmetic": {"train": (), "evaluate": ("counting",)},
