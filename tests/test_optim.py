@@ -96,6 +96,8 @@ def _sharded_worker(rank: int, store: str, out: str) -> None:
         assert p.to_local().shape[0] == w.shape[0] // 2  # each process holds half the rows
         _steps(StochasticRoundingAdamW, [p], [grad], lr=1e-2, weight_decay=0.1)
         torch.save(p.full_tensor(), f"{out}/rank{rank}.pt")
+        dist.barrier()  # neither process tears gloo down while the other may still be in a collective (one CI run
+        # aborted in teardown: "terminate called without an active exception")
     finally:
         dist.destroy_process_group()
 

@@ -152,6 +152,7 @@ def _worker(rank: int, store: str, out: str) -> None:
         scores["device"] = str(metric_device())
         with open(f"{out}/rank{rank}.json", "w") as f:
             json.dump(scores, f)
+        dist.barrier()  # neither process tears gloo down while the other may still be in a collective
     finally:
         dist.destroy_process_group()
 
