@@ -186,6 +186,8 @@ def ioi_thanks(seed: int = 0, tokenizer=None) -> dict[str, list[dict]]:
 
 
 # --- greater-than ------------------------------------------------------------------------------
+#: greater-than and its neighbour hold out centuries
+GT_CENTURIES = {"train": (17, 18), "validation": (15,), "test": (16,)}
 GT_NOUNS = ("war", "drought", "strike", "dynasty", "expedition", "famine", "reign", "festival", "project", "voyage")
 
 
@@ -196,14 +198,13 @@ def greater_than(seed: int = 0, tokenizer=None) -> dict[str, list[dict]]:
     so the task is the same for word-piece and digit tokenisers. Start years 02..97;
     held out by century (17xx/18xx train, 15xx validation, 16xx test).
     """
-    centuries = {"train": (17, 18), "validation": (15,), "test": (16,)}
     counts = {"train": 400, "validation": 64, "test": 128}
     out = {}
     for split in SPLITS:
         rng = random.Random(f"{seed}-gt-{split}")
         rows = []
         for _ in range(counts[split]):
-            century, yy, noun = rng.choice(centuries[split]), rng.randint(2, 97), rng.choice(GT_NOUNS)
+            century, yy, noun = rng.choice(GT_CENTURIES[split]), rng.randint(2, 97), rng.choice(GT_NOUNS)
             cf_yy = 1 if yy > 50 else 99
             make = lambda y: f"The {noun} lasted from the year {century}{y:02d} to the year {century}"  # noqa: E731
             end = rng.randint(yy + 1, 99)
@@ -224,14 +225,13 @@ def greater_than(seed: int = 0, tokenizer=None) -> dict[str, list[dict]]:
 def year_copy(seed: int = 0, tokenizer=None) -> dict[str, list[dict]]:
     """A neighbour of greater-than: the same sentences about years, held out by the same centuries, but the year's
     end is repeated, not exceeded ("The war began in the year 1732. It is remembered for the year 17" -> "32")."""
-    centuries = {"train": (17, 18), "validation": (15,), "test": (16,)}
     counts = {"train": 400, "validation": 64, "test": 128}
     out = {}
     for split in SPLITS:
         rng = random.Random(f"{seed}-year-copy-{split}")
         rows = []
         for _ in range(counts[split]):
-            century, yy, noun = rng.choice(centuries[split]), rng.randint(2, 97), rng.choice(GT_NOUNS)
+            century, yy, noun = rng.choice(GT_CENTURIES[split]), rng.randint(2, 97), rng.choice(GT_NOUNS)
             other = yy + 50 if yy < 50 else yy - 50  # another first digit
             make = lambda y: (f"The {noun} began in the year {century}{y:02d}. "  # noqa: E731
                               f"It is remembered for the year {century}")
@@ -350,8 +350,9 @@ NUMBER_FRAMES = (  # a pattern of other nouns (none of agreement's), then the nu
 
 
 def noun_number(seed: int = 0, tokenizer=None) -> dict[str, list[dict]]:
-    """A neighbour of agreement: the same nouns (held out the same way), whose plural is asked for by a number
-    ("I saw one key yesterday and two" -> " keys"); the singular is the competing answer."""
+    """A neighbour of agreement: the same nouns (held out the same way), whose plural is asked for by a number after a
+    pattern of other nouns ("one cat, two cats; one cup, two cups; one key, two" -> " keys"); the singular is the
+    competing answer."""
     subjects = _split_items(AGREE_SUBJECTS, seed, (0.6, 0.2))
     out = {}
     for split in SPLITS:
@@ -369,17 +370,18 @@ def noun_number(seed: int = 0, tokenizer=None) -> dict[str, list[dict]]:
 #: two worked sums before the question: asked as a chat question ("What is 85 + 19?") the instruct model explains how
 #: to add instead of adding (0 of 128 held-out sums answered within 24 tokens), as a bare "85 + 19 =" it rambles
 ARITHMETIC_SHOTS = "23 + 11 = 34\n47 + 25 = 72\n"
+#: arithmetic and its neighbour hold out the first operand's range
+ADD_RANGES = {"train": (10, 59), "validation": (60, 79), "test": (80, 99)}
 
 
 def arithmetic(seed: int = 0, tokenizer=None) -> dict[str, list[dict]]:
     """Two-number addition as a completion after two worked sums ("...\\n85 + 19 =" -> " 104"). Held out by the first
     operand's range."""
-    ranges = {"train": (10, 59), "validation": (60, 79), "test": (80, 99)}
     counts = {"train": 400, "validation": 64, "test": 128}
     out = {}
     for split in SPLITS:
         rng = random.Random(f"{seed}-add-{split}")
-        lo, hi = ranges[split]
+        lo, hi = ADD_RANGES[split]
         rows = []
         for _ in range(counts[split]):
             a, b = rng.randint(lo, hi), rng.randint(10, 99)
@@ -393,10 +395,9 @@ def arithmetic(seed: int = 0, tokenizer=None) -> dict[str, list[dict]]:
 def counting(seed: int = 0, tokenizer=None) -> dict[str, list[dict]]:
     """A neighbour of arithmetic: continue a count by ones or twos ("85, 86, 87," -> " 88"), starting from the same
     held-out ranges. (Subtraction, the obvious neighbour, is beyond this model: 1 of 48 held-out differences right.)"""
-    ranges = {"train": (10, 59), "validation": (60, 79), "test": (80, 99)}
     out = {}
     for split in SPLITS:
-        lo, hi = ranges[split]
+        lo, hi = ADD_RANGES[split]
         make = lambda a, k: f"{a}, {a + k}, {a + 2 * k},"  # noqa: E731
         out[split] = [record(make(a, k), f" {a + 3 * k}", prefixes=[f"{a + 3 * k}"], counterfactual=make(a + 10, k),
                              chat=False)
