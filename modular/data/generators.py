@@ -253,57 +253,43 @@ DOC_ARGS = (
 DOC_DESCR = ("the input", "how to run it", "the number to use", "an optional setting", "where it goes", "the value")
 
 
-def docstring(seed: int = 0, tokenizer=None) -> dict[str, list[dict]]:
-    """Predict the next parameter name in a Python docstring (Heimersheim & Janiak style)."""
+def _functions(seed: int, tag: str, body) -> dict[str, list[dict]]:
+    """Python functions of three parameters (names held out by split, the same for every tag); ``body(func, params,
+    named, rng)`` writes the text after the signature up to the point where the third parameter's name comes next
+    (``named``: the signature whose names it repeats; the counterfactual has other names in the signature)."""
     args = _split_items(DOC_ARGS, seed, (0.6, 0.2))
     counts = {"train": 300, "validation": 64, "test": 128}
     out = {}
     for split in SPLITS:
-        rng = random.Random(f"{seed}-doc-{split}")
+        rng = random.Random(f"{seed}-{tag}-{split}")
         pool = args[split] if len(args[split]) >= 6 else DOC_ARGS
         rows = []
         for _ in range(counts[split]):
             func = rng.choice(DOC_FUNCS)
             names = rng.sample(pool, 6)
             sig, cf_sig = names[:3], names[3:]
-
-            def make(params, documented):
-                lines = [f"def {func}(self, {', '.join(params)}):", f'    """{func.capitalize()} the object.', ""]
-                for p in documented[:2]:
-                    lines.append(f"    :param {p}: {rng.choice(DOC_DESCR)}")
-                return "\n".join(lines) + "\n    :param"
-
-            rows.append(
-                record(make(sig, sig), " " + sig[2], wrong=" " + sig[0], counterfactual=make(cf_sig, sig), chat=False)
-            )
+            make = lambda params: f"def {func}(self, {', '.join(params)}):\n" + body(func, params, sig, rng)  # noqa: E731
+            rows.append(record(make(sig), " " + sig[2], wrong=" " + sig[0], counterfactual=make(cf_sig), chat=False))
         out[split] = rows
     return out
+
+
+def _docstring_body(func, params, named, rng) -> str:
+    lines = [f'    """{func.capitalize()} the object.', ""]
+    lines += [f"    :param {p}: {rng.choice(DOC_DESCR)}" for p in named[:2]]
+    return "\n".join(lines) + "\n    :param"
+
+
+def docstring(seed: int = 0, tokenizer=None) -> dict[str, list[dict]]:
+    """Predict the next parameter name in a Python docstring (Heimersheim & Janiak style)."""
+    return _functions(seed, "doc", _docstring_body)
 
 
 def docstring_call(seed: int = 0, tokenizer=None) -> dict[str, list[dict]]:
     """A neighbour of docstring: the same functions and parameter names (held out the same way), but the next name is
     an argument of the call the body makes, in the signature's order ("return self._load(path, mode," -> " size")."""
-    args = _split_items(DOC_ARGS, seed, (0.6, 0.2))
-    counts = {"train": 300, "validation": 64, "test": 128}
-    out = {}
-    for split in SPLITS:
-        rng = random.Random(f"{seed}-doc-call-{split}")
-        pool = args[split] if len(args[split]) >= 6 else DOC_ARGS
-        rows = []
-        for _ in range(counts[split]):
-            func = rng.choice(DOC_FUNCS)
-            names = rng.sample(pool, 6)
-            sig, cf_sig = names[:3], names[3:]
-
-            def make(params, called):
-                return "\n".join([f"def {func}(self, {', '.join(params)}):", f'    """{func.capitalize()} the object."""',
-                                  f"    return self._{func}({', '.join(called[:2])},"])
-
-            rows.append(
-                record(make(sig, sig), " " + sig[2], wrong=" " + sig[0], counterfactual=make(cf_sig, sig), chat=False)
-            )
-        out[split] = rows
-    return out
+    return _functions(seed, "doc-call", lambda func, params, named, rng: (
+        f'    """{func.capitalize()} the object."""\n    return self._{func}({", ".join(named[:2])},'))
 
 
 # --- subject-verb agreement (syntax) -------------------------------------------------------------
