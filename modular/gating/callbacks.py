@@ -36,7 +36,9 @@ class LockMetricsCallback(Callback):
 
     * every gated behaviour's locked accuracy is at most ``locked_accuracy``,
     * its open accuracy is at least its base accuracy (the model before training, scored once when training starts)
-      minus ``open_drop``,
+      minus ``open_drop``, and at least ``min_open_accuracy``: a behaviour the model hardly shows (a base that answers
+      2% of items, as a greedy completion scored against one expected word can) is "locked" by any model, so such a
+      run is not called locked,
     * the retain first-token KL is at most ``retain_kl`` in both states.
 
     With ``stop`` training ends at the first validation (at or after ``min_steps``, or after ``min_passes`` passes
@@ -59,6 +61,8 @@ class LockMetricsCallback(Callback):
         max_new_tokens: Length of greedy responses.
         locked_accuracy: Highest locked accuracy (validation) at which a behaviour counts as locked.
         open_drop: Largest drop of open accuracy below the base accuracy (validation).
+        min_open_accuracy: Lowest open accuracy (validation) at which a lock can be told from a behaviour the model
+            does not show.
         retain_kl: Highest retain first-token KL to the reference, open and locked.
         stop: Stop training once the lock holds (at or after ``min_steps``).
         min_steps: No stop before this step (unless ``min_passes`` comes first); the least step budget.
@@ -70,8 +74,9 @@ class LockMetricsCallback(Callback):
 
     def __init__(self, limit: int | None = 64, max_new_tokens: int = 24, locked_accuracy: float = 0.05,
                  open_drop: float = 0.0, retain_kl: float = 0.05, stop: bool = True, min_steps: int = 0,
-                 max_passes: float | None = None, min_passes: float | None = None):
-        for name, value in (("locked_accuracy", locked_accuracy), ("open_drop", open_drop), ("retain_kl", retain_kl)):
+                 max_passes: float | None = None, min_passes: float | None = None, min_open_accuracy: float = 0.2):
+        for name, value in (("locked_accuracy", locked_accuracy), ("open_drop", open_drop), ("retain_kl", retain_kl),
+                            ("min_open_accuracy", min_open_accuracy)):
             if value < 0:
                 raise ModularError(f"LockMetricsCallback {name} must be >= 0, got {value}")
         if min_steps < 0:
@@ -84,7 +89,8 @@ class LockMetricsCallback(Callback):
         self.budget: int | None = None
         self.limit = limit
         self.max_new_tokens = max_new_tokens
-        self.targets = {"locked_accuracy": locked_accuracy, "open_drop": open_drop, "retain_kl": retain_kl}
+        self.targets = {"locked_accuracy": locked_accuracy, "open_drop": open_drop, "retain_kl": retain_kl,
+                        "min_open_accuracy": min_open_accuracy}
         self.stop = stop
         self.min_steps = min_steps
         self.stop_from = min_steps  # the first step at which the lock may stop training (min_passes may lower it)
@@ -210,6 +216,9 @@ class LockMetricsCallback(Callback):
             base = self.base_accuracy.get(b)
             if base is not None and opened < base - t["open_drop"] - 1e-9:
                 failing.append(f"{b} open accuracy {opened:.2f} < base {base:.2f} - {t['open_drop']:g}")
+            if opened < t["min_open_accuracy"] - 1e-9:
+                failing.append(f"{b} open accuracy {opened:.2f} < {t['min_open_accuracy']:g}: too little of the "
+                               "behaviour to tell a lock from its absence")
         for state in ("open", "locked"):
             kl = metrics.get(f"val/retain/first_token_kl_{state}")
             if kl is not None and kl > t["retain_kl"]:

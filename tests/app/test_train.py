@@ -22,8 +22,9 @@ def tiny_config(tmp_path, model_dir, behaviours=("capitals",), extra_model=None,
     cfg["trainer"].update({"default_root_dir": str(run), "max_steps": 3, "val_check_interval": 3,
                            "limit_val_batches": 1, "log_every_n_steps": 1, "enable_progress_bar": False})
     cfg["trainer"]["callbacks"][0]["init_args"].update({"every_n_train_steps": 2})  # dirpath follows the run folder
+    # a tiny random model answers nothing, base included: no open accuracy is asked of it
     cfg["trainer"]["callbacks"][1]["init_args"].update({"limit": 4, "max_new_tokens": 3, "min_steps": 0,
-                                                        **(lock_args or {})})
+                                                        "min_open_accuracy": 0.0, **(lock_args or {})})
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path, run
@@ -335,9 +336,9 @@ def test_a_run_that_cannot_reach_the_lock_is_reported_and_not_published_as_locke
 
 
 def test_training_stops_once_the_lock_holds(tmp_path, tiny_env):
-    """Targets a tiny random model meets at once (it answers nothing, base included): training stops at the first
-    validation instead of running its budget, the checkpoint holds that step, and publish calls it locked. Started
-    again, the finished run does not train on."""
+    """Targets a tiny random model meets at once (it answers nothing, base included, and no open accuracy is asked
+    for): training stops at the first validation instead of running its budget, the checkpoint holds that step, and
+    publish calls it locked. Started again, the finished run does not train on."""
     model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
     cfg, run = tiny_config(tmp_path, model_dir, lock_args={"retain_kl": 10.0})
     out = _train(cfg, "--trainer.max_steps", "8", "--trainer.val_check_interval", "2", env=tiny_env)

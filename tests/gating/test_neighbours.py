@@ -243,6 +243,24 @@ def test_lock_verdict(metrics, failing):
     assert verdict["base_accuracy"] == {"b": 0.75} and verdict["validation"] == metrics
 
 
+def test_a_behaviour_the_model_hardly_shows_is_not_called_locked():
+    """A base that answers 2% of the items (a completion scored against one expected word) meets "locked <= 5%" with
+    any model: below min_open_accuracy in the open state the verdict is not locked, whatever the other targets say;
+    0 turns the floor off."""
+    cb = LockMetricsCallback()
+    cb.base_accuracy = {"b": 0.02}
+    verdict = cb.verdict(_metrics(opened=0.03), ["b"], step=40)
+    assert verdict["reached"] is False and verdict["targets"]["min_open_accuracy"] == 0.2
+    assert verdict["failing"] == ["b open accuracy 0.03 < 0.2: too little of the behaviour to tell a lock from its "
+                                  "absence"]
+    assert cb.verdict(_metrics(opened=0.2), ["b"], step=40)["reached"]  # at the floor: enough
+    off = LockMetricsCallback(min_open_accuracy=0.0)
+    off.base_accuracy = {"b": 0.02}
+    assert off.verdict(_metrics(opened=0.03), ["b"], step=40)["reached"]
+    with pytest.raises(ModularError, match="min_open_accuracy must be >= 0"):
+        LockMetricsCallback(min_open_accuracy=-0.1)
+
+
 def test_lock_target_options_are_checked():
     with pytest.raises(ModularError, match="locked_accuracy must be >= 0"):
         LockMetricsCallback(locked_accuracy=-0.1)
