@@ -47,12 +47,14 @@ NEIGHBOURS: dict[str, dict[str, tuple[str, ...]]] = {
     "ioi_long": {"train": ("ioi_thanks",), "evaluate": ("ioi_thanks",)},
     # the same entities (centuries, parameter names, nouns, operand ranges), another task. greater_than gated alone
     # with year_copy evaluated only left it at 0.008 open (base 0.836: "the year 16" became "a later year"
-    # everywhere); kept in training, 0.875 open / 0.836 locked (docs/locking.md). The others are evaluated only
-    # until a run measures what keeping them does to the lock (as it stopped languages')
+    # everywhere); kept in training, 0.875 open / 0.836 locked. arithmetic gated alone with counting evaluated only
+    # cost counting 10 points in both states; kept in training, 0.650 open / 0.675 locked (base 0.650), the lock
+    # held from step 50 (docs/locking.md). The others are evaluated only until a run measures what keeping them does
+    # to the lock (as it stopped languages')
     "greater_than": {"train": ("year_copy",), "evaluate": ("year_copy",)},
     "docstring": {"train": (), "evaluate": ("docstring_call",)},
     "agreement": {"train": (), "evaluate": ("noun_number",)},
-    "arithmetic": {"train": (), "evaluate": ("counting",)},
+    "arithmetic": {"train": ("counting",), "evaluate": ("counting",)},
     # commonsense has none: unrelated everyday completions with no entity to hold out; the rest of its domain is
     # general text, which the retain KL, perplexity and retain refusal checks measure
 }

@@ -163,7 +163,7 @@ def test_builtin_neighbours():
         == {"greater_than": ["year_copy"], "docstring": ["docstring_call"], "agreement": ["noun_number"],
             "arithmetic": ["counting"]}
     assert builtin_neighbours(["commonsense"], "evaluate") == []
-    assert builtin_neighbours(["greater_than", "docstring"], "train") == ["year_copy"]  # measured (NEIGHBOURS)
+    assert builtin_neighbours(["greater_than", "docstring", "arithmetic"], "train") == ["year_copy", "counting"]
     # left out of the far behaviours of every run: the neighbour-only behaviours, not capitals (far from IOI)
     assert NEIGHBOUR_BEHAVIOURS == {"continents", "languages", "currencies", "ioi_thanks", "year_copy",
                                     "docstring_call", "noun_number", "counting"}
