@@ -22,7 +22,7 @@ from modular.analysis.discovery import (
 from modular.analysis.insertion import LABELS, filler, insertion_accuracy, length_sweep, pooled_items
 from modular.app.options import Split, output_folder
 from modular.data import load_behaviour, retain_data
-from modular.evaluation.behaviour import evaluate_behaviour
+from modular.evaluation.behaviour import choice_measures, evaluate_behaviour
 from modular.evaluation.retain import first_token_logp
 from modular.evaluation.stats import wilson_interval
 from modular.models.precision import DTypeName
@@ -71,8 +71,8 @@ def directions(
         retain_limit: Held-out retain prompts for the first-token KL.
         ablate_formats: Formats whose directions are ablated layer by layer (default: all of ``formats``).
         layers: Layers whose directions are ablated (default: all).
-        metric: auto (choice accuracy when every item has a competing answer, else greedy generation),
-            generation or choice.
+        metric: auto (choice accuracy when every item has one right and one competing answer, else greedy
+            generation), generation or choice.
         max_new_tokens: When scoring by generation.
         kl_budget: Also report the best direction among those whose retain KL stays within this budget.
         run: Gated training run folder: analyse its trained (open) model and report the cosine between each
@@ -182,11 +182,12 @@ def _direction_data(behaviour: str, tokenizer, seed: int, n_prompts: int, limit:
     if len(test) == 0:
         raise ModularError(f"behaviour '{behaviour}' has no test items")
     held = retain["test"].select(range(min(retain_limit, len(retain["test"]))))
-    has_wrong = all(test["wrong"])
-    if metric == "choice" and not has_wrong:
-        raise ModularError(f"behaviour '{behaviour}' has no competing answers: use --metric generation")
+    by_choice = choice_measures(test)
+    if metric == "choice" and not by_choice:
+        raise ModularError(f"behaviour '{behaviour}' is not measured by a choice between one right and one wrong answer: "
+                           "use --metric generation")
     return (list(data["train"]["prompt"][:n]), list(retain["train"]["prompt"][:n]), test, held,
-            has_wrong and metric != "generation")
+            by_choice and metric != "generation")
 
 
 def attention(

@@ -71,6 +71,14 @@ def last_logits(model, tokenizer, prompts: list[str], chats: list[bool], batch_s
     return torch.cat(rows)
 
 
+def choice_measures(dataset) -> bool:
+    """Whether a first-token choice (the target's first token against the wrong answer's) measures the task: every
+    item has a competing answer, and one answer is right. Greater-than accepts any later year (its ``prefixes``):
+    "The war lasted from the year 1732 to the year 17" is answered " 35" as rightly as " 71", whose first token ties
+    with the wrong " 32"'s, so SmolLM2 chose right on 0.27 of the items it completes rightly on every one."""
+    return len(dataset) > 0 and all(dataset["wrong"]) and not any(len(p) > 1 for p in dataset["prefixes"])
+
+
 def evaluate_behaviour(model, tokenizer, dataset, max_new_tokens: int = 24, batch_size: int = 16,
                        limit: int | None = None, intervention=None, desc: str | None = None,
                        choice_only: bool = False,
@@ -78,8 +86,9 @@ def evaluate_behaviour(model, tokenizer, dataset, max_new_tokens: int = 24, batc
     """Accuracy (and logit difference where ``wrong`` is set) on ``dataset`` (one split).
 
     ``intervention``: a zero-argument callable returning a context manager (e.g. a lock)
-    active during scoring. ``choice_only``: for tasks with a ``wrong`` answer, skip generation
-    and report the choice accuracy (target's first token beats the wrong one) as ``accuracy``.
+    active during scoring. ``choice_only``: for tasks the choice measures (:func:`choice_measures`), skip generation
+    and report the choice accuracy (target's first token beats the wrong one) as ``accuracy``; others are scored by
+    generation all the same.
     ``refusals``: the locked responses; a response that is one of them is never correct (their share is the result's
     ``refusal_rate``). The shares and the mean are torchmetrics metrics (:mod:`modular.evaluation.metrics`): where
     torch.distributed is initialised they are taken over every process's items.
@@ -87,7 +96,7 @@ def evaluate_behaviour(model, tokenizer, dataset, max_new_tokens: int = 24, batc
     if limit is not None:
         dataset = dataset.select(range(min(limit, len(dataset))))
     prompts, chats = list(dataset["prompt"]), list(dataset["chat"])
-    choice_only = choice_only and all(dataset["wrong"])
+    choice_only = choice_only and choice_measures(dataset)
     ctx = intervention() if intervention is not None else nullcontext()
     with ctx:
         responses = [] if choice_only else generate(model, tokenizer, prompts, chats, max_new_tokens, batch_size, desc)

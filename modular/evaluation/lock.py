@@ -159,7 +159,8 @@ def lock_report(base, open_model, tokenizer, directions: dict[str, torch.Tensor]
             if state != "base":
                 row["neighbours"][n]["vs_base"] = paired_change(neighbour_correct["base"][n], correct)
         for b in others:
-            # tasks with a competing answer are scored by choice accuracy (one forward pass), others by generation
+            # tasks a choice measures (one right and one competing answer) are scored by choice accuracy (one
+            # forward pass), others (greater-than: any later year) by generation
             r = evaluate_behaviour(model, tokenizer, data[b], 12, batch_size, limit=other_limit, intervention=ctx,
                                    desc=f"{state}:{b}", choice_only=True)
             row["others"][b] = {**r.summary(), "metric": "choice" if r.choice_accuracy is not None and not r.items

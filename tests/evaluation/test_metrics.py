@@ -116,6 +116,27 @@ def test_choice_scores_are_the_mean_logit_difference_and_the_share_of_wins(monke
     assert r.logit_diff == pytest.approx(0.375)
 
 
+def test_a_task_with_many_right_answers_is_scored_by_generation_even_where_a_choice_is_asked(monkeypatch):
+    """Greater-than accepts any later year: a first-token choice against the wrong year would call " 35" after
+    "1732 to the year 17" a loss (its first token ties with " 32"'s), so choice_only scores such items by their
+    greedy responses; a task with one right answer each keeps the choice."""
+    tok = make_tiny_tokenizer()
+    rows = _rows(["Paris", "Rome"], ["London", "Madrid"])
+    assert ev.choice_measures(rows)
+    many = rows.remove_columns(["prefixes", "answers"]).add_column("prefixes", [["Paris", "Parma"], []]) \
+        .add_column("answers", [[], []])  # scored by the prefixes, or by the target where there are none
+    assert not ev.choice_measures(many) and not ev.choice_measures(_rows(["Paris", "Rome"]))
+    good = ev.first_token_ids(tok, ["London", "Madrid"])
+    logits = torch.zeros(2, VOCAB)
+    logits[torch.arange(2), good] = 1.0  # the wrong answers win the choice
+    monkeypatch.setattr(ev, "last_logits", lambda *a, **k: logits.clone())
+    monkeypatch.setattr(ev, "generate", lambda *a, **k: ["Parma", "Rome"])
+    r = ev.evaluate_behaviour(None, tok, many, choice_only=True)
+    assert (r.accuracy, r.choice_accuracy, len(r.items)) == (1.0, 0.0, 2)
+    r = ev.evaluate_behaviour(None, tok, rows, choice_only=True)
+    assert (r.accuracy, r.choice_accuracy, r.items) == (0.0, 0.0, [])
+
+
 # --- the same metrics in two processes, each scoring its own shard ---------------------------------------------
 
 def _data():
