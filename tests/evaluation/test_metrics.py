@@ -126,9 +126,9 @@ def test_a_task_with_many_right_answers_is_scored_by_generation_even_where_a_cho
     many = rows.remove_columns(["prefixes", "answers"]).add_column("prefixes", [["Paris", "Parma"], []]) \
         .add_column("answers", [[], []])  # scored by the prefixes, or by the target where there are none
     assert not ev.choice_measures(many) and not ev.choice_measures(_rows(["Paris", "Rome"]))
-    good = ev.first_token_ids(tok, ["London", "Madrid"])
+    wrong = ev.first_token_ids(tok, ["London", "Madrid"])
     logits = torch.zeros(2, VOCAB)
-    logits[torch.arange(2), good] = 1.0  # the wrong answers win the choice
+    logits[torch.arange(2), wrong] = 1.0  # the wrong answers win the choice
     monkeypatch.setattr(ev, "last_logits", lambda *a, **k: logits.clone())
     monkeypatch.setattr(ev, "generate", lambda *a, **k: ["Parma", "Rome"])
     r = ev.evaluate_behaviour(None, tok, many, choice_only=True)
