@@ -155,7 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     _show_modular_lines()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["fit"] and not any(a.startswith("--ckpt_path") for a in argv):
-        argv += ["--ckpt_path", "last"]  # resume a killed run; a fresh run finds none and starts from step 0
+        # resume a killed run (a fresh run finds none and starts from step 0); given first, so that a config file's
+        # own ckpt_path, read after it, wins
+        argv[1:1] = ["--ckpt_path", "last"]
     saved = sys.argv
     # LightningCLI reads the command line (given both it and ``args``, it warns), and multi-process launchers start
     # the other processes from it: this module as the script, whoever called it (train.py, modular main); restored below

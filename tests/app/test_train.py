@@ -390,3 +390,18 @@ def test_a_run_started_again_at_its_last_step_records_the_lock_at_that_step(tmp_
     assert out.returncode == 0, out.stderr[-3000:]
     record = json.loads((run / "run.json").read_text())
     assert record["checkpoint_step"] == 3 and record["lock"]["step"] == 3
+
+
+def test_a_config_files_checkpoint_is_resumed_from(tmp_path):
+    """``fit`` resumes from ``last`` by default, but a ``ckpt_path`` in a config file (a run's saved config.yaml
+    pointed at another run's checkpoint) is the one used."""
+    extra = tmp_path / "resume.yaml"
+    extra.write_text(f"ckpt_path: {tmp_path / 'other' / 'last.ckpt'}\n")
+    out = subprocess.run([sys.executable, str(ROOT / "train.py"), "fit", "--config", "configs/gate_capitals_smollm2.yaml",
+                          "--config", str(extra), "--print_config"], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert yaml.safe_load(out.stdout)["ckpt_path"] == str(tmp_path / "other" / "last.ckpt")
+    out = subprocess.run([sys.executable, str(ROOT / "train.py"), "fit", "--config", "configs/gate_capitals_smollm2.yaml",
+                          "--print_config"], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert yaml.safe_load(out.stdout)["ckpt_path"] == "last"
