@@ -196,7 +196,6 @@ class GatedLM(L.LightningModule):
 
         check_model_options(self.hparams)
         self.objectives = list(default_objectives() if objectives is None else objectives)
-        self.hparams["objectives"] = [repr(t) for t in self.objectives]  # what was trained, readable in the logs
         if finetuning not in ("full", "lora", "none"):
             raise ModularError(f"finetuning must be 'full', 'lora' or 'none', got '{finetuning}'")
         if finetuning == "none" and not head_gates:
@@ -261,6 +260,12 @@ class GatedLM(L.LightningModule):
         return {b: self.directions[i].detach().cpu() for i, b in enumerate(self.behaviours)}
 
     # --- directions ----------------------------------------------------------------------------
+    def on_fit_start(self) -> None:
+        # what is trained, readable in the logs; kept out of hparams, which a checkpoint stores and LightningCLI
+        # parses back as the model's arguments when fit is given its path
+        for logger in self.loggers:
+            logger.log_hyperparams({"objectives": [repr(t) for t in self.objectives]})
+
     def setup(self, stage: str) -> None:
         if not self.behaviours or self.directions.abs().sum() > 0:
             return

@@ -70,10 +70,14 @@ def test_gated_training_runs_checkpoints_and_resumes(tmp_path, tiny_env):
     assert (run / "wandb_run_id").read_text().strip() == wandb_id
     runs = sorted(p.name for p in (run / "wandb").glob("offline-run-*"))
     assert len(runs) == 2 and all(name.endswith(f"-{wandb_id}") for name in runs), runs
+    # the checkpoint named by its path (LightningCLI then reads the model's arguments back from it)
+    out = _train(cfg, "--trainer.max_steps", "5", "--ckpt_path", str(run / "last.ckpt"), env=tiny_env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads((run / "run.json").read_text())["global_step"] == 5
     # a truncated last.ckpt (a run killed while saving): one line naming it and how to start afresh
     ckpt = run / "last.ckpt"
     ckpt.write_bytes(ckpt.read_bytes()[: ckpt.stat().st_size // 2])
-    out = _train(cfg, "--trainer.max_steps", "5", env=tiny_env)
+    out = _train(cfg, "--trainer.max_steps", "6", env=tiny_env)
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
     line = out.stderr.strip().splitlines()[-1]
     assert line.startswith("error: ") and str(ckpt) in line and "--ckpt_path null" in line
