@@ -207,9 +207,7 @@ def main() -> None:
     if args.save:
         shutil.copytree(published, args.save)
         model.save_pretrained(args.save, safe_serialization=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "grid_snap.json", result)
+    write_json(Path(args.out) / "grid_snap.json", result)  # makes the folder
     print(json.dumps(result, indent=1))
 
 

@@ -56,9 +56,7 @@ def main() -> None:
               "base_largest_distance_to_grid_steps": off_grid,
               "change_steps_median": float(np.median(moved)), "change_steps_p99": float(np.percentile(moved, 99)),
               "share_beyond_half_a_step": float((moved > 0.5).mean())}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "quant_grid.json", result)
+    write_json(Path(args.out) / "quant_grid.json", result)  # makes the folder
     print(json.dumps(result, indent=1))
 
 
