@@ -259,13 +259,13 @@ class GatedLM(L.LightningModule):
     def direction_dict(self) -> dict[str, torch.Tensor]:
         return {b: self.directions[i].detach().cpu() for i, b in enumerate(self.behaviours)}
 
-    # --- directions ----------------------------------------------------------------------------
     def on_fit_start(self) -> None:
         # what is trained, readable in the logs; kept out of hparams, which a checkpoint stores and LightningCLI
         # parses back as the model's arguments when fit is given its path
         for logger in self.loggers:
             logger.log_hyperparams({"objectives": [repr(t) for t in self.objectives]})
 
+    # --- directions ----------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
         if not self.behaviours or self.directions.abs().sum() > 0:
             return
