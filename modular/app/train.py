@@ -18,7 +18,7 @@ import uuid
 from pathlib import Path
 
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import WandbLogger
 
 from modular import ModularError
@@ -95,22 +95,41 @@ def _wandb_loggers(trainer) -> list:
             if hasattr(lg, "class_path") and str(lg.class_path).endswith("WandbLogger")]
 
 
+def _run_folder_options(trainer) -> list[tuple[object, str]]:
+    """The W&B loggers' ``save_dir`` and the checkpoint callbacks' ``dirpath`` (each as its ``init_args`` and key)."""
+    options = [(lg.init_args, "save_dir") for lg in _wandb_loggers(trainer)]
+    return options + [(cb.init_args, "dirpath") for cb in trainer.get("callbacks") or []
+                      if hasattr(cb, "class_path") and str(cb.class_path).endswith(("RunCheckpoint", "ModelCheckpoint"))]
+
+
 def follow_run_folder(trainer) -> None:
     """The run folder (``trainer.default_root_dir``) is one option: a checkpoint callback without a ``dirpath``
     writes there and a logger without a ``save_dir`` (W&B) logs there, so changing the folder moves them all."""
     run_dir = trainer.get("default_root_dir")
     if not run_dir:
         return
-
-
     unset = (None, "", inspect.signature(WandbLogger).parameters["save_dir"].default)  # the parser fills defaults in
-    for lg in _wandb_loggers(trainer):
-        if lg.init_args.get("save_dir") in unset:
-            lg.init_args.save_dir = run_dir
-    for cb in trainer.get("callbacks") or []:
-        if hasattr(cb, "class_path") and str(cb.class_path).endswith(("RunCheckpoint", "ModelCheckpoint")) \
-                and not cb.init_args.get("dirpath"):
-            cb.init_args.dirpath = run_dir
+    for args, key in _run_folder_options(trainer):
+        if args.get(key) in unset:
+            setattr(args, key, run_dir)
+
+
+class RunConfigSave(SaveConfigCallback):
+    """Saves the run's ``config.yaml`` with the checkpoint and W&B folders left unset where they are the run folder:
+    the saved config, run again with another ``--trainer.default_root_dir``, writes there and never into this
+    run's folder."""
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        run_dir = self.config["trainer"].get("default_root_dir")
+        followed = [(args, key) for args, key in _run_folder_options(self.config["trainer"])
+                    if run_dir and args.get(key) == run_dir]
+        for args, key in followed:
+            setattr(args, key, None)
+        try:
+            super().setup(trainer, pl_module, stage)
+        finally:
+            for args, key in followed:
+                setattr(args, key, run_dir)
 
 
 def check_trainer_length(trainer) -> None:
@@ -163,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     # the other processes from it: this module as the script, whoever called it (train.py, modular main); restored below
     sys.argv = [__file__, *argv]
     try:
-        GatingCLI(GatedLM, GatingDataModule, save_config_kwargs={"overwrite": True},
+        GatingCLI(GatedLM, GatingDataModule, save_config_callback=RunConfigSave, save_config_kwargs={"overwrite": True},
                   parser_kwargs={"description": "modular: gate behaviours into residual directions."})
     except ModularError as err:
         print(f"error: {err}", file=sys.stderr)

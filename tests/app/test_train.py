@@ -48,6 +48,26 @@ def test_the_run_folder_is_one_option(tmp_path, tiny_env):
     assert json.loads((other / "run.json").read_text())["checkpoint_step"] == 2
 
 
+def test_a_runs_saved_config_run_elsewhere_leaves_the_run_alone(tmp_path, tiny_env):
+    """A run's config.yaml leaves the checkpoint and W&B folders unset (they follow the run folder), so running it
+    again with another run folder writes there and does not touch the first run's checkpoint."""
+    model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
+    cfg, run = tiny_config(tmp_path, model_dir, lock_args={"stop": False})
+    out = _train(cfg, "--trainer.max_steps", "2", env=tiny_env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    assert saved["trainer"]["logger"]["init_args"]["save_dir"] is None
+    assert saved["trainer"]["callbacks"][0]["init_args"]["dirpath"] is None
+    first = (run / "last.ckpt").read_bytes()
+    other = tmp_path / "other"
+    out = _train(run / "config.yaml", "--trainer.default_root_dir", str(other), "--trainer.max_steps", "2",
+                 env=tiny_env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (other / "last.ckpt").is_file() and (other / "wandb").is_dir()
+    assert (run / "last.ckpt").read_bytes() == first
+    assert len(list((run / "wandb").glob("offline-run-*"))) == 1
+
+
 def test_gated_training_runs_checkpoints_and_resumes(tmp_path, tiny_env):
     model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
     cfg, run = tiny_config(tmp_path, model_dir, lock_args={"stop": False})  # trains to max_steps whatever the lock
