@@ -49,8 +49,8 @@ def test_the_run_folder_is_one_option(tmp_path, tiny_env):
 
 
 def test_a_runs_saved_config_run_elsewhere_leaves_the_run_alone(tmp_path, tiny_env):
-    """A run's config.yaml leaves the checkpoint and W&B folders unset (they follow the run folder), so running it
-    again with another run folder writes there and does not touch the first run's checkpoint."""
+    """A run's config.yaml leaves the checkpoint and W&B folders unset (they follow the run folder), so the run
+    continued in another folder from its checkpoint writes there and does not touch the first run's checkpoint."""
     model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
     cfg, run = tiny_config(tmp_path, model_dir, lock_args={"stop": False})
     out = _train(cfg, "--trainer.max_steps", "2", env=tiny_env)
@@ -60,9 +60,11 @@ def test_a_runs_saved_config_run_elsewhere_leaves_the_run_alone(tmp_path, tiny_e
     assert saved["trainer"]["callbacks"][0]["init_args"]["dirpath"] is None
     first = (run / "last.ckpt").read_bytes()
     other = tmp_path / "other"
-    out = _train(run / "config.yaml", "--trainer.default_root_dir", str(other), "--trainer.max_steps", "2",
-                 env=tiny_env)
+    out = _train(run / "config.yaml", "--trainer.default_root_dir", str(other), "--trainer.max_steps", "3",
+                 "--ckpt_path", str(run / "last.ckpt"), env=tiny_env)
     assert out.returncode == 0, out.stderr[-3000:]
+    assert "Restoring states from the checkpoint" in out.stderr + out.stdout
+    assert json.loads((other / "run.json").read_text())["global_step"] == 3  # continued from step 2
     assert (other / "last.ckpt").is_file() and (other / "wandb").is_dir()
     assert (run / "last.ckpt").read_bytes() == first
     assert len(list((run / "wandb").glob("offline-run-*"))) == 1
