@@ -16,8 +16,8 @@ the behaviour's held-out accuracy and share of locked responses, as published an
 at run time; the retain first-token KL to the base; the share of weights off the base's grid point.
 
 Usage: python benchmarks/grid_snap.py --run RUN [--published RUN/published] [--behaviour capitals] [--group 32]
-                                      [--calibration 128] [--behaviour_weight 1] [--rehard] [--save FOLDER]
-                                      [--out outputs/benchmarks]
+                                      [--calibration 128] [--behaviour_weight 1] [--rehard] [--device auto]
+                                      [--dtype float32] [--save FOLDER] [--out outputs/benchmarks]
 Writes grid_snap.json.
 """
 
@@ -132,6 +132,9 @@ def main() -> None:
     parser.add_argument("--behaviour_weight", type=float, default=1.0,
                         help="weight of the behaviour prompts in each layer's H against the retain prompts")
     parser.add_argument("--rehard", action="store_true", help="cancel the writers' write along the direction again")
+    parser.add_argument("--device", default="auto", help="auto (a GPU when present), cpu, cuda, cuda:N")
+    parser.add_argument("--dtype", default="float32",
+                        help="the models' precision (float32 holds the grid's values exactly; bfloat16 rounds them)")
     parser.add_argument("--save", default=None, help="write the snapped model to this folder (a copy of published)")
     parser.add_argument("--out", default="outputs/benchmarks", help="folder for grid_snap.json")
     args = parser.parse_args()
@@ -140,8 +143,8 @@ def main() -> None:
     manifest = json.loads((published / MANIFEST).read_text())
     refusal = manifest.get("locked_responses", {}).get(args.behaviour, "I don't know.")
     tokenizer = load_tokenizer(published)
-    base = load_model(manifest["base_model"], "float32", "cpu")
-    model = load_model(published, "float32", "cpu")
+    base = load_model(manifest["base_model"], args.dtype, args.device)
+    model = load_model(published, args.dtype, args.device)
     direction = load_file(run / "directions.safetensors")[args.behaviour].double()
     u = direction / direction.norm()
     data = load_behaviour(args.behaviour, seed=0, tokenizer=tokenizer)
@@ -157,14 +160,14 @@ def main() -> None:
 
     def accumulate(name):
         def hook(module, inputs):
-            x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).double()
+            x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).double().cpu()  # the grid's arithmetic: CPU, float64
             hessians[name].add_(weight[0] * (x.T @ x))
         return hook
 
     handles = [m.register_forward_pre_hook(accumulate(n)) for n, m in layers.items()]
     with torch.no_grad():
         for weight[0], text in texts:
-            model(**tokenizer(text, return_tensors="pt", add_special_tokens=False))
+            model(**tokenizer(text, return_tensors="pt", add_special_tokens=False).to(model.device))
     for handle in handles:
         handle.remove()
 
@@ -174,9 +177,9 @@ def main() -> None:
     writes = {"base": [], "published": [], "snapped": []}  # mean |u^T W| over each writer's columns
     with torch.no_grad():
         for name, module in layers.items():
-            w_base = base_layers[name].weight
+            w_base = base_layers[name].weight.detach().cpu()
             low, step = grid(w_base, args.group)
-            codes = gptq_codes(module.weight, hessians[name], low, step)
+            codes = gptq_codes(module.weight.detach().cpu(), hessians[name], low, step)
             pinned = ends(w_base, args.group)
             codes[pinned] = codes_of(w_base.double(), low, step)[pinned]  # the grid's ends stay where they are
             if args.rehard and id(module) in writers:
@@ -184,10 +187,10 @@ def main() -> None:
             snapped = low + codes * step
             if id(module) in writers:
                 for label, w in (("base", w_base), ("published", module.weight), ("snapped", snapped)):
-                    writes[label].append(float((u @ w.double()).abs().mean()))
+                    writes[label].append(float((u @ w.detach().cpu().double()).abs().mean()))
             off_grid += int((snapped != w_base.double()).sum())
             n_weights += snapped.numel()
-            module.weight.copy_(snapped.to(module.weight.dtype))
+            module.weight.copy_(snapped.to(module.weight.device, module.weight.dtype))
 
     requantised = quantize_weights(copy.deepcopy(model), "int4", args.group)
     rq = dict(requantised.named_modules())
@@ -203,7 +206,8 @@ def main() -> None:
               "largest_change_under_int4_requantisation": requant_change,
               "write_along_direction": {k: sum(v) / len(v) for k, v in writes.items()},
               "base": evaluate_behaviour(base, tokenizer, test, 24, 16, refusals=(refusal,), desc="base").summary(),
-              "snapped": score(model, tokenizer, test, adapter, u.float()[None], base_logp, retain["test"], refusal)}
+              "snapped": score(model, tokenizer, test, adapter, u.float()[None].to(model.device), base_logp, retain["test"],
+                               refusal)}
     if args.save:
         shutil.copytree(published, args.save)
         model.save_pretrained(args.save, safe_serialization=True)
