@@ -423,11 +423,10 @@ def test_a_config_files_checkpoint_is_resumed_from(tmp_path):
     pointed at another run's checkpoint) is the one used."""
     extra = tmp_path / "resume.yaml"
     extra.write_text(f"ckpt_path: {tmp_path / 'other' / 'last.ckpt'}\n")
-    out = subprocess.run([sys.executable, str(ROOT / "train.py"), "fit", "--config", "configs/gate_capitals_smollm2.yaml",
-                          "--config", str(extra), "--print_config"], capture_output=True, text=True, cwd=ROOT)
+    config = ROOT / "configs" / "gate_capitals_smollm2.yaml"
+    out = _train(config, "--config", str(extra), "--print_config")
     assert out.returncode == 0, out.stderr[-2000:]
     assert yaml.safe_load(out.stdout)["ckpt_path"] == str(tmp_path / "other" / "last.ckpt")
-    out = subprocess.run([sys.executable, str(ROOT / "train.py"), "fit", "--config", "configs/gate_capitals_smollm2.yaml",
-                          "--print_config"], capture_output=True, text=True, cwd=ROOT)
+    out = _train(config, "--print_config")
     assert out.returncode == 0, out.stderr[-2000:]
     assert yaml.safe_load(out.stdout)["ckpt_path"] == "last"
