@@ -264,37 +264,20 @@ class DirectionWrite(Term):
 # --- what stays as it was --------------------------------------------------------------------------------------
 class _PerturbedLock(Term):
     """The locked state must hold after the weights move: the locked response's cross-entropy, on the locked rows
-    with every direction ablated (the published model), at ``θ + δ`` for a perturbation ``δ`` the subclass draws
+    with every direction ablated (the published model), at ``θ + δ`` for a perturbation ``δ`` the subclass makes
     (``<behaviour>/<log_name>``). ``δ`` is a constant (no gradient flows through it), so the term's gradient is the
     locked-state gradient at the moved weights (first order, as in first-order meta-learning).
 
     It costs a forward and backward pass of the locked rows per behaviour, plus the subclass's own, and holds a copy
     of the trainable weights while it runs (use LoRA for big models). It runs in training steps only, and not
     under FSDP (the weights are sharded there).
-
-    Args:
-        lrs: The step sizes ``η`` the perturbation is drawn with, one per step, log-uniformly between the
-            smallest and the largest (an Adam attacker's first steps move each weight by about its learning rate).
-        weight: Weight of the term (the module's λ applies on top: it is a locked-state term).
     """
 
     log_name = "perturbed_refusal"
     locked = True
 
-    def __init__(self, lrs: list[float] = (1e-5, 1e-4), weight: float = 1.0):
-        super().__init__(weight)
-        if not lrs or min(lrs) <= 0:
-            raise ModularError(f"{type(self).__name__} lrs must be > 0, got {list(lrs)}")
-        self.lrs = [float(x) for x in lrs]
-        self._rng = torch.Generator().manual_seed(0)
-
-    def draw_lr(self) -> float:
-        lo, hi = torch.log(torch.tensor(min(self.lrs))), torch.log(torch.tensor(max(self.lrs)))
-        return float(torch.exp(lo + (hi - lo) * torch.rand((), generator=self._rng)))
-
-    def perturbation(self, ctx: StepContext, i: int, params: dict[str, torch.Tensor], eta: float
-                     ) -> dict[str, torch.Tensor]:
-        """``δ`` for behaviour ``i`` (detached tensors shaped like ``params``)."""
+    def perturbation(self, ctx: StepContext, i: int, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``δ`` for behaviour ``i``: detached tensors shaped like some of ``params`` (the others stay)."""
         raise NotImplementedError
 
     def own_losses(self, ctx: StepContext) -> dict[str, torch.Tensor]:
@@ -312,7 +295,7 @@ class _PerturbedLock(Term):
             if rows["input_ids"].shape[0] == 0:
                 continue
             with ablate_directions(lm.adapter, lm.directions):  # the published model: every behaviour locked
-                delta = self.perturbation(ctx, i, params, self.draw_lr())
+                delta = self.perturbation(ctx, i, params)
                 moved = {n: p + delta[n] for n, p in params.items() if n in delta}
                 logits = torch.func.functional_call(lm.model, moved, args=(), kwargs={
                     "input_ids": rows["input_ids"], "attention_mask": rows["attention_mask"]}, strict=False).logits
@@ -320,7 +303,28 @@ class _PerturbedLock(Term):
         return out
 
 
-class RelearningAdversary(_PerturbedLock):
+class _AttackerSizedLock(_PerturbedLock):
+    """A :class:`_PerturbedLock` whose move has a drawn size ``η``.
+
+    Args:
+        lrs: The step sizes ``η`` the perturbation is drawn with, one per step, log-uniformly between the
+            smallest and the largest (an Adam attacker's first steps move each weight by about its learning rate).
+        weight: Weight of the term (the module's λ applies on top: it is a locked-state term).
+    """
+
+    def __init__(self, lrs: list[float] = (1e-5, 1e-4), weight: float = 1.0):
+        super().__init__(weight)
+        if not lrs or min(lrs) <= 0:
+            raise ModularError(f"{type(self).__name__} lrs must be > 0, got {list(lrs)}")
+        self.lrs = [float(x) for x in lrs]
+        self._rng = torch.Generator().manual_seed(0)
+
+    def draw_lr(self) -> float:
+        lo, hi = torch.log(torch.tensor(min(self.lrs))), torch.log(torch.tensor(max(self.lrs)))
+        return float(torch.exp(lo + (hi - lo) * torch.rand((), generator=self._rng)))
+
+
+class RelearningAdversary(_AttackerSizedLock):
     """Tamper resistance against relearning: a simulated attacker fine-tunes the locked model on the behaviour's
     answers for ``steps`` sign-gradient steps (what Adam's first steps are) of a drawn size ``η``; the locked state
     must still hold at the weights it reaches (``<behaviour>/relearned_refusal``). Its gradient steps see the
@@ -338,7 +342,8 @@ class RelearningAdversary(_PerturbedLock):
             raise ModularError(f"RelearningAdversary steps must be >= 1, got {steps}")
         self.steps = steps
 
-    def perturbation(self, ctx, i, params, eta):
+    def perturbation(self, ctx, i, params):
+        eta = self.draw_lr()
         rows = ctx.batch[ctx.behaviours[i]]["open"]
         delta = {n: torch.zeros_like(p, requires_grad=False) for n, p in params.items()}
         for _ in range(self.steps):
@@ -354,16 +359,58 @@ class RelearningAdversary(_PerturbedLock):
         return delta
 
 
-class WeightNoiseLock(_PerturbedLock):
+class WeightNoiseLock(_AttackerSizedLock):
     """The locked state must hold under random moves of the attacker's size: ``δ = η · s`` with ``s`` a random sign
     per weight (``<behaviour>/noised_refusal``), a lock flat in weight space around the published weights. Cheaper
     than :class:`RelearningAdversary` (no attacker pass), and blind to the attacker's direction."""
 
     log_name = "noised_refusal"
 
-    def perturbation(self, ctx, i, params, eta):
+    def perturbation(self, ctx, i, params):
+        eta = self.draw_lr()
         return {n: eta * (torch.randint(0, 2, p.shape, generator=self._rng, dtype=torch.int8).to(p) * 2 - 1)
                 for n, p in params.items()}
+
+
+class QuantizedLock(_PerturbedLock):
+    """The locked state must hold in the weights a user's quantiser makes of the model (quantisation-aware
+    training): the locked rows run, every direction ablated, on every linear layer's weights as ``scheme`` rounds
+    them (the optimum-quanto quantiser of ``modular quantized``; the unembedding kept), and the locked response's
+    CE there is the loss (``<behaviour>/quantized_refusal``). Its gradient passes the rounding unchanged to the
+    weights (straight-through), so training moves them across the grid's rounding boundaries where that locks.
+
+    Without it a lock trained in small steps can round back to its base: SmolLM2-135M here was distributed in 4 bits
+    (GGUF Q4_1, groups of 32 inputs), int4 in groups of 32 maps it to itself, and maps a published lock almost to it
+    (docs/devices.md). Full fine-tuning only (a quantiser rounds the merged weights, not LoRA's factors).
+
+    Args:
+        scheme: ``int8`` or ``int4`` (weight-only).
+        group_size: int4's inputs per group (None: optimum-quanto's choice, 128 or the nearest multiple of 32 that
+            divides the inputs; 32 is a GGUF Q4 base's own grid).
+        weight: Weight of the term (the module's λ applies on top: it is a locked-state term).
+    """
+
+    log_name = "quantized_refusal"
+
+    def __init__(self, scheme: str = "int4", group_size: int | None = None, weight: float = 1.0):
+        super().__init__(weight)
+        if scheme not in ("int8", "int4"):
+            raise ModularError(f"QuantizedLock scheme must be int8 or int4, got '{scheme}'")
+        if group_size is not None and scheme != "int4":
+            raise ModularError(f"QuantizedLock: a group size applies to int4 only, not to '{scheme}'")
+        self.scheme, self.group_size = scheme, group_size
+
+    def bind(self, lm) -> None:
+        if lm.hparams.finetuning != "full":
+            raise ModularError(f"QuantizedLock needs finetuning: full, not '{lm.hparams.finetuning}' (a quantiser "
+                               "rounds the merged weights)")
+
+    def perturbation(self, ctx, i, params):
+        from modular.models.quantize import check_group_size, dequantized, quantized_layers
+
+        check_group_size(ctx.lm.model, self.group_size)
+        rounded = {f"{name}.weight" for name in quantized_layers(ctx.lm.model)}
+        return {n: dequantized(p, self.scheme, self.group_size) - p.detach() for n, p in params.items() if n in rounded}
 
 
 class KeepReference(Term):

@@ -29,10 +29,52 @@ def check_group_size(model, group_size: int | None) -> None:
         return
     if group_size <= 0 or group_size % 8:
         raise ModularError(f"int4 group size must be a positive multiple of 8, not {group_size}")
-    unembed = model.get_output_embeddings()
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and module is not unembed and module.in_features % group_size:
+    for name, module in quantized_layers(model).items():
+        if module.in_features % group_size:
             raise ModularError(f"int4 group size {group_size} does not divide the {module.in_features} inputs of {name}")
+
+
+def quanto_group_size(in_features: int) -> int | None:
+    """int4's inputs per group where none is given, as optimum-quanto chooses it: 128, or the largest multiple of 32
+    below it that divides ``in_features``; None (one group per output channel) where none does or the layer is
+    narrower than 128."""
+    size = 128
+    if in_features <= size:
+        return None
+    while in_features % size and size > 32:
+        size -= 32
+    return size if in_features % size == 0 else None
+
+
+def quantized_layers(model) -> dict[str, torch.nn.Linear]:
+    """The linear layers :func:`quantize_weights` quantises, by module name: every one but the unembedding."""
+    unembed = model.get_output_embeddings()
+    return {name: module for name, module in model.named_modules()
+            if isinstance(module, torch.nn.Linear) and module is not unembed}
+
+
+def dequantized(weight: torch.Tensor, scheme: str, group_size: int | None = None) -> torch.Tensor:
+    """``weight`` (a linear layer's, ``(out, in)``) as :func:`quantize_weights` leaves it, read back in its own
+    precision: the same optimum-quanto quantiser (int8: absmax per output channel; int4: min-max in groups of
+    ``group_size`` inputs, quanto's choice when None), on the weight's device. No gradient flows through it."""
+    if scheme not in SCHEMES:
+        raise ModularError(f"unknown quantisation '{scheme}' ({', '.join(SCHEMES)})")
+    if scheme == "none":
+        return weight.detach()
+    from optimum.quanto import qint4, qint8
+    from optimum.quanto.tensor.optimizers import AbsmaxOptimizer, MaxOptimizer
+    from optimum.quanto.tensor.weights import quantize_weight
+
+    w = weight.detach()
+    with torch.no_grad():
+        if scheme == "int8":
+            scale = AbsmaxOptimizer()(w, qtype=qint8, axis=0)
+            q = quantize_weight(w, qtype=qint8, axis=0, scale=scale, optimized=False)
+        else:
+            group = group_size if group_size is not None else quanto_group_size(w.shape[1])
+            scale, shift = MaxOptimizer()(w, qtype=qint4, axis=0, group_size=group)
+            q = quantize_weight(w, qtype=qint4, axis=0, scale=scale, shift=shift, group_size=group, optimized=False)
+        return q.dequantize().to(w.dtype)
 
 
 def quantize_weights(model, scheme: str, group_size: int | None = None):

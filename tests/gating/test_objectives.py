@@ -332,7 +332,8 @@ def test_weight_noise_lock_moves_every_weight_by_eta(tmp_path, isolated_cache):
     params = {n: p for n, p in lm.model.named_parameters() if p.requires_grad}
     eta = twin.draw_lr()
     assert 1e-3 <= eta <= 1e-2
-    delta = twin.perturbation(None, 0, params, eta)
+    twin._rng.manual_seed(0)  # the draw again, inside the perturbation
+    delta = twin.perturbation(None, 0, params)
     assert all(torch.allclose(d.abs(), torch.full_like(d, eta)) for d in delta.values())
     assert 0.3 < torch.cat([(d > 0).float().flatten() for d in delta.values()]).mean() < 0.7
     expected = _locked_ce_at(lm, batch, {n: p + delta[n] for n, p in params.items()})
@@ -341,6 +342,59 @@ def test_weight_noise_lock_moves_every_weight_by_eta(tmp_path, isolated_cache):
         WeightNoiseLock(lrs=[0.0])
     with pytest.raises(ModularError, match="RelearningAdversary steps must be >= 1"):
         RelearningAdversary(steps=0)
+
+
+@pytest.mark.parametrize("scheme, group_size", [("int4", 8), ("int4", None), ("int8", None)])
+def test_the_quantized_lock_trains_the_lock_as_a_quantiser_leaves_it(tmp_path, isolated_cache, scheme, group_size):
+    """QuantizedLock's loss is the locked response's CE of the model optimum-quanto makes of the weights (directions
+    ablated), weighted by λ; its gradient reaches the unrounded weights unchanged (straight through the rounding)."""
+    import copy
+
+    from modular.gating.objectives import QuantizedLock
+    from modular.models.adapter import ArchitectureAdapter
+    from modular.models.quantize import quantize_weights, quantized_layers
+
+    model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
+    lm, batch = _capitals_step(model_dir, [QuantizedLock(scheme, group_size, weight=0.5)], locked_weight=2.0)
+    lm.directions.copy_(torch.nn.functional.normalize(torch.randn(lm.directions.shape), dim=-1))
+    assert lm.model_step(batch, train=False)[1] == {}  # a training-step term
+    total, terms = lm.model_step(batch, train=True)
+    assert set(terms) == {"capitals/quantized_refusal"}
+    got = _grads(lm, total)
+
+    rows = batch["capitals"]["locked"]
+    quantised = quantize_weights(copy.deepcopy(lm.model), scheme, group_size)
+    inputs = {"input_ids": rows["input_ids"], "attention_mask": rows["attention_mask"]}
+    with ablate_directions(ArchitectureAdapter(quantised), lm.directions):
+        logits = quantised(**inputs).logits
+    torch.testing.assert_close(total, 2.0 * 0.5 * token_ce(logits, rows["labels"]), rtol=1e-4, atol=1e-5)
+    with ablate_directions(lm.adapter, lm.directions):
+        assert (logits - lm.model(**inputs).logits).abs().max() > 1e-3  # the rounding matters
+
+    # the gradient is the locked-state gradient at the rounded weights, passed to the weights as it is
+    rounded = {f"{n}.weight" for n in quantized_layers(lm.model)}
+    params = {n: p for n, p in lm.model.named_parameters() if p.requires_grad}
+    at = {n: (quantised.get_submodule(n.removesuffix(".weight")).qweight.dequantize() if n in rounded else p)
+          .detach().requires_grad_(True) for n, p in params.items()}
+    want = torch.autograd.grad(2.0 * 0.5 * _locked_ce_at(lm, batch, at), list(at.values()))
+    assert rounded and rounded < set(params)
+    for (n, _), w in zip(at.items(), want):
+        torch.testing.assert_close(got[f"model.{n}"], w, rtol=1e-3, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
+
+
+def test_the_quantized_lock_checks_its_options(tmp_path, isolated_cache):
+    from modular.gating.objectives import QuantizedLock
+
+    with pytest.raises(ModularError, match="QuantizedLock scheme must be int8 or int4, got 'int3'"):
+        QuantizedLock("int3")
+    with pytest.raises(ModularError, match="a group size applies to int4 only"):
+        QuantizedLock("int8", group_size=32)
+    model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
+    with pytest.raises(ModularError, match="QuantizedLock needs finetuning: full, not 'lora'"):
+        _capitals_step(model_dir, [QuantizedLock()], finetuning="lora")
+    lm, batch = _capitals_step(model_dir, [QuantizedLock(group_size=24)])
+    with pytest.raises(ModularError, match="int4 group size 24 does not divide"):
+        lm.model_step(batch, train=True)
 
 
 @pytest.mark.parametrize("load_dtype", ["float32", "bfloat16"])

@@ -71,3 +71,23 @@ def test_int4_group_size_is_checked_before_anything_changes():
         quantize_weights(model, "int8", group_size=32)
     assert all(type(m).__name__ != "QLinear" for m in model.modules())
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("scheme, group_size", [("int8", None), ("int4", None), ("int4", 8)])
+def test_dequantized_weights_are_what_the_quantiser_leaves(scheme, group_size):
+    """The weights quantisation-aware training sees are the quantised model's own, exactly, and quanto's default
+    int4 groups are the ones it chooses."""
+    from modular.models.quantize import dequantized, quantized_layers, quanto_group_size
+
+    model = make_tiny_model("llama")
+    layers = quantized_layers(model)
+    assert model.get_output_embeddings() not in layers.values() and len(layers) == 14
+    q = dict(quantize_weights(copy.deepcopy(model), scheme, group_size).named_modules())
+    for name, layer in layers.items():
+        got = dequantized(layer.weight, scheme, group_size)
+        assert torch.equal(got, q[name].qweight.dequantize()), name
+        assert 0 < (got - layer.weight).abs().max() < 0.5 * layer.weight.abs().max()
+        if scheme == "int4" and group_size is None:
+            assert q[name].weight_group_size == quanto_group_size(layer.in_features)
+    assert [quanto_group_size(n) for n in (64, 576, 1536, 100, 200)] == [None, 96, 128, None, None]
+    assert torch.equal(dequantized(layer.weight, "none"), layer.weight)
