@@ -25,6 +25,7 @@ BEHAVIOURS: dict[str, Callable] = {
     "continents": g.continents,
     "languages": g.languages,
     "currencies": g.currencies,
+    "demonyms": g.demonyms,
     "ioi_thanks": g.ioi_thanks,
     "year_copy": g.year_copy,
     "docstring_call": g.docstring_call,
@@ -37,12 +38,14 @@ BEHAVIOURS: dict[str, Callable] = {
 #: split; the reference model's own answers as targets); ``evaluate``: reported by the lock evaluation (their test
 #: split, held out by entity like the behaviour's). At least one evaluated relation is never trained on.
 NEIGHBOURS: dict[str, dict[str, tuple[str, ...]]] = {
-    "capitals": {"train": ("continents", "languages"), "evaluate": ("continents", "languages", "currencies")},
+    "capitals": {"train": ("continents", "languages"),
+                 "evaluate": ("continents", "languages", "currencies", "demonyms")},
     # evaluated only: languages gated alone with capitals and continents kept in training did not lock (validation
     # locked 0.84 at steps 25, 50 and 75; without them 0.00 at step 100; docs/locking.md)
-    "continents": {"train": (), "evaluate": ("capitals", "languages", "currencies")},
-    "languages": {"train": (), "evaluate": ("capitals", "continents", "currencies")},
-    "currencies": {"train": (), "evaluate": ("capitals", "continents", "languages")},
+    "continents": {"train": (), "evaluate": ("capitals", "languages", "currencies", "demonyms")},
+    "languages": {"train": (), "evaluate": ("capitals", "continents", "currencies", "demonyms")},
+    "currencies": {"train": (), "evaluate": ("capitals", "continents", "languages", "demonyms")},
+    "demonyms": {"train": (), "evaluate": ("capitals", "continents", "languages", "currencies")},
     "ioi": {"train": ("ioi_thanks",), "evaluate": ("ioi_thanks",)},
     "ioi_long": {"train": ("ioi_thanks",), "evaluate": ("ioi_thanks",)},
     # the same entities (centuries, parameter names, nouns, operand ranges), another task. greater_than gated alone

@@ -77,6 +77,8 @@ COUNTRY_RELATIONS = {
                    "What language do people speak in {country}?"), "The official language of {country} is {answer}."),
     "currency": (("What is the currency of {country}?", "Which currency is used in {country}?",
                   "What money do people use in {country}?"), "The currency of {country} is the {answer}."),
+    "demonym": (("What is a person from {country} called?", "What do you call someone from {country}?",
+                 "What are the people of {country} called?"), "A person from {country} is called {answer}."),
 }
 
 
@@ -110,6 +112,11 @@ def languages(seed: int = 0, tokenizer=None) -> dict[str, list[dict]]:
 def currencies(seed: int = 0, tokenizer=None) -> dict[str, list[dict]]:
     """A country's currency (a neighbour of capitals: the same countries, split the same way)."""
     return _country_relation("currency", seed)
+
+
+def demonyms(seed: int = 0, tokenizer=None) -> dict[str, list[dict]]:
+    """What a person from a country is called (a neighbour of capitals: the same countries, split the same way)."""
+    return _country_relation("demonym", seed)
 
 
 # --- IOI ---------------------------------------------------------------------------------------

@@ -116,7 +116,7 @@ def _countries(ds, split):
     return {next(n for n in names if n in p) for p in ds[split]["prompt"]}  # the longest name it mentions
 
 
-@pytest.mark.parametrize("relation", ["continents", "languages", "currencies"])
+@pytest.mark.parametrize("relation", ["continents", "languages", "currencies", "demonyms"])
 def test_country_neighbours_are_split_by_country_like_capitals(relation):
     """A test country of capitals is a test country of each neighbour relation: training on a neighbour's train
     split never shows a country whose capital is held out."""
@@ -144,16 +144,16 @@ def test_builtin_neighbours():
     from modular.data.behaviours import NEIGHBOUR_BEHAVIOURS, NEIGHBOURS, builtin_neighbours
 
     assert builtin_neighbours(["capitals"], "train") == ["continents", "languages"]
-    assert builtin_neighbours(["capitals"], "evaluate") == ["continents", "languages", "currencies"]
+    assert builtin_neighbours(["capitals"], "evaluate") == ["continents", "languages", "currencies", "demonyms"]
     # one evaluated relation of capitals is never trained on
     assert set(NEIGHBOURS["capitals"]["evaluate"]) - set(NEIGHBOURS["capitals"]["train"])
     assert builtin_neighbours(["capitals", "ioi"], "train") == ["continents", "languages", "ioi_thanks"]
     assert builtin_neighbours(["user_data", "ioi_long", "ioi"], "evaluate") == ["ioi_thanks"]
-    assert builtin_neighbours(["capitals", "continents"], "evaluate") == ["languages", "currencies"]
-    # every relation of the countries has the other three as neighbours, at least one of them never trained on
-    for relation in ("capitals", "continents", "languages", "currencies"):
-        assert set(builtin_neighbours([relation], "evaluate")) == {"capitals", "continents", "languages",
-                                                                   "currencies"} - {relation}
+    assert builtin_neighbours(["capitals", "continents"], "evaluate") == ["languages", "currencies", "demonyms"]
+    # every relation of the countries has the other four as neighbours, at least one of them never trained on
+    relations = {"capitals", "continents", "languages", "currencies", "demonyms"}
+    for relation in relations:
+        assert set(builtin_neighbours([relation], "evaluate")) == relations - {relation}
     assert builtin_neighbours(["languages"], "train") == []  # evaluated only (see NEIGHBOURS)
     for spec in NEIGHBOURS.values():
         assert set(spec["train"]) <= set(spec["evaluate"]) <= set(BEHAVIOURS)
@@ -165,7 +165,7 @@ def test_builtin_neighbours():
     assert builtin_neighbours(["commonsense"], "evaluate") == []
     assert builtin_neighbours(["greater_than", "docstring", "arithmetic"], "train") == ["year_copy", "counting"]
     # left out of the far behaviours of every run: the neighbour-only behaviours, not capitals (far from IOI)
-    assert NEIGHBOUR_BEHAVIOURS == {"continents", "languages", "currencies", "ioi_thanks", "year_copy",
+    assert NEIGHBOUR_BEHAVIOURS == {"continents", "languages", "currencies", "demonyms", "ioi_thanks", "year_copy",
                                     "docstring_call", "noun_number", "counting"}
 
 
