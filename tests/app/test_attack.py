@@ -108,9 +108,10 @@ def test_attack_end_to_end_on_a_tiny_published_folder(tmp_path, drawn, monkeypat
     assert f"base baseline (c) relearning, {len(c['settings'])} settings" in curves["lines"]
 
 
-def test_quantized_evaluation_on_a_tiny_published_folder(tmp_path, drawn, monkeypatch):
+def test_quantized_evaluation_on_a_tiny_published_folder(tmp_path, drawn, monkeypatch, caplog):
     """`modular quantized`: both models quantised alike per scheme, the JSON's numbers consistent with each other
-    (no KL between a model and itself unquantised, none between identical weights) and drawn as they are."""
+    (no KL between a model and itself unquantised, none between identical weights) and drawn as they are; each
+    scheme's line says how many locked answers are the locked response (an int4 model can score 0 by breaking)."""
     import json
 
     from modular.app.cli import main
@@ -118,8 +119,9 @@ def test_quantized_evaluation_on_a_tiny_published_folder(tmp_path, drawn, monkey
     monkeypatch.setenv("WANDB_MODE", "disabled")
     base, pub = _tiny_release(tmp_path, seed=0)
     out = tmp_path / "q"
-    assert main(["quantized", "--model", str(pub), "--base", str(base), "--limit", "3", "--max_new_tokens", "3",
-                 "--out", str(out)]) == 0
+    with caplog.at_level("INFO", logger="modular"):
+        assert main(["quantized", "--model", str(pub), "--base", str(base), "--limit", "3", "--max_new_tokens", "3",
+                     "--out", str(out)]) == 0
     report = json.loads((out / "quantized.json").read_text())
     assert list(report["schemes"]) == ["none", "int8", "int4"]
     rows = report["schemes"]
@@ -132,6 +134,10 @@ def test_quantized_evaluation_on_a_tiny_published_folder(tmp_path, drawn, monkey
             and row["retain_first_token_kl"] <= 0.05
         assert row["lock_held"] == held
         assert row["behaviours"]["capitals"]["locked"]["n"] == 3
+    for scheme, row in rows.items():
+        b, locked = row["behaviours"]["capitals"]["base"], row["behaviours"]["capitals"]["locked"]
+        assert (f"{scheme}: capitals base {b['accuracy']:.3f} locked {locked['accuracy']:.3f} (locked responses "
+                f"{locked['refusal_rate']:.0%}) | retain KL") in caplog.text
     bars = drawn["quantized.png"]["axes"][0]
     assert bars["bars"] == pytest.approx([rows[s]["behaviours"]["capitals"][k]["accuracy"]
                                           for s in rows for k in ("base", "locked")])
