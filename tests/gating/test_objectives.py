@@ -382,6 +382,20 @@ def test_the_quantized_lock_trains_the_lock_as_a_quantiser_leaves_it(tmp_path, i
         torch.testing.assert_close(got[f"model.{n}"], w, rtol=1e-3, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
 
 
+def test_the_quantized_lock_in_bf16(tmp_path, isolated_cache):
+    """Weights kept in bf16 (bf16-true) are rounded in bf16, and the gradient reaches them."""
+    from modular.gating.objectives import QuantizedLock
+
+    model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
+    lm, batch = _capitals_step(model_dir, [QuantizedLock("int4", 8)], load_dtype="bfloat16")
+    assert lm.model.dtype == torch.bfloat16
+    total, _ = lm.model_step(batch, train=True)
+    grads = _grads(lm, total)
+    assert torch.isfinite(total)
+    g = grads["model.model.layers.0.mlp.down_proj.weight"]
+    assert g.dtype == torch.bfloat16 and g.abs().sum() > 0
+
+
 def test_the_quantized_lock_checks_its_options(tmp_path, isolated_cache):
     from modular.gating.objectives import QuantizedLock
 

@@ -73,19 +73,20 @@ def test_int4_group_size_is_checked_before_anything_changes():
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("scheme, group_size", [("int8", None), ("int4", None), ("int4", 8)])
-def test_dequantized_weights_are_what_the_quantiser_leaves(scheme, group_size):
-    """The weights quantisation-aware training sees are the quantised model's own, exactly, and quanto's default
-    int4 groups are the ones it chooses."""
+def test_dequantized_weights_are_what_the_quantiser_leaves(scheme, group_size, dtype):
+    """The weights quantisation-aware training sees are the quantised model's own, exactly, in the model's
+    precision, and quanto's default int4 groups are the ones it chooses."""
     from modular.models.quantize import dequantized, quantized_layers, quanto_group_size
 
-    model = make_tiny_model("llama")
+    model = make_tiny_model("llama").to(dtype)
     layers = quantized_layers(model)
     assert model.get_output_embeddings() not in layers.values() and len(layers) == 14
     q = dict(quantize_weights(copy.deepcopy(model), scheme, group_size).named_modules())
     for name, layer in layers.items():
         got = dequantized(layer.weight, scheme, group_size)
-        assert torch.equal(got, q[name].qweight.dequantize()), name
+        assert got.dtype == dtype and torch.equal(got, q[name].qweight.dequantize()), name
         assert 0 < (got - layer.weight).abs().max() < 0.5 * layer.weight.abs().max()
         if scheme == "int4" and group_size is None:
             assert q[name].weight_group_size == quanto_group_size(layer.in_features)
