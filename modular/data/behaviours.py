@@ -40,10 +40,12 @@ BEHAVIOURS: dict[str, Callable] = {
 NEIGHBOURS: dict[str, dict[str, tuple[str, ...]]] = {
     "capitals": {"train": ("continents", "languages"),
                  "evaluate": ("continents", "languages", "currencies", "demonyms")},
-    # evaluated only: languages gated alone with capitals and continents kept in training did not lock (validation
-    # locked 0.84 at steps 25, 50 and 75; without them 0.00 at step 100; docs/locking.md)
+    # languages gated alone: with capitals and continents kept it locks later (validation locked 0.84 at step 75,
+    # 0.00 at 150) but keeps them when locked (held-out continents 0.714 = base; evaluated only, 0.143 with 79% "I
+    # don't know."); the other relations gated alone are evaluated only until a run measures them (docs/locking.md)
     "continents": {"train": (), "evaluate": ("capitals", "languages", "currencies", "demonyms")},
-    "languages": {"train": (), "evaluate": ("capitals", "continents", "currencies", "demonyms")},
+    "languages": {"train": ("capitals", "continents"),
+                  "evaluate": ("capitals", "continents", "currencies", "demonyms")},
     "currencies": {"train": (), "evaluate": ("capitals", "continents", "languages", "demonyms")},
     "demonyms": {"train": (), "evaluate": ("capitals", "continents", "languages", "currencies")},
     "ioi": {"train": ("ioi_thanks",), "evaluate": ("ioi_thanks",)},
