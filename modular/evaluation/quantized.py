@@ -50,8 +50,8 @@ def quantized_report(base, locked, tokenizer, behaviours: dict[str, str], scheme
                                                                            retain["chat"]))
         row["retain_first_token_kl_base_vs_unquantised"] = mean_kl(plain_base_logp, base_logp)
         report["schemes"][scheme] = row
-        log.info("%s: %s | retain KL to the quantised base %.4f", scheme,
-                 " ".join(f"{n} base {v['base']['accuracy']:.3f} locked {v['locked']['accuracy']:.3f} (locked "
-                          f"responses {v['locked']['refusal_rate']:.0%})" for n, v in row["behaviours"].items()), row["retain_first_token_kl"])
+        scores = " ".join(f"{n} base {v['base']['accuracy']:.3f} locked {v['locked']['accuracy']:.3f} (locked "
+                          f"responses {v['locked']['refusal_rate']:.0%})" for n, v in row["behaviours"].items())
+        log.info("%s: %s | retain KL to the quantised base %.4f", scheme, scores, row["retain_first_token_kl"])
         del qb, ql
     return report
