@@ -24,7 +24,6 @@ Writes grid_snap.json.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import shutil
 from pathlib import Path
@@ -39,7 +38,7 @@ from modular.evaluation.retain import first_token_logp, mean_kl
 from modular.hooks import ablate_directions
 from modular.models import load_model, load_tokenizer
 from modular.models.adapter import ArchitectureAdapter
-from modular.models.quantize import quantize_weights
+from modular.models.quantize import dequantized, quantized_layers
 from modular.publish import MANIFEST
 from modular.tracking import write_json
 
@@ -153,8 +152,7 @@ def main() -> None:
              for r in list(data["train"])[:args.calibration]]
     texts += [(1.0, render_prompt(tokenizer, r["prompt"], r["chat"])) for r in list(retain["train"])[:args.calibration]]
 
-    unembed = model.get_output_embeddings()
-    layers = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not unembed}
+    layers = quantized_layers(model)
     hessians = {n: torch.zeros(m.in_features, m.in_features, dtype=torch.float64) for n, m in layers.items()}
     weight = [1.0]
 
@@ -192,10 +190,8 @@ def main() -> None:
             n_weights += snapped.numel()
             module.weight.copy_(snapped.to(module.weight.device, module.weight.dtype))
 
-    requantised = quantize_weights(copy.deepcopy(model), "int4", args.group)
-    rq = dict(requantised.named_modules())
-    requant_change = max(float((rq[n].qweight.dequantize() - m.weight).abs().max()) for n, m in layers.items())
-    del requantised, rq
+    requant_change = max(float((dequantized(m.weight, "int4", args.group) - m.weight).abs().max())
+                         for m in layers.values())
 
     test = data["test"]
     base_logp = first_token_logp(base, tokenizer, retain["test"]["prompt"], retain["test"]["chat"])

@@ -82,6 +82,8 @@ class StepContext:
     #: the losses computed so far in this step, by log name (a term that reads another's rows sees the losses of
     #: the pieces of its forward pass)
     losses: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: values a term computes once per step and reuses (freed with the step)
+    cache: dict = field(default_factory=dict)
 
     @property
     def behaviours(self) -> list[str]:
@@ -408,11 +410,15 @@ class QuantizedLock(_PerturbedLock):
                                "rounds the merged weights)")
 
     def perturbation(self, ctx, i, params):
-        from modular.models.quantize import check_group_size, dequantized, quantized_layers
+        key = (id(self), "rounding")  # one rounding per step, shared by the step's behaviours
+        if key not in ctx.cache:
+            from modular.models.quantize import check_group_size, dequantized, quantized_layers
 
-        check_group_size(ctx.lm.model, self.group_size)
-        rounded = {f"{name}.weight" for name in quantized_layers(ctx.lm.model)}
-        return {n: dequantized(p, self.scheme, self.group_size) - p.detach() for n, p in params.items() if n in rounded}
+            check_group_size(ctx.lm.model, self.group_size)
+            rounded = {f"{name}.weight" for name in quantized_layers(ctx.lm.model)}
+            ctx.cache[key] = {n: dequantized(p, self.scheme, self.group_size) - p.detach()
+                              for n, p in params.items() if n in rounded}
+        return ctx.cache[key]
 
 
 class KeepReference(Term):

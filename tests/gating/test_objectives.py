@@ -382,6 +382,29 @@ def test_the_quantized_lock_trains_the_lock_as_a_quantiser_leaves_it(tmp_path, i
         torch.testing.assert_close(got[f"model.{n}"], w, rtol=1e-3, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
 
 
+def test_the_quantized_lock_rounds_the_weights_of_each_step(tmp_path, isolated_cache):
+    """The rounding is made once per step and never reused by the next one, after the weights moved."""
+    import copy
+
+    from modular.gating.objectives import QuantizedLock
+    from modular.models.adapter import ArchitectureAdapter
+    from modular.models.quantize import quantize_weights
+
+    model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
+    lm, batch = _capitals_step(model_dir, [QuantizedLock("int4", 8)])
+    first, _ = lm.model_step(batch, train=True)
+    with torch.no_grad():
+        for p in lm.model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    second, _ = lm.model_step(batch, train=True)
+    rows = batch["capitals"]["locked"]
+    quantised = quantize_weights(copy.deepcopy(lm.model), "int4", 8)
+    with ablate_directions(ArchitectureAdapter(quantised), lm.directions):
+        logits = quantised(input_ids=rows["input_ids"], attention_mask=rows["attention_mask"]).logits
+    torch.testing.assert_close(second, token_ce(logits, rows["labels"]), rtol=1e-4, atol=1e-5)
+    assert abs(first.item() - second.item()) > 1e-4
+
+
 def test_the_quantized_lock_in_bf16(tmp_path, isolated_cache):
     """Weights kept in bf16 (bf16-true) are rounded in bf16, and the gradient reaches them."""
     from modular.gating.objectives import QuantizedLock
