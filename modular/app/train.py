@@ -104,7 +104,11 @@ def _run_folder_options(trainer) -> list[tuple[object, str]]:
 
 def follow_run_folder(trainer) -> None:
     """The run folder (``trainer.default_root_dir``) is one option: a checkpoint callback without a ``dirpath``
-    writes there and a logger without a ``save_dir`` (W&B) logs there, so changing the folder moves them all."""
+    writes there and a logger without a ``save_dir`` (W&B) logs there, so changing the folder moves them all.
+
+    One set to another folder is refused in one line, before anything is written: the run's checkpoint, record and
+    ``config.yaml`` (written to the logger's folder) belong together, and a config naming another run's folder would
+    overwrite that run's checkpoint and config."""
     run_dir = trainer.get("default_root_dir")
     if not run_dir:
         return
@@ -112,6 +116,12 @@ def follow_run_folder(trainer) -> None:
     for args, key in _run_folder_options(trainer):
         if args.get(key) in unset:
             setattr(args, key, run_dir)
+        elif Path(args.get(key)).resolve() != Path(run_dir).resolve():
+            option = "the W&B logger's save_dir" if key == "save_dir" else "the checkpoint callback's dirpath"
+            raise ModularError(f"{option} ({args.get(key)}) is not the run folder (trainer.default_root_dir: "
+                               f"{run_dir}); a run's checkpoint, record and config.yaml live in one folder: leave "
+                               f"{key} unset (it follows the run folder) or set --trainer.default_root_dir "
+                               f"{args.get(key)}")
 
 
 class RunConfigSave(SaveConfigCallback):

@@ -70,6 +70,30 @@ def test_a_runs_saved_config_run_elsewhere_leaves_the_run_alone(tmp_path, tiny_e
     assert len(list((run / "wandb").glob("offline-run-*"))) == 1
 
 
+@pytest.mark.parametrize("option", ["checkpoint", "logger"])
+def test_a_config_writing_into_another_folder_is_refused_before_anything_is_written(tmp_path, tiny_env, option):
+    """A hand-written config whose checkpoint dirpath or W&B save_dir names another run's folder would overwrite that
+    run's last.ckpt or config.yaml: one line, status 2, and neither folder is touched."""
+    model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
+    cfg, run = tiny_config(tmp_path, model_dir, lock_args={"stop": False})
+    other = tmp_path / "other_run"
+    other.mkdir()
+    (other / "config.yaml").write_text("the other run's config\n")
+    conf = yaml.safe_load(cfg.read_text())
+    if option == "checkpoint":
+        conf["trainer"]["callbacks"][0]["init_args"]["dirpath"] = str(other)
+    else:
+        conf["trainer"]["logger"]["init_args"]["save_dir"] = str(other)
+    cfg.write_text(yaml.safe_dump(conf))
+    out = _train(cfg, env=tiny_env)
+    assert out.returncode == 2, out.stderr[-3000:]
+    line = out.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: ") and str(other) in line and "is not the run folder" in line
+    assert sorted(p.name for p in other.iterdir()) == ["config.yaml"]
+    assert (other / "config.yaml").read_text() == "the other run's config\n"
+    assert not run.exists()
+
+
 def test_gated_training_runs_checkpoints_and_resumes(tmp_path, tiny_env):
     model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
     cfg, run = tiny_config(tmp_path, model_dir, lock_args={"stop": False})  # trains to max_steps whatever the lock
