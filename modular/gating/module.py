@@ -235,6 +235,8 @@ class GatedLM(L.LightningModule):
             if head_gates:  # the gates' scopes are module state, not hooks: a recomputed block would not see them
                 raise ModularError("gradient_checkpointing is not available with head_gates")
             enable_checkpointing(self.hf_model)
+        for term in self.objectives:
+            term.check_model(self.hf_model)
         d = ArchitectureAdapter(self.hf_model).d_model
         # the designated directions (k, d): a persistent buffer, saved in every checkpoint
         self.register_buffer("directions", torch.zeros(len(self.behaviours), d))

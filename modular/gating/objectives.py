@@ -120,6 +120,9 @@ class Term:
     def bind(self, lm) -> None:
         """Called once by the module when it is built (checks that need the module's options)."""
 
+    def check_model(self, model) -> None:
+        """Called once with the loaded transformers model, before training (checks that need its shapes)."""
+
     def pieces(self, ctx: StepContext) -> list[Piece]:
         """The rows this term adds to the step."""
         return []
@@ -409,12 +412,16 @@ class QuantizedLock(_PerturbedLock):
             raise ModularError(f"QuantizedLock needs finetuning: full, not '{lm.hparams.finetuning}' (a quantiser "
                                "rounds the merged weights)")
 
+    def check_model(self, model) -> None:
+        from modular.models.quantize import check_group_size
+
+        check_group_size(model, self.group_size)
+
     def perturbation(self, ctx, i, params):
         key = (id(self), "rounding")  # one rounding per step, shared by the step's behaviours
         if key not in ctx.cache:
-            from modular.models.quantize import check_group_size, dequantized, quantized_layers
+            from modular.models.quantize import dequantized, quantized_layers
 
-            check_group_size(ctx.lm.model, self.group_size)
             rounded = {f"{name}.weight" for name in quantized_layers(ctx.lm.model)}
             ctx.cache[key] = {n: dequantized(p, self.scheme, self.group_size) - p.detach()
                               for n, p in params.items() if n in rounded}
