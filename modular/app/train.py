@@ -1,7 +1,9 @@
 """``modular train``: a LightningCLI over :class:`~modular.gating.module.GatedLM` and
 :class:`~modular.gating.data.GatingDataModule` (``modular train fit --config ...`` or ``python train.py fit ...``;
 ``modular main`` calls it in-process). ``fit --help`` documents every option. A killed run resumes from ``last.ckpt`` in its run folder when
-started again with the same command (``--ckpt_path null`` starts afresh).
+started again with the same command (``--ckpt_path null`` starts afresh). A run stopped by SIGTERM (a cluster's
+pre-emption or time limit) on one process finishes the step it is in, saves it in ``last.ckpt`` and exits with
+status 143 (several processes keep Lightning's handling and resume from their last periodic checkpoint).
 
 Before anything is instantiated, ``fit`` checks the trainer's length: ``trainer.max_steps`` must be at least 1, or -1
 (unlimited) with ``trainer.max_epochs`` at least 1; ``trainer.max_epochs``, when given, at least 1 or -1. Before
@@ -13,6 +15,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import signal
 import sys
 import uuid
 from pathlib import Path
@@ -20,6 +23,7 @@ from pathlib import Path
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import WandbLogger
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from modular import ModularError
 from modular.data import load_jsonl, parse_behaviour
@@ -197,6 +201,10 @@ def main(argv: list[str] | None = None) -> int:
     except ModularError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except SIGTERMException:  # Lightning's, raised once the step in progress has finished
+        print("error: training was stopped by SIGTERM; the same command resumes it from the run folder's last.ckpt",
+              file=sys.stderr)
+        return 128 + signal.SIGTERM
     finally:
         sys.argv = saved
     return 0

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from modular import ModularError
 from modular.data.schema import all_refusals
@@ -338,13 +339,31 @@ class SparseHeadsCallback(Callback):
 
 class RunCheckpoint(ModelCheckpoint):
     """Lightning's :class:`~lightning.pytorch.callbacks.ModelCheckpoint` that also saves ``last.ckpt`` at the
-    final step: with ``every_n_train_steps`` the last save is otherwise the last multiple of the interval, and a
-    150-step run would publish step 140. Takes every option of ``ModelCheckpoint``."""
+    final step (with ``every_n_train_steps`` the last save is otherwise the last multiple of the interval, and a
+    150-step run would publish step 140) and when a single-process run is stopped by SIGTERM (a cluster's
+    pre-emption or time limit: Lightning finishes the step it is in and stops; without the save, up to
+    ``every_n_train_steps - 1`` steps were lost, and the same command resumes from the saved one). Takes every
+    option of ``ModelCheckpoint``."""
 
     def on_train_end(self, trainer, pl_module) -> None:
         super().on_train_end(trainer, pl_module)
-        if self.save_last and self._last_global_step_saved != trainer.global_step:
-            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        self._save_if_behind(trainer)
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        # only SIGTERM: Lightning raises it between steps, with the weights and optimiser of a finished step (an
+        # error or Ctrl-C can arrive in the middle of an optimiser step); only one process: with several, Lightning's
+        # handler runs a collective inside the signal handler of each and relays the signal, and a collective save
+        # after it can wait forever (seen with DDP on CPU processes); they resume from the last periodic checkpoint
+        if isinstance(exception, SIGTERMException) and trainer.world_size == 1 and not trainer.sanity_checking:
+            if self._save_if_behind(trainer):
+                log.warning("stopped by SIGTERM at step %d: saved in %s (the same command resumes from it)",
+                            trainer.global_step, self.last_model_path)
+
+    def _save_if_behind(self, trainer) -> bool:
+        if not self.save_last or self._last_global_step_saved == trainer.global_step:
+            return False
+        self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        return True
 
 
 class RunRecordCallback(Callback):

@@ -129,6 +129,34 @@ def test_gated_training_runs_checkpoints_and_resumes(tmp_path, tiny_env):
     assert line.startswith("error: ") and str(ckpt) in line and "--ckpt_path null" in line
 
 
+@pytest.mark.parametrize("during_validation, checks", [(False, [4, 5]), (True, [5])])
+def test_a_run_stopped_by_sigterm_saves_its_step_and_resumes_from_it(tmp_path, tiny_env, during_validation, checks):
+    """A cluster's pre-emption: SIGTERM after step 3 (checkpoints every 2, validation every 4), or in the middle of
+    step 3's validation (every 3). The run stops with status 143 and one line, last.ckpt holds step 3, no run.json
+    claims a finished run, and the same command resumes from step 3 and finishes; an interrupted check is not
+    redone (the next one decides)."""
+    model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
+    cfg, run = tiny_config(tmp_path, model_dir, lock_args={"stop": False})
+    data = yaml.safe_load(cfg.read_text())
+    data["trainer"].update({"max_steps": 5, "limit_val_batches": 2, "val_check_interval": 3 if during_validation else 4})
+    killer = {"class_path": "tests.app.signals.SigtermAt", "init_args": {"step": 3, "during_validation": during_validation}}
+    killed = tmp_path / "killed.yaml"
+    killed.write_text(yaml.safe_dump({**data, "trainer": {**data["trainer"],
+                                                          "callbacks": [*data["trainer"]["callbacks"], killer]}}))
+    out = _train(killed, env=tiny_env)
+    assert out.returncode == 143, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr and out.stderr.strip().splitlines()[-1].startswith("error: "), out.stderr[-3000:]
+    assert "stopped by SIGTERM at step 3" in out.stderr
+    assert _ckpt_step(run / "last.ckpt") == 3 and not (run / "run.json").exists()
+    cfg.write_text(yaml.safe_dump(data))  # the same run without the signal
+    out = _train(cfg, env=tiny_env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "Restoring states from the checkpoint" in out.stderr + out.stdout
+    record = json.loads((run / "run.json").read_text())
+    assert record["global_step"] == 5 and _ckpt_step(run / "last.ckpt") == 5
+    assert [h["step"] for h in record["lock"]["history"]] == checks, record["lock"]
+
+
 def _ckpt_step(path) -> int:
     import torch
 
