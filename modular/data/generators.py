@@ -12,6 +12,7 @@ import random
 import re
 from importlib import resources
 
+from modular import ModularError
 from modular.data.schema import SPLITS, record
 
 
@@ -82,14 +83,14 @@ COUNTRY_RELATIONS = {
 }
 
 
-def _country_relation(field: str, seed: int) -> dict[str, list[dict]]:
+def _country_relation(field: str, seed: int, every_phrasing: bool = False) -> dict[str, list[dict]]:
     """Questions about one more fact of each country, split by country exactly as :func:`capitals` is (train:
-    every phrasing; held-out splits: the first). A country whose name contains an answer is left out (a response
-    that echoes the question would count as correct)."""
+    every phrasing; held-out splits: the first, or every one with ``every_phrasing``). A country whose name contains
+    an answer is left out (a response that echoes the question would count as correct)."""
     phrasings, target = COUNTRY_RELATIONS[field]
     out = {}
     for split, items in _country_splits(seed).items():
-        templates = phrasings if split == "train" else phrasings[:1]
+        templates = phrasings if split == "train" or every_phrasing else phrasings[:1]
         out[split] = [
             record(t.format(country=r["country"]), target.format(country=r["country"], answer=r[field][0]),
                    answers=r[field])
@@ -97,6 +98,16 @@ def _country_relation(field: str, seed: int) -> dict[str, list[dict]]:
             for t in templates
         ]
     return out
+
+
+def every_phrasing(name: str, seed: int = 0) -> dict[str, list[dict]]:
+    """A country relation (``continents``, ``languages``, ``currencies``, ``demonyms``) with its held-out splits in
+    every phrasing: three times the items of the built-in behaviour on the same countries, for finer comparisons
+    (write a split as JSONL and name it as a behaviour or neighbour)."""
+    fields = {"continents": "continent", "languages": "languages", "currencies": "currency", "demonyms": "demonym"}
+    if name not in fields:
+        raise ModularError(f"unknown country relation '{name}': use one of {', '.join(fields)}")
+    return _country_relation(fields[name], seed, every_phrasing=True)
 
 
 def continents(seed: int = 0, tokenizer=None) -> dict[str, list[dict]]:

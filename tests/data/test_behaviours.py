@@ -132,6 +132,27 @@ def test_country_neighbours_are_split_by_country_like_capitals(relation):
         assert is_correct(row["target"], row["target"], row["answers"], row["prefixes"])
 
 
+@pytest.mark.parametrize("relation", ["continents", "languages", "currencies", "demonyms"])
+def test_every_phrasing_asks_each_held_out_country_three_ways(relation):
+    from modular.data.generators import every_phrasing
+
+    one, every = load_behaviour(relation), every_phrasing(relation)
+    assert every["train"] == one["train"].to_list()
+    for split in ("validation", "test"):
+        assert len(every[split]) == 3 * len(one[split])
+        assert [r["prompt"] for r in every[split][::3]] == one[split]["prompt"]  # the first phrasing, as built in
+        for first, other in zip(every[split][::3], every[split][1::3]):
+            assert other["prompt"] != first["prompt"] and other["answers"] == first["answers"]
+
+
+def test_every_phrasing_refuses_an_unknown_relation():
+    from modular import ModularError
+    from modular.data.generators import every_phrasing
+
+    with pytest.raises(ModularError, match="unknown country relation 'capitals'"):
+        every_phrasing("capitals")
+
+
 def test_ioi_thanks_is_ioi_completed_with_the_giver_thanked():
     ioi, thanks = load_behaviour("ioi"), load_behaviour("ioi_thanks")
     for a, b in zip(ioi["test"], thanks["test"]):
