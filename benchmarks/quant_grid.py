@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from grid_snap import grid  # the grid int4 rounds to (this script's folder is on the path)
 
 from modular.models import load_model
 from modular.publish import MANIFEST
@@ -45,11 +46,11 @@ def main() -> None:
         for name, w in base.named_parameters():
             if w.ndim != 2 or id(w) in skip or w.shape[1] % args.group:
                 continue
-            g = w.reshape(w.shape[0], -1, args.group)
-            low, step = g.amin(-1, keepdim=True), (g.amax(-1, keepdim=True) - g.amin(-1, keepdim=True)) / 15
+            low, step = grid(w, args.group)
             step = step.clamp_min(torch.finfo(w.dtype).tiny)
-            off_grid = max(off_grid, ((g - low) / step - ((g - low) / step).round()).abs().max().item())
-            moved.append(((published[name].reshape(g.shape) - g).abs() / step).flatten().numpy())
+            code = (w - low) / step
+            off_grid = max(off_grid, (code - code.round()).abs().max().item())
+            moved.append(((published[name] - w).abs() / step).flatten().float().numpy())
             n += w.numel()
     moved = np.concatenate(moved)
     result = {"published": args.published, "base": base_ref, "group": args.group, "weights": n,
