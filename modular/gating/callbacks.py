@@ -120,6 +120,9 @@ class LockMetricsCallback(Callback):
                 self.status = done
                 trainer.should_stop = True  # a finished run started again: its lock holds, nothing more to train
                 return
+        if trainer.global_step > 0 and pl_module.behaviours and self._interrupted_check(trainer):
+            self._redo_check(trainer, pl_module)
+            return
         if self.base_accuracy or trainer.global_step > 0 or not pl_module.behaviours:
             return  # measured before (a resumed run), or nothing to measure
         dm = trainer.datamodule
@@ -127,6 +130,30 @@ class LockMetricsCallback(Callback):
             self.base_accuracy[b] = self._accuracy(pl_module, dm, b, None)
         for lg in trainer.loggers:
             lg.log_metrics({f"val/{b}/accuracy_base": v for b, v in self.base_accuracy.items()}, step=0)
+
+    def _interrupted_check(self, trainer) -> bool:
+        """Whether a resumed run's step was due a validation whose verdict its checkpoint lacks: the run was stopped
+        in the middle of it (a scheduler's SIGTERM), or the checkpoint was saved at the end of the step, before it
+        ran. Lightning does not run it again."""
+        every = trainer.val_check_batch
+        if trainer.check_val_every_n_epoch is not None or not isinstance(every, int) or every <= 0:
+            return False  # validation by epochs or fractions of one: not this callback's schedule to redo
+        batches = trainer.global_step * trainer.accumulate_grad_batches
+        return batches % every == 0 and not any(h["step"] == trainer.global_step for h in self.history)
+
+    def _redo_check(self, trainer, pl_module) -> None:
+        """The check an interrupted validation owed: measured, logged, recorded, and a stop if the lock holds."""
+        if trainer.is_global_zero:
+            log.info("step %d: the checkpoint has no verdict of this step's validation; checking the lock before "
+                     "training on",
+                     trainer.global_step)
+        metrics = self.measure(trainer, pl_module)
+        for lg in trainer.loggers:
+            lg.log_metrics(metrics, step=trainer.global_step)
+        self._check(trainer, pl_module, metrics)
+        if self.stop and self.status["reached"] and trainer.global_step >= self.stop_from:
+            log.info("step %d: the lock holds on validation; training stops", trainer.global_step)
+            trainer.should_stop = True
 
     def step_budget(self, train_items: int, batch_size: int, max_steps: int) -> int:
         """Steps for ``max_passes`` passes over ``train_items`` in the locked state (half of each batch), within

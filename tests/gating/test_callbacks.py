@@ -76,3 +76,18 @@ def test_summary_line_shows_each_neighbour_beside_the_verdict():
     line = cb.summary(cb.verdict(metrics, ["b"], 50), ["b"])
     assert line == ("step 50 (validation): b open 0.95 (base 0.90), locked 0.00; retain KL 0.010 / 0.020; "
                     "neighbour near open 0.75, locked 0.50: the lock holds")  # neighbours are shown, not targets
+
+
+@pytest.mark.parametrize("step, every, accumulate, by_epoch, checked, due", [
+    (100, 25, 1, None, [75], True),       # a validation step whose verdict the checkpoint lacks
+    (100, 25, 1, None, [75, 100], False),  # its verdict was saved
+    (90, 25, 1, None, [75], False),       # no validation was due
+    (50, 100, 2, None, [], True),         # val_check_interval counts batches: 50 steps of 2
+    (100, 25, 1, 1, [75], False),         # validation by epochs: not the callback's schedule
+])
+def test_a_resumed_step_owed_a_check_is_recognised(step, every, accumulate, by_epoch, checked, due):
+    cb = LockMetricsCallback()
+    cb.history = [{"step": s} for s in checked]
+    trainer = SimpleNamespace(global_step=step, val_check_batch=every, accumulate_grad_batches=accumulate,
+                              check_val_every_n_epoch=by_epoch)
+    assert cb._interrupted_check(trainer) is due
