@@ -145,15 +145,9 @@ class LockMetricsCallback(Callback):
         """The check an interrupted validation owed: measured, logged, recorded, and a stop if the lock holds."""
         if trainer.is_global_zero:
             log.info("step %d: the checkpoint has no verdict of this step's validation; checking the lock before "
-                     "training on",
-                     trainer.global_step)
-        metrics = self.measure(trainer, pl_module)
-        for lg in trainer.loggers:
-            lg.log_metrics(metrics, step=trainer.global_step)
-        self._check(trainer, pl_module, metrics)
-        if self.stop and self.status["reached"] and trainer.global_step >= self.stop_from:
-            log.info("step %d: the lock holds on validation; training stops", trainer.global_step)
-            trainer.should_stop = True
+                     "training on", trainer.global_step)
+        self._measure_and_check(trainer, pl_module)
+        self._stop_if_held(trainer)
 
     def step_budget(self, train_items: int, batch_size: int, max_steps: int) -> int:
         """Steps for ``max_passes`` passes over ``train_items`` in the locked state (half of each batch), within
@@ -292,10 +286,21 @@ class LockMetricsCallback(Callback):
             return
         self._check(trainer, pl_module, metrics)
         pl_module.log("val/lock_holds", float(self.status["reached"]), batch_size=1, sync_dist=True)
+        self._stop_if_held(trainer)
+
+    def _stop_if_held(self, trainer) -> None:
+        """With ``stop``: training ends here if the last check held the lock and stopping is allowed by now."""
         if (self.stop and self.status["reached"] and trainer.global_step >= self.stop_from
                 and trainer.state.fn == TrainerFn.FITTING):
             log.info("step %d: the lock holds on validation; training stops", trainer.global_step)
             trainer.should_stop = True
+
+    def _measure_and_check(self, trainer, pl_module) -> None:
+        """A check outside a validation loop: measured, logged to the loggers, then :meth:`_check`."""
+        metrics = self.measure(trainer, pl_module)
+        for lg in trainer.loggers:
+            lg.log_metrics(metrics, step=trainer.global_step)
+        self._check(trainer, pl_module, metrics)
 
     def on_train_end(self, trainer, pl_module) -> None:
         self._check_final_step(trainer, pl_module)
@@ -310,10 +315,7 @@ class LockMetricsCallback(Callback):
         if not pl_module.behaviours:
             return
         if self.status.get("step") != trainer.global_step:  # the final step was never validated: measure it now
-            metrics = self.measure(trainer, pl_module)
-            for lg in trainer.loggers:
-                lg.log_metrics(metrics, step=trainer.global_step)
-            self._check(trainer, pl_module, metrics)
+            self._measure_and_check(trainer, pl_module)
         if not self.status["reached"]:
             log.warning("lock not reached after %d steps (the step budget): %s", trainer.global_step,
                         "; ".join(self.status["failing"]))
