@@ -120,8 +120,8 @@ class LockMetricsCallback(Callback):
                 self.status = done
                 trainer.should_stop = True  # a finished run started again: its lock holds, nothing more to train
                 return
-        if trainer.global_step > 0 and pl_module.behaviours and self._interrupted_check(trainer):
-            self._redo_check(trainer, pl_module)
+        if trainer.global_step > 0 and pl_module.behaviours and self._owes_check(trainer):
+            self._owed_check(trainer, pl_module)
             return
         if self.base_accuracy or trainer.global_step > 0 or not pl_module.behaviours:
             return  # measured before (a resumed run), or nothing to measure
@@ -131,7 +131,7 @@ class LockMetricsCallback(Callback):
         for lg in trainer.loggers:
             lg.log_metrics({f"val/{b}/accuracy_base": v for b, v in self.base_accuracy.items()}, step=0)
 
-    def _interrupted_check(self, trainer) -> bool:
+    def _owes_check(self, trainer) -> bool:
         """Whether a resumed run's step was due a validation whose verdict its checkpoint lacks: the run was stopped
         in the middle of it (a scheduler's SIGTERM), or the checkpoint was saved at the end of the step, before it
         ran. Lightning does not run it again."""
@@ -141,8 +141,8 @@ class LockMetricsCallback(Callback):
         batches = trainer.global_step * trainer.accumulate_grad_batches
         return batches % every == 0 and not any(h["step"] == trainer.global_step for h in self.history)
 
-    def _redo_check(self, trainer, pl_module) -> None:
-        """The check an interrupted validation owed: measured, logged, recorded, and a stop if the lock holds."""
+    def _owed_check(self, trainer, pl_module) -> None:
+        """The check a resumed step owes: measured, logged, recorded, and a stop there if the lock holds."""
         if trainer.is_global_zero:
             log.info("step %d: the checkpoint has no verdict of this step's validation; checking the lock before "
                      "training on", trainer.global_step)

@@ -90,4 +90,4 @@ def test_a_resumed_step_owed_a_check_is_recognised(step, every, accumulate, by_e
     cb.history = [{"step": s} for s in checked]
     trainer = SimpleNamespace(global_step=step, val_check_batch=every, accumulate_grad_batches=accumulate,
                               check_val_every_n_epoch=by_epoch)
-    assert cb._interrupted_check(trainer) is due
+    assert cb._owes_check(trainer) is due
