@@ -121,7 +121,11 @@ class LockMetricsCallback(Callback):
                 trainer.should_stop = True  # a finished run started again: its lock holds, nothing more to train
                 return
         if trainer.global_step > 0 and pl_module.behaviours and self._owes_check(trainer):
-            self._owed_check(trainer, pl_module)
+            if trainer.is_global_zero:
+                log.info("step %d: the checkpoint has no verdict of this step's validation; checking the lock before "
+                         "training on", trainer.global_step)
+            self._measure_and_check(trainer, pl_module)
+            self._stop_if_held(trainer)
             return
         if self.base_accuracy or trainer.global_step > 0 or not pl_module.behaviours:
             return  # measured before (a resumed run), or nothing to measure
@@ -140,14 +144,6 @@ class LockMetricsCallback(Callback):
             return False  # validation by epochs or fractions of one: not this callback's schedule to redo
         batches = trainer.global_step * trainer.accumulate_grad_batches
         return batches % every == 0 and not any(h["step"] == trainer.global_step for h in self.history)
-
-    def _owed_check(self, trainer, pl_module) -> None:
-        """The check a resumed step owes: measured, logged, recorded, and a stop there if the lock holds."""
-        if trainer.is_global_zero:
-            log.info("step %d: the checkpoint has no verdict of this step's validation; checking the lock before "
-                     "training on", trainer.global_step)
-        self._measure_and_check(trainer, pl_module)
-        self._stop_if_held(trainer)
 
     def step_budget(self, train_items: int, batch_size: int, max_steps: int) -> int:
         """Steps for ``max_passes`` passes over ``train_items`` in the locked state (half of each batch), within
