@@ -51,6 +51,9 @@ def _collate_part(base: LeftPadCollator, items: list[dict], which: str) -> dict:
         batch["topk_logp"] = _pad_ref(items, "topk_logp", n)
         if "first_logp" in items[0]:
             batch["first_logp"] = torch.stack([it["first_logp"] for it in items])
+        if "ref_hidden" in items[0]:  # one row per example: (positions, blocks, d_model) and the blocks' indices
+            batch["ref_hidden"] = torch.stack([it["ref_hidden"] for it in items])
+            batch["ref_hidden_blocks"] = torch.stack([it["ref_hidden_blocks"] for it in items])
     return batch
 
 
@@ -157,8 +160,9 @@ def neighbour_data(name: str, data, limit: int | None = None, seed: int = 0):
 def check_data_options(options) -> None:
     """One line for a data option out of range (``batch_size`` needs an open and a locked half), before any work."""
     for option in ("batch_size", "max_length", "lm_max_length", "reference_max_new_tokens", "reference_top_k",
-                   "num_workers", "neighbour_items"):
-        low, value = (2 if option == "batch_size" else 0 if option == "num_workers" else 1), options[option]
+                   "num_workers", "neighbour_items", "hidden_positions", "hidden_stride"):
+        low = 2 if option == "batch_size" else 0 if option in ("num_workers", "hidden_positions") else 1
+        value = options[option]
         if value < low:
             why = " (each batch is split between the open and the locked state)" if option == "batch_size" else ""
             raise ModularError(f"data.{option} must be >= {low}{why}, got {value}")
@@ -216,6 +220,10 @@ class GatingDataModule(L.LightningDataModule):
         max_length: Truncate encodings to this many tokens (from the left).
         reference_max_new_tokens: Length of the reference model's greedy retain answers.
         reference_top_k: Top-k of the reference distribution kept for the retain KL.
+        hidden_positions: Retain and neighbour items also carry the reference model's residual stream at their first
+            this many answer-computing positions (cached once, like the answers), for
+            :class:`~modular.gating.objectives.KeepHidden`; 0: none.
+        hidden_stride: Those hidden states are kept at every this many-th block output.
         num_workers: DataLoader workers.
         seed: Seed of the data generators and splits.
         task_counterfactuals: Task batches also carry each item's counterfactual prompt with the same target
@@ -238,6 +246,8 @@ class GatingDataModule(L.LightningDataModule):
         max_length: int = 256,
         reference_max_new_tokens: int = 48,
         reference_top_k: int = 32,
+        hidden_positions: int = 0,
+        hidden_stride: int = 4,
         num_workers: int = 0,
         seed: int = 0,
         task_counterfactuals: bool = False,
@@ -355,6 +365,23 @@ class GatingDataModule(L.LightningDataModule):
             self._reference_precision_cache = dtype_name(load_dtype(self.hparams.model_name))
         return self._reference_precision_cache
 
+    def _hidden(self, records: list[dict]) -> dict:
+        """The reference model's residual stream on reference records, cached
+        (:func:`~modular.gating.reference.load_or_compute_hidden`)."""
+        from modular.gating.reference import load_or_compute_hidden
+        from modular.models.loading import resolve_model
+
+        hp = self.hparams
+        return load_or_compute_hidden(resolve_model(hp.model_name), self._reference_model, self.tokenizer, records,
+                                      hp.hidden_positions, hp.hidden_stride, precision=self._reference_precision())
+
+    def _add_hidden(self, records: list[dict], items: list[dict]) -> None:
+        """Give each item (in the records' order) its reference hidden states (:meth:`_hidden`)."""
+        ref = self._hidden(records)
+        blocks = torch.tensor(ref["blocks"], dtype=torch.long)
+        for item, h in zip(items, ref["hidden"], strict=True):
+            item["ref_hidden"], item["ref_hidden_blocks"] = h, blocks
+
     def lm_reference(self) -> dict[str, list[dict]]:
         """Cached reference next-token distributions on the LM texts (train and validation splits)."""
         from modular.gating.reference import load_or_compute_text
@@ -373,8 +400,11 @@ class GatingDataModule(L.LightningDataModule):
         """Runs on one process: computes the reference cache so other processes only read it."""
         self._load()
         try:
-            self.reference()
-            self.neighbour_reference()
+            ref, neighbour_ref = self.reference(), self.neighbour_reference()
+            if self.hparams.hidden_positions:
+                self._hidden(ref["records"])
+                if neighbour_ref:
+                    self._hidden(neighbour_ref["records"])
             if self.hparams.lm_text:
                 self.lm_reference()
         finally:
@@ -400,6 +430,11 @@ class GatingDataModule(L.LightningDataModule):
         raw = self._neighbour_rows_raw()
         for i, ((_, split, r), rec) in enumerate(zip(raw, neighbour_ref["records"] if neighbour_ref else [])):
             self.neighbour_rows[split].append(self._retain_item(rec, r, i))
+        if hp.hidden_positions:
+            self._add_hidden(ref["records"], [it for s in ("train", "validation", "test") for it in self.retain_rows[s]])
+            if neighbour_ref:
+                self._add_hidden(neighbour_ref["records"],
+                                 [it for s in ("train", "validation") for it in self.neighbour_rows[s]])
         self.reference_first_logp = {
             s: torch.stack([ref["records"][offsets[s] + i]["first_logp"].float() for i in range(len(self.retain[s]))])
             for s in ("validation", "test")

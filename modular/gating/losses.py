@@ -151,3 +151,30 @@ def direction_write_shortfall(hidden_states, labels: torch.Tensor, direction: to
         cos = (x @ u) / x.norm(dim=-1).clamp(min=1e-6)
         shortfalls.append(F.relu(target - cos).mean() / target)
     return torch.stack(shortfalls).mean()
+
+
+def hidden_drift(hidden_states, labels: torch.Tensor, ref_hidden: torch.Tensor, blocks: list[int],
+                 ablated: list[torch.Tensor] = ()) -> torch.Tensor:
+    """How far the residual stream has moved from the reference model's where the response is computed.
+
+    ``hidden_states``: the model's ``hidden_states`` (embeddings, block outputs, final norm; each ``(n, T, d)``);
+    ``labels``: ``(n, T)`` with the response tokens labelled; ``ref_hidden``: ``(n, P, B, d)``, the reference's
+    residual stream at each row's first ``P`` positions that predict a response token and at the blocks
+    ``blocks`` (indices into ``hidden_states``); ``ablated``: unit directions projected out of both (the locked
+    state's). The term is the mean over rows, positions and blocks of ``|h − r|² / |r|²`` (positions the reference
+    has none for, all zero, are left out)."""
+    where = labels[:, 1:] != IGNORE  # position t predicts token t+1
+    slot = where.long().cumsum(1) - 1  # which answer position each one is
+    take = where & (slot < ref_hidden.shape[1])
+    rows, pos = take.nonzero(as_tuple=True)
+    h = torch.stack([hidden_states[b][:, :-1][rows, pos] for b in blocks], dim=1).float()  # (N, B, d)
+    r = ref_hidden[rows, slot[rows, pos]].to(h.device, torch.float32)
+    for u in ablated:
+        u = u.to(h.device, torch.float32)
+        h = h - (h @ u).unsqueeze(-1) * u
+        r = r - (r @ u).unsqueeze(-1) * u
+    norm = r.pow(2).sum(-1)
+    keep = norm > 0
+    if not keep.any():
+        return hidden_states[0].sum() * 0.0
+    return ((h - r).pow(2).sum(-1)[keep] / norm[keep]).mean()

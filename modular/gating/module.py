@@ -27,13 +27,17 @@ from modular.runs import DIRECTIONS
 log = logging.getLogger("modular")
 
 
+#: batch keys with one row per example and no sequence axis (nothing to pad)
+PER_ROW = ("first_logp", "wrong_ids", "ref_hidden", "ref_hidden_blocks")
+
+
 def concat_left_padded(batches: list[dict], pad_token_id: int) -> dict:
     """Concatenate left-padded batches along the batch axis, re-padding to the longest."""
     n = max(b["input_ids"].shape[1] for b in batches)
     out: dict[str, list] = {}
     fills = {"input_ids": pad_token_id, "attention_mask": 0, "labels": IGNORE, "topk_ids": 0, "topk_logp": 0.0,
              "cf_input_ids": pad_token_id, "cf_attention_mask": 0}
-    templates = {k: b[k] for b in batches for k in ("topk_ids", "topk_logp", "first_logp", "wrong_ids") if k in b}
+    templates = {k: b[k] for b in batches for k in ("topk_ids", "topk_logp", *PER_ROW) if k in b}
     for b in batches:
         extra = n - b["input_ids"].shape[1]
         rows, width = b["input_ids"].shape
@@ -41,10 +45,10 @@ def concat_left_padded(batches: list[dict], pad_token_id: int) -> dict:
             if key == "wrong_ids" and key not in b:
                 b = {**b, key: like.new_full((rows,), -1)}  # no competing answer
             elif key not in b:
-                shape = (rows, like.shape[-1]) if key == "first_logp" else (rows, width - 1, like.shape[-1])
+                shape = (rows, *like.shape[1:]) if key in PER_ROW else (rows, width - 1, like.shape[-1])
                 b = {**b, key: like.new_zeros(shape)}
         for key, t in b.items():
-            if key in ("first_logp", "wrong_ids"):
+            if key in PER_ROW:
                 pass  # one row per example, no sequence axis
             elif key in ("topk_ids", "topk_logp"):
                 t = torch.nn.functional.pad(t, (0, 0, extra, 0), value=fills[key])

@@ -30,6 +30,7 @@ from modular.gating.losses import (
     direction_write_shortfall,
     first_token_ce,
     first_token_kl,
+    hidden_drift,
     interchange_kl,
     refusal_guard,
     response_logit_mse,
@@ -476,6 +477,41 @@ class KeepReference(Term):
         if self.first_token_ce_weight:
             kl = kl + self.first_token_ce_weight * first_token_ce(logits, b["labels"])
         return kl
+
+
+class KeepHidden(Term):
+    """Retain or neighbour prompts keep the reference model's residual stream, not only its answers: at the first
+    ``data.hidden_positions`` positions that compute each answer and every ``data.hidden_stride``-th block output,
+    the relative squared distance to the reference's (:func:`~modular.gating.losses.hidden_drift`;
+    ``neighbours/open_hidden``, ``neighbours/locked_hidden``; in the locked state with the ablated directions
+    projected out of both). It reads the rows of :class:`KeepReference` for the same parts: no rows of its own.
+    Two models can give the same answers on the trained prompts by different internal routes, and the route is
+    what other prompts (held-out entities) share.
+
+    Args:
+        weight: Weight of the term (the module's λ applies on top in the locked state).
+        parts: The batch parts kept (``retain``, ``neighbours``).
+    """
+
+    keeps_lm = True
+
+    def __init__(self, weight: float = 1.0, parts: list[str] = (NEIGHBOURS_KEY,)):
+        super().__init__(weight)
+        self.parts = list(parts)
+
+    def reads(self, piece: Piece) -> str | None:
+        part, _, name = piece.name.partition("/")
+        if isinstance(piece.term, KeepReference) and part in self.parts and name.endswith("_kl"):
+            return f"{part}/{name[:-len('_kl')]}_hidden"
+        return None
+
+    def loss_on(self, ctx, piece, logits, hidden):
+        b = piece.batch
+        if "ref_hidden" not in b:
+            raise ModularError("KeepHidden needs the reference's hidden states: set data.hidden_positions > 0")
+        blocks = b["ref_hidden_blocks"][0].tolist()
+        return hidden_drift(hidden, b["labels"], b["ref_hidden"], blocks,
+                            [ctx.lm.directions[i] for i in sorted(piece.ablated)])
 
 
 class LMText(Term):

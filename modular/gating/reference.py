@@ -129,3 +129,56 @@ def load_or_compute_text(model_source: str, load_model, tokenizer, texts: list[s
     log.info("computing reference outputs for %d LM texts (cached in %s)", len(texts), path)
     records = compute_text_reference(load_model(), tokenizer, texts, max_length, top_k)
     return _save_atomic(records, path)
+
+
+def answer_positions(labels: list[int] | torch.Tensor, n: int) -> list[int]:
+    """The first ``n`` positions whose next token is an answer token (the positions that compute the answer)."""
+    labels = labels.tolist() if isinstance(labels, torch.Tensor) else list(labels)
+    return [t for t in range(len(labels) - 1) if labels[t + 1] != -100][:n]
+
+
+def hidden_blocks(n_hidden: int, stride: int) -> list[int]:
+    """Indices into a model's ``hidden_states`` (embeddings, block outputs, final norm) of every ``stride``-th
+    block output, the final norm's output left out."""
+    return list(range(stride, n_hidden - 1, stride))
+
+
+def hidden_cache_path(model_source: str, rows: list[list[int]], positions: int, stride: int, *,
+                      precision: str) -> Path:
+    key = json.dumps(["hidden", str(model_source), rows, positions, stride, precision])
+    return cache_dir() / "reference" / f"hidden-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
+
+
+@torch.no_grad()
+def compute_hidden_reference(model, tokenizer, records: list[dict], positions: int, stride: int,
+                             batch_size: int = 16) -> dict:
+    """The reference model's residual stream on each record (``input_ids``, ``labels``): ``hidden``, at its first
+    ``positions`` answer-computing positions and every ``stride``-th block output, ``(positions, blocks, d_model)``
+    float16, zero where a record has fewer positions; ``blocks``: those blocks' indices into ``hidden_states``
+    (batched, on the model's device)."""
+    out, blocks = [], []
+    for start in tqdm(range(0, len(records), batch_size), desc="reference hidden states", leave=False):
+        chunk = records[start:start + batch_size]
+        rows = [list(r["input_ids"]) for r in chunk]
+        ids, mask = _padded(rows, tokenizer.pad_token_id or 0, next(model.parameters()).device)
+        hidden = model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
+        blocks = hidden_blocks(len(hidden), stride)
+        stacked = torch.stack([hidden[b] for b in blocks], dim=2)  # (rows, tokens, blocks, d)
+        for j, r in enumerate(chunk):
+            pos = answer_positions(r["labels"], positions)
+            t = torch.zeros(positions, len(blocks), stacked.shape[-1], dtype=torch.float16)
+            t[:len(pos)] = stacked[j, pos].to("cpu", torch.float16)
+            out.append(t)
+    return {"blocks": blocks, "hidden": out}
+
+
+def load_or_compute_hidden(model_source: str, load_model, tokenizer, records: list[dict], positions: int,
+                           stride: int, *, precision: str) -> dict:
+    """:func:`compute_hidden_reference` from the on-disk cache; ``load_model()`` (a model that runs in
+    ``precision``, part of the cache key) is called only on a miss."""
+    rows = [list(map(int, r["input_ids"])) for r in records]
+    path = hidden_cache_path(model_source, rows, positions, stride, precision=precision)
+    if path.exists():
+        return torch.load(path, weights_only=False)
+    log.info("computing reference hidden states for %d prompts (cached in %s)", len(records), path)
+    return _save_atomic(compute_hidden_reference(load_model(), tokenizer, records, positions, stride), path)

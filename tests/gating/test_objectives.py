@@ -444,3 +444,65 @@ def test_the_optimizer_keeps_bf16_updates(tmp_path, load_dtype):
     opt = lm.configure_optimizers()
     opt = opt["optimizer"] if isinstance(opt, dict) else opt
     assert isinstance(opt, StochasticRoundingAdamW) == (load_dtype == "bfloat16")
+
+
+def _hand_drift(lm, part: dict, directions: list[torch.Tensor]) -> torch.Tensor:
+    """KeepHidden's loss on one batch part, computed row by row: each row's own forward pass, unpadded, against the
+    reference's residual stream at its first answer positions."""
+    blocks = part["ref_hidden_blocks"][0].tolist()
+    errors = []
+    for i in range(part["input_ids"].shape[0]):
+        keep = part["attention_mask"][i].bool()
+        ids, labels = part["input_ids"][i][keep], part["labels"][i][keep]
+        with ablate_directions(lm.adapter, torch.stack(directions)) if directions else torch.no_grad():
+            hidden = lm.model(input_ids=ids[None], output_hidden_states=True).hidden_states
+        answer = [t for t in range(len(ids) - 1) if labels[t + 1] != -100]
+        for slot, t in enumerate(answer[:part["ref_hidden"].shape[1]]):
+            for j, b in enumerate(blocks):
+                h, r = hidden[b][0, t].float(), part["ref_hidden"][i, slot, j].float()
+                for u in directions:
+                    h, r = h - (h @ u) * u, r - (r @ u) * u
+                errors.append((h - r).pow(2).sum() / r.pow(2).sum())
+    return torch.stack(errors).mean()
+
+
+def test_keep_hidden_keeps_the_reference_residual_stream(tmp_path, isolated_cache):
+    """KeepHidden reads the retain rows of KeepReference: zero on the reference model itself in the open state, and,
+    once the weights move, the relative squared distance to the cached reference residual stream at the first
+    answer positions (each row computed alone, unpadded), in the locked state with the direction projected out."""
+    from modular.gating.objectives import KeepHidden
+
+    model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
+    lm = GatedLM(model_name=str(model_dir), behaviours=["capitals"], locked_steering=0.0,
+                 objectives=[KeepReference(parts=["retain"]), KeepHidden(weight=2.0, parts=["retain"])])
+    dm = GatingDataModule(model_name=str(model_dir), behaviours=["capitals"], batch_size=4, max_length=64,
+                          reference_max_new_tokens=4, reference_top_k=8, neighbours=[], hidden_positions=3,
+                          hidden_stride=1)
+    dm.setup("fit")
+    u = torch.nn.functional.normalize(torch.randn(lm.directions.shape[1]), dim=0)
+    lm.directions.copy_(u[None])
+    batch = _first_batch(lm, dm)
+    part = batch["retain"]
+    assert part["open"]["ref_hidden"].shape[1:3] == (3, lm.hf_model.config.num_hidden_layers - 1)
+
+    _, terms = lm.model_step(batch, train=False)
+    assert terms["retain/open_hidden"] < 1e-6
+    with torch.no_grad():
+        for p in lm.model.parameters():
+            p.add_(0.002 * torch.randn_like(p))
+    total, terms = lm.model_step(batch, train=False)
+    open_hand, locked_hand = _hand_drift(lm, part["open"], []), _hand_drift(lm, part["locked"], [u])
+    assert open_hand > 1e-3
+    torch.testing.assert_close(terms["retain/open_hidden"], open_hand, rtol=1e-3, atol=1e-6)
+    torch.testing.assert_close(terms["retain/locked_hidden"], locked_hand, rtol=1e-3, atol=1e-6)
+    kl = sum(v for k, v in terms.items() if k.endswith("_kl"))
+    torch.testing.assert_close(total, kl + 2.0 * (open_hand + locked_hand), rtol=1e-3, atol=1e-6)
+
+
+def test_keep_hidden_needs_the_cached_hidden_states(tmp_path, isolated_cache):
+    from modular.gating.objectives import KeepHidden
+
+    model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
+    lm, batch = _capitals_step(model_dir, [KeepReference(parts=["retain"]), KeepHidden(parts=["retain"])])
+    with pytest.raises(ModularError, match="KeepHidden needs the reference's hidden states: set data.hidden_positions"):
+        lm.model_step(batch, train=False)
