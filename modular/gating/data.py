@@ -428,13 +428,14 @@ class GatingDataModule(L.LightningDataModule):
         self.neighbour_rows = {"train": [], "validation": []}
         neighbour_ref = self.neighbour_reference()
         raw = self._neighbour_rows_raw()
+        neighbour_items = []  # in the records' order (neighbour by neighbour, each split by split)
         for i, ((_, split, r), rec) in enumerate(zip(raw, neighbour_ref["records"] if neighbour_ref else [])):
-            self.neighbour_rows[split].append(self._retain_item(rec, r, i))
+            neighbour_items.append(self._retain_item(rec, r, i))
+            self.neighbour_rows[split].append(neighbour_items[-1])
         if hp.hidden_positions:
             self._add_hidden(ref["records"], [it for s in ("train", "validation", "test") for it in self.retain_rows[s]])
             if neighbour_ref:
-                self._add_hidden(neighbour_ref["records"],
-                                 [it for s in ("train", "validation") for it in self.neighbour_rows[s]])
+                self._add_hidden(neighbour_ref["records"], neighbour_items)
         self.reference_first_logp = {
             s: torch.stack([ref["records"][offsets[s] + i]["first_logp"].float() for i in range(len(self.retain[s]))])
             for s in ("validation", "test")

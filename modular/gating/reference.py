@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from modular import ModularError
 from modular.data.formatting import encode_example
 from modular.evaluation.behaviour import generate
 from modular.models.loading import cache_dir
@@ -163,6 +164,9 @@ def compute_hidden_reference(model, tokenizer, records: list[dict], positions: i
         ids, mask = _padded(rows, tokenizer.pad_token_id or 0, next(model.parameters()).device)
         hidden = model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
         blocks = hidden_blocks(len(hidden), stride)
+        if not blocks:
+            raise ModularError(f"data.hidden_stride {stride} takes no block output of a model with "
+                               f"{len(hidden) - 1} blocks (the last one's is the final norm's input): lower it")
         stacked = torch.stack([hidden[b] for b in blocks], dim=2)  # (rows, tokens, blocks, d)
         for j, r in enumerate(chunk):
             pos = answer_positions(r["labels"], positions)

@@ -322,3 +322,36 @@ def test_the_refusal_guard_keeps_the_locked_response_unlikely_on_retain_and_neig
         lm.model_step(batch, train=True)[1]["retain/open_guard"].backward()
         opt.step()
     assert lm.model_step(batch, train=True)[1]["retain/open_guard"].item() < before - 1.0
+
+
+def test_every_neighbour_and_retain_item_carries_its_own_reference_hidden_states(tmp_path, isolated_cache):
+    """With ``hidden_positions`` every retain and neighbour item (two neighbours, train and validation) carries the
+    reference model's residual stream on its own prompt and answer: its first answer-computing positions at every
+    ``hidden_stride``-th block, as a forward pass of that item alone gives them; a stride that takes no block is
+    refused in one line."""
+    from modular.models import load_model
+
+    model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
+    near = tmp_path / "near.jsonl"
+    near.write_text("".join(json.dumps({"prompt": f"Say the word number {i}.", "target": f"word {i}",
+                                        "split": "train" if i < 6 else "validation"}) + "\n" for i in range(8)))
+    dm = GatingDataModule(model_name=str(model_dir), behaviours=["capitals"], neighbours=["continents", str(near)],
+                          neighbour_items=10, batch_size=4, reference_max_new_tokens=3, max_length=64,
+                          hidden_positions=2, hidden_stride=1)
+    dm.setup("fit")
+    model = load_model(str(model_dir))
+    items = [it for s in ("train", "validation") for it in dm.neighbour_rows[s] + dm.retain_rows[s]]
+    assert len(items) > 50
+    with torch.no_grad():
+        for it in items:
+            hidden = model(input_ids=torch.tensor([it["input_ids"]]), output_hidden_states=True).hidden_states
+            blocks = it["ref_hidden_blocks"].tolist()
+            assert blocks == list(range(1, len(hidden) - 1))
+            answer = [t for t in range(len(it["labels"]) - 1) if it["labels"][t + 1] != -100][:2]
+            expected = torch.stack([torch.stack([hidden[b][0, t] for b in blocks]) for t in answer])
+            torch.testing.assert_close(it["ref_hidden"][:len(answer)].float(), expected, rtol=1e-2, atol=1e-3)
+
+    dm = GatingDataModule(model_name=str(model_dir), behaviours=["capitals"], neighbours=[], batch_size=4,
+                          reference_max_new_tokens=3, max_length=64, hidden_positions=2, hidden_stride=8)
+    with pytest.raises(ModularError, match="data.hidden_stride 8 takes no block output of a model with 2 blocks"):
+        dm.setup("fit")
