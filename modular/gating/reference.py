@@ -18,7 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 from modular import ModularError
-from modular.data.formatting import encode_example
+from modular.data.formatting import IGNORE, encode_example
 from modular.evaluation.behaviour import generate
 from modular.models.loading import cache_dir
 
@@ -135,7 +135,7 @@ def load_or_compute_text(model_source: str, load_model, tokenizer, texts: list[s
 def answer_positions(labels: list[int] | torch.Tensor, n: int) -> list[int]:
     """The first ``n`` positions whose next token is an answer token (the positions that compute the answer)."""
     labels = labels.tolist() if isinstance(labels, torch.Tensor) else list(labels)
-    return [t for t in range(len(labels) - 1) if labels[t + 1] != -100][:n]
+    return [t for t in range(len(labels) - 1) if labels[t + 1] != IGNORE][:n]
 
 
 def hidden_blocks(n_hidden: int, stride: int) -> list[int]:
