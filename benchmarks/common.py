@@ -36,6 +36,8 @@ def to_device(obj, device):
         return obj.to(device)
     if isinstance(obj, dict):
         return {k: to_device(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_device(v, device) for v in obj)
     return obj
 
 

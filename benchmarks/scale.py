@@ -11,7 +11,8 @@ Plain and gated processes alternate, ``--rounds`` times each; ratios are gated /
 Targets: gated ≤ 1.15× the plain step's time and ≤ 1.10× its peak memory.
 
 Usage: python benchmarks/scale.py [--sizes 135M 360M 1.7B] [--modes full lora] [--device auto]
-       [--precision auto] [--repeats 3] [--rounds 2] [--batch_size 8] [--lm_length 128] [--out outputs/benchmarks]
+       [--precision auto] [--repeats 3] [--rounds 2] [--batch_size 8] [--lm_length 128] [--tokenizer ALIAS_OR_FOLDER]
+       [--out outputs/benchmarks]
 Writes scale.json and scale.png (time and memory ratios against parameter count).
 """
 
@@ -37,8 +38,9 @@ SHAPES = {  # SmolLM2's configurations (hidden, layers, heads, kv heads, interme
 PRECISIONS = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def build_folder(size: str, root: Path, dtype: torch.dtype) -> Path:
-    """A random-initialised model of ``size`` with SmolLM2's tokenizer, saved as a Hugging Face folder."""
+def build_folder(size: str, root: Path, dtype: torch.dtype, tokenizer: str = "smollm2-135m-instruct") -> Path:
+    """A random-initialised model of ``size`` with SmolLM2's tokenizer (``tokenizer``: any model reference that
+    has it), saved as a Hugging Face folder."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from modular.models import load_tokenizer
@@ -47,7 +49,7 @@ def build_folder(size: str, root: Path, dtype: torch.dtype) -> Path:
     if (folder / "config.json").is_file():
         return folder
     hidden, layers, heads, kv, inter = SHAPES[size]
-    tok = load_tokenizer("smollm2-135m-instruct")
+    tok = load_tokenizer(tokenizer)
     config = LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                          num_key_value_heads=kv, intermediate_size=inter, vocab_size=49152, tie_word_embeddings=True,
                          max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
@@ -164,6 +166,8 @@ def main() -> None:
     ap.add_argument("--batch_size", type=int, default=8, help="examples per behaviour, retain and text batch (as the "
                     "default config)")
     ap.add_argument("--lm_length", type=int, default=128, help="tokens per neutral-text paragraph (0: no text)")
+    ap.add_argument("--tokenizer", default="smollm2-135m-instruct", help="where SmolLM2's tokenizer comes from: the "
+                    "built-in alias (default) or any folder or hub id that holds it")
     ap.add_argument("--models", default=None, help="folder for the random-initialised models (default: a temporary "
                     "folder)")
     ap.add_argument("--out", default="outputs/benchmarks", help="output folder")
@@ -187,7 +191,7 @@ def main() -> None:
                 "batch_size": args.batch_size, "lm_length": args.lm_length, "modes": args.modes,
                 "targets": {"time_ratio_max": 1.15, "memory_ratio_max": 1.10}}
     for size in args.sizes:
-        folder = build_folder(size, root, PRECISIONS[precision])
+        folder = build_folder(size, root, PRECISIONS[precision], args.tokenizer)
         for mode in args.modes:
             runs = {"plain": [], "gated": []}
             for _ in range(args.rounds):
