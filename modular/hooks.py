@@ -139,9 +139,11 @@ def capture_residual(adapter: ArchitectureAdapter, detach: bool = True) -> Itera
 
 
 def _orthonormal(directions: torch.Tensor) -> torch.Tensor:
-    """Rows of ``directions`` (k, d) -> an orthonormal basis (k, d) of their span."""
-    d = directions.reshape(-1, directions.shape[-1]).T
-    q, _ = torch.linalg.qr(d.to(torch.float64))
+    """Rows of ``directions`` (k, d) -> an orthonormal basis (k, d) of their span (in float64, rounded once)."""
+    d = directions.reshape(-1, directions.shape[-1]).to(torch.float64)
+    if d.shape[0] == 1:  # one direction: its unit vector (QR's, up to a sign that no projection sees), no solver;
+        return (d / d.norm().clamp_min(torch.finfo(d.dtype).tiny)).to(directions.dtype)  # zero stays zero
+    q, _ = torch.linalg.qr(d.T)
     return q.T.to(directions.dtype)
 
 
@@ -162,6 +164,21 @@ def write_space_basis(adapter: ArchitectureAdapter, site, directions: torch.Tens
         if gain is not None:
             directions = directions * gain.detach().to(directions.dtype)
     return _orthonormal(directions)
+
+
+def _site_bases(adapter: ArchitectureAdapter, directions: torch.Tensor) -> Callable[[object], torch.Tensor]:
+    """``site -> write_space_basis(adapter, site, directions)``, computed once for every site without a
+    post-sublayer norm: they all share the span of ``directions`` (one basis per context, not one per write)."""
+    shared: list[torch.Tensor] = []
+
+    def basis(site) -> torch.Tensor:
+        if site.post_norm is not None:
+            return write_space_basis(adapter, site, directions)
+        if not shared:
+            shared.append(_orthonormal(directions))
+        return shared[0]
+
+    return basis
 
 
 @contextmanager
@@ -190,10 +207,10 @@ def ablate_directions(adapter: ArchitectureAdapter, directions: torch.Tensor) ->
     *before* the norm, against ``g ⊙ u`` (see :func:`write_space_basis`), which is what
     orthogonalised weights reproduce.
     """
-    directions = directions.reshape(-1, directions.shape[-1]).detach()
+    bases = _site_bases(adapter, directions.reshape(-1, directions.shape[-1]).detach())
 
     def edit(site):
-        basis = write_space_basis(adapter, site, directions)
+        basis = bases(site)
         return lambda x: _project_out(x, basis)
 
     with edit_writes(adapter, edit):
@@ -211,13 +228,18 @@ def ablate_rows(adapter: ArchitectureAdapter, row_sets: list[tuple[torch.Tensor,
     if sets and int(sum(rows.long() for rows, _ in sets).max()) > 1:
         raise ValueError("ablate_rows: a row is in two masks")
 
+    site_bases = [(rows, _site_bases(adapter, directions)) for rows, directions in sets]
+
     def edit(site):
-        bases = [(rows, write_space_basis(adapter, site, directions)) for rows, directions in sets]
+        bases = [(rows, basis(site)) for rows, basis in site_bases]
+        cast: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # per dtype, device and rank of the write
 
         def f(x):
-            for rows, basis in bases:
-                b = basis.to(dtype=x.dtype, device=x.device)
-                keep = rows.to(device=x.device, dtype=x.dtype).reshape(-1, *([1] * (x.dim() - 1)))
+            key = (x.dtype, x.device, x.dim())
+            if key not in cast:  # the masks and bases in the write's precision, once (not at every call)
+                cast[key] = [(rows.to(device=x.device, dtype=x.dtype).reshape(-1, *([1] * (x.dim() - 1))),
+                              basis.to(dtype=x.dtype, device=x.device)) for rows, basis in bases]
+            for keep, b in cast[key]:
                 x = x - keep * ((x @ b.T) @ b)
             return x
 

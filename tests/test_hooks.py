@@ -246,3 +246,25 @@ def test_edit_writes_edits_every_write_site_once_and_cleans_up(tiny_model, token
             blank = tiny_model(tokens).logits
         torch.testing.assert_close(blank, blank[:1, :1].expand_as(blank))
         torch.testing.assert_close(tiny_model(tokens).logits, plain, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "olmo2"])
+def test_one_basis_per_lock_for_writes_without_a_post_norm(arch, tokens, monkeypatch):
+    """The write sites without a post-sublayer norm share one orthonormal basis per context (computed on entry,
+    not once per write), sites with one (OLMo2) get their own; one direction needs no QR solver."""
+    import modular.hooks as hooks
+
+    model = make_tiny_model(arch)
+    adapter = ArchitectureAdapter(model)
+    u = _unit(D, k=2)
+    calls, qr = [], []
+    orthonormal, linalg_qr = hooks._orthonormal, torch.linalg.qr
+    monkeypatch.setattr(hooks, "_orthonormal", lambda d: (calls.append(d.shape[0]), orthonormal(d))[1])
+    monkeypatch.setattr(torch.linalg, "qr", lambda *a, **k: (qr.append(1), linalg_qr(*a, **k))[1])
+    own = sum(site.post_norm is not None for site in adapter.write_sites())
+    with ablate_directions(adapter, u), ablate_rows(adapter, [(torch.tensor([True, False]), u[:1])]):
+        model(tokens)
+    assert (arch == "olmo2") == (own > 0)
+    assert sorted(calls) == sorted([2] * (own + (own < len(adapter.write_sites()))) +
+                                   [1] * (own + (own < len(adapter.write_sites()))))
+    assert len(qr) == calls.count(2)  # the one-direction bases took no QR
