@@ -85,6 +85,24 @@ def plain_loss(model, plain_batches) -> torch.Tensor:
     return loss
 
 
+def count_ops(fn) -> int:
+    """The aten operations that one call of ``fn`` dispatches, its backward pass included: host work that does not
+    shrink with a faster device (on a GPU each launches at least one kernel), so the part of a step's time that a
+    small batch on a fast GPU is made of."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count() as counter:
+        fn()
+    return counter.n
+
+
 def median_time(fn, repeats: int, sync=lambda: None) -> list[float]:
     fn()  # warm-up
     sync()

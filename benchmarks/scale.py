@@ -7,13 +7,16 @@ default objective (open and locked pieces of a capitals batch, retain prompts an
 states), the plain step cross-entropy on the same examples. Each measurement runs in a fresh process (so that
 one's memory peak cannot hide another's): the median of ``--repeats`` timed steps after a warm-up, and the peak
 memory during the steps (GPU: allocated by torch; CPU: the process's resident set, sampled every millisecond).
-Plain and gated processes alternate, ``--rounds`` times each; ratios are gated / plain of the medians.
+Plain and gated processes alternate, ``--rounds`` times each; ratios are gated / plain of the medians. Each process
+also counts the aten operations one step dispatches (forward, backward, update): host work, which a faster device does
+not shrink. On a GPU with the default batch the step is bound by it (docs/devices.md): the ops ratio is then what the
+time ratio tends to; larger batches (``--batch_size``) make the arithmetic count.
 Targets: gated ≤ 1.15× the plain step's time and ≤ 1.10× its peak memory.
 
 Usage: python benchmarks/scale.py [--sizes 135M 360M 1.7B] [--modes full lora] [--device auto]
        [--precision auto] [--repeats 3] [--rounds 2] [--batch_size 8] [--lm_length 128] [--tokenizer ALIAS_OR_FOLDER]
        [--out outputs/benchmarks]
-Writes scale.json and scale.png (time and memory ratios against parameter count).
+Writes scale.json and scale.png (time, memory and op-count ratios against parameter count).
 """
 
 from __future__ import annotations
@@ -85,7 +88,7 @@ class PeakRSS:
 
 def worker(args) -> dict:
     """One measurement in this process: ``args.step`` (plain or gated) of one size and mode."""
-    from common import attach_tokenizer, median_time, plain_loss, to_device, training_batch
+    from common import attach_tokenizer, count_ops, median_time, plain_loss, to_device, training_batch
 
     from modular.gating.module import GatedLM
     from modular.models import load_tokenizer
@@ -118,7 +121,8 @@ def worker(args) -> dict:
     with PeakRSS() as rss:
         times = median_time(step, args.repeats, sync)
     peak = torch.cuda.max_memory_allocated() if cuda else rss.peak
-    return {"times_s": times, "median_s": statistics.median(times), "peak_bytes": peak,
+    ops = count_ops(step)  # after the timed steps: counting slows a step down
+    return {"times_s": times, "median_s": statistics.median(times), "peak_bytes": peak, "ops": ops,
             "memory": "cuda max_memory_allocated" if cuda else "peak resident set (RSS)",
             "parameters": sum(p.numel() for n, p in module.model.named_parameters() if "lora_" not in n),  # the model's
             "trainable": sum(p.numel() for p in params), "device": str(device)}
@@ -130,9 +134,11 @@ def plot(report: dict, path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, key, target, title in ((axes[0], "time_ratio", 1.15, "time per step: gated / plain"),
-                                   (axes[1], "memory_ratio", 1.10, "peak memory: gated / plain")):
+    panels = [("time_ratio", 1.15, "time per step: gated / plain"), ("memory_ratio", 1.10, "peak memory: gated / plain")]
+    if all("ops_ratio" in r for r in report["results"]):
+        panels.append(("ops_ratio", None, "aten ops per step: gated / plain"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4))
+    for ax, (key, target, title) in zip(axes, panels):
         for mode in report["modes"]:
             rows = [r for r in report["results"] if r["mode"] == mode]
             xs = [r["parameters"] for r in rows]
@@ -140,7 +146,8 @@ def plot(report: dict, path: Path) -> Path:
             ax.plot(xs, ys, marker="o", label=mode)
             for x, y in zip(xs, ys):
                 ax.annotate(f"{y:.2f}", (x, y), textcoords="offset points", xytext=(4, 4))
-        ax.axhline(target, color="grey", linestyle="--", label=f"target {target}")
+        if target is not None:
+            ax.axhline(target, color="grey", linestyle="--", label=f"target {target}")
         ax.set_xscale("log")
         ax.set_xlabel("parameters")
         ax.set_title(title)
@@ -211,12 +218,15 @@ def main() -> None:
             row = {"size": size, "mode": mode, "parameters": runs["plain"][0]["parameters"],
                    "trainable": runs["plain"][0]["trainable"], "plain_step_s": plain_s, "gated_step_s": gated_s,
                    "time_ratio": gated_s / plain_s, "plain_peak_bytes": plain_m, "gated_peak_bytes": gated_m,
-                   "memory_ratio": gated_m / plain_m, "memory": runs["plain"][0]["memory"], "runs": runs}
+                   "memory_ratio": gated_m / plain_m, "memory": runs["plain"][0]["memory"],
+                   "plain_ops": runs["plain"][0]["ops"], "gated_ops": runs["gated"][0]["ops"],
+                   "ops_ratio": runs["gated"][0]["ops"] / runs["plain"][0]["ops"], "runs": runs}
             results.append(row)
             # a run cut short keeps the rows it measured
             write_json(Path(args.out) / "scale.json", {**settings, "complete": False, "results": results})
             print(f"{size:>5} {mode:<4}  plain {plain_s:7.2f} s  gated {gated_s:7.2f} s  ×{row['time_ratio']:.3f}   "
-                  f"peak plain {plain_m / 2**30:6.2f} GiB  gated {gated_m / 2**30:6.2f} GiB  ×{row['memory_ratio']:.3f}",
+                  f"peak plain {plain_m / 2**30:6.2f} GiB  gated {gated_m / 2**30:6.2f} GiB  ×{row['memory_ratio']:.3f}   "
+                  f"ops {row['plain_ops']} / {row['gated_ops']}  ×{row['ops_ratio']:.3f}",
                   flush=True)
     report = {**settings, "complete": True, "results": results}
     out_dir = Path(args.out)
