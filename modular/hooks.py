@@ -147,10 +147,46 @@ def _orthonormal(directions: torch.Tensor) -> torch.Tensor:
     return q.T.to(directions.dtype)
 
 
-def _project_out(x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
-    """Remove from ``x`` (..., d) its components along the orthonormal rows of ``basis`` (k, d)."""
+def _project_out(x: torch.Tensor, basis: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """Remove from ``x`` (..., d) its components along the orthonormal rows of ``basis`` ((k, d), or (d,) for one
+    direction), on the rows where ``keep`` (broadcast against ``x[..., :1]``) is 1 if given. One direction takes a
+    product and a sum instead of two matrix products: fewer operations, what a small batch on a fast GPU pays for."""
     basis = basis.to(dtype=x.dtype, device=x.device)
-    return x - (x @ basis.T) @ basis
+    if basis.dim() == 1:
+        coef = (x * basis).sum(-1, keepdim=True)
+        return torch.addcmul(x, coef if keep is None else coef * keep, basis, value=-1)
+    coef = x @ basis.T
+    return x - (coef if keep is None else coef * keep) @ basis
+
+
+class _Basis:
+    """An orthonormal basis ((k, d) rows; a (d,) vector for one direction) and its casts to the precisions and
+    devices of the writes it meets, each made once (all the write sites that share the basis share them)."""
+
+    def __init__(self, basis: torch.Tensor):
+        basis = basis[0] if basis.shape[0] == 1 else basis
+        self._cast = {(basis.dtype, basis.device): basis}
+
+    def to(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if (dtype, device) not in self._cast:
+            self._cast[dtype, device] = next(iter(self._cast.values())).to(dtype=dtype, device=device)
+        return self._cast[dtype, device]
+
+
+def _projector(basis: _Basis, rows: torch.Tensor | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``x -> _project_out(x, basis, rows)`` for one write site (``rows``: a (batch,) boolean mask, None for every
+    row; a boolean mask multiplies in any precision without a cast)."""
+    shaped: dict[tuple, torch.Tensor] = {}
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        keep = None
+        if rows is not None:
+            if (x.device, x.dim()) not in shaped:
+                shaped[x.device, x.dim()] = rows.to(device=x.device).reshape(-1, *[1] * (x.dim() - 1))
+            keep = shaped[x.device, x.dim()]
+        return _project_out(x, basis.to(x.dtype, x.device), keep)
+
+    return f
 
 
 def write_space_basis(adapter: ArchitectureAdapter, site, directions: torch.Tensor) -> torch.Tensor:
@@ -166,16 +202,16 @@ def write_space_basis(adapter: ArchitectureAdapter, site, directions: torch.Tens
     return _orthonormal(directions)
 
 
-def _site_bases(adapter: ArchitectureAdapter, directions: torch.Tensor) -> Callable[[object], torch.Tensor]:
+def _site_bases(adapter: ArchitectureAdapter, directions: torch.Tensor) -> Callable[[object], _Basis]:
     """``site -> write_space_basis(adapter, site, directions)``, computed once for every site without a
     post-sublayer norm: they all share the span of ``directions`` (one basis per context, not one per write)."""
-    shared: list[torch.Tensor] = []
+    shared: list[_Basis] = []
 
-    def basis(site) -> torch.Tensor:
+    def basis(site) -> _Basis:
         if site.post_norm is not None:
-            return write_space_basis(adapter, site, directions)
+            return _Basis(write_space_basis(adapter, site, directions))
         if not shared:
-            shared.append(_orthonormal(directions))
+            shared.append(_Basis(_orthonormal(directions)))
         return shared[0]
 
     return basis
@@ -210,8 +246,7 @@ def ablate_directions(adapter: ArchitectureAdapter, directions: torch.Tensor) ->
     bases = _site_bases(adapter, directions.reshape(-1, directions.shape[-1]).detach())
 
     def edit(site):
-        basis = bases(site)
-        return lambda x: _project_out(x, basis)
+        return _projector(bases(site))
 
     with edit_writes(adapter, edit):
         yield
@@ -231,16 +266,11 @@ def ablate_rows(adapter: ArchitectureAdapter, row_sets: list[tuple[torch.Tensor,
     site_bases = [(rows, _site_bases(adapter, directions)) for rows, directions in sets]
 
     def edit(site):
-        bases = [(rows, basis(site)) for rows, basis in site_bases]
-        cast: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # per dtype, device and rank of the write
+        projectors = [_projector(basis(site), rows) for rows, basis in site_bases]
 
         def f(x):
-            key = (x.dtype, x.device, x.dim())
-            if key not in cast:  # the masks and bases in the write's precision, once (not at every call)
-                cast[key] = [(rows.to(device=x.device, dtype=x.dtype).reshape(-1, *([1] * (x.dim() - 1))),
-                              basis.to(dtype=x.dtype, device=x.device)) for rows, basis in bases]
-            for keep, b in cast[key]:
-                x = x - keep * ((x @ b.T) @ b)
+            for project in projectors:
+                x = project(x)
             return x
 
         return f
