@@ -149,9 +149,9 @@ def _orthonormal(directions: torch.Tensor) -> torch.Tensor:
 
 def _project_out(x: torch.Tensor, basis: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
     """Remove from ``x`` (..., d) its components along the orthonormal rows of ``basis`` ((k, d), or (d,) for one
-    direction), on the rows where ``keep`` (broadcast against ``x[..., :1]``) is 1 if given. One direction takes a
-    product and a sum instead of two matrix products: fewer operations, what a small batch on a fast GPU pays for."""
-    basis = basis.to(dtype=x.dtype, device=x.device)
+    direction) in ``x``'s precision and on its device (:class:`_Basis` casts it), on the rows where ``keep`` (broadcast
+    against ``x[..., :1]``) is 1 if given. One direction takes a product and a sum instead of two matrix products:
+    fewer operations, what a small batch on a fast GPU pays for."""
     if basis.dim() == 1:
         coef = (x * basis).sum(-1, keepdim=True)
         return torch.addcmul(x, coef if keep is None else coef * keep, basis, value=-1)
