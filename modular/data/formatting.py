@@ -73,6 +73,13 @@ class LeftPadCollator:
         return batch
 
 
+def answer_positions(labels: list[int] | torch.Tensor, n: int | None = None) -> list[int]:
+    """The positions whose next token is an answer token (the positions that compute the answer; position ``t``
+    predicts token ``t + 1``), the first ``n`` of them when ``n`` is given."""
+    labels = labels.tolist() if isinstance(labels, torch.Tensor) else list(labels)
+    return [t for t in range(len(labels) - 1) if labels[t + 1] != IGNORE][:n]
+
+
 def batch_prompts(tokenizer, prompts: list[str], chats: list[bool]) -> dict[str, torch.Tensor]:
     """A left-padded batch of prompts, ready for ``generate`` or last-position logits."""
     collate = LeftPadCollator(tokenizer.pad_token_id)

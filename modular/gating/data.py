@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, Dataset
 from modular import ModularError
 from modular.data import behaviour_name, load_behaviour, parse_behaviour, retain_data
 from modular.data.behaviours import builtin_neighbours, is_jsonl
-from modular.data.formatting import IGNORE, LeftPadCollator, encode_example
+from modular.data.formatting import IGNORE, LeftPadCollator, answer_positions, encode_example
 from modular.data.schema import DEFAULT_LOCKED_RESPONSE, all_refusals
 
 log = logging.getLogger("modular")
@@ -495,7 +495,7 @@ class GatingDataModule(L.LightningDataModule):
         k = rec["topk_ids"].shape[-1]
         topk_ids = torch.zeros(n, k, dtype=torch.long)
         topk_logp = torch.zeros(n, k)
-        pos = [t for t in range(n) if labels[t + 1] != IGNORE]
+        pos = answer_positions(labels)
         topk_ids[pos] = rec["topk_ids"].long()
         topk_logp[pos] = rec["topk_logp"].float()
         item = {"input_ids": ids, "labels": labels, "topk_ids": topk_ids, "topk_logp": topk_logp,

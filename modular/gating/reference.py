@@ -18,7 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 from modular import ModularError
-from modular.data.formatting import IGNORE, encode_example
+from modular.data.formatting import answer_positions, encode_example
 from modular.evaluation.behaviour import generate
 from modular.models.loading import cache_dir
 
@@ -64,8 +64,7 @@ def compute_reference(model, tokenizer, prompts: list[str], chats: list[bool], m
         chunk = range(start, min(start + batch_size, len(prompts)))
         examples = [encode_example(tokenizer, prompts[i], answers[i], chats[i]) for i in chunk]
         for ex, logp in zip(examples, _log_probs(model, tokenizer, [ex["input_ids"] for ex in examples])):
-            labels = torch.tensor(ex["labels"])
-            pos = (labels[1:] != -100).nonzero().flatten()  # logits at t predict token t+1
+            pos = torch.tensor(answer_positions(ex["labels"]), dtype=torch.long)
             top = logp[pos].topk(top_k, dim=-1)
             first = logp[pos[0]] if len(pos) else logp[-1]
             records.append({
@@ -130,12 +129,6 @@ def load_or_compute_text(model_source: str, load_model, tokenizer, texts: list[s
     log.info("computing reference outputs for %d LM texts (cached in %s)", len(texts), path)
     records = compute_text_reference(load_model(), tokenizer, texts, max_length, top_k)
     return _save_atomic(records, path)
-
-
-def answer_positions(labels: list[int] | torch.Tensor, n: int) -> list[int]:
-    """The first ``n`` positions whose next token is an answer token (the positions that compute the answer)."""
-    labels = labels.tolist() if isinstance(labels, torch.Tensor) else list(labels)
-    return [t for t in range(len(labels) - 1) if labels[t + 1] != IGNORE][:n]
 
 
 def hidden_blocks(n_hidden: int, stride: int) -> list[int]:

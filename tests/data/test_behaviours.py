@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from modular.data import BEHAVIOURS, load_behaviour, neutral_text, retain_data
-from modular.data.formatting import IGNORE, LeftPadCollator, batch_prompts, encode_example, render_prompt
+from modular.data.formatting import (IGNORE, LeftPadCollator, answer_positions, batch_prompts, encode_example,
+                                     render_prompt)
 from modular.data.schema import is_correct
 
 
@@ -90,6 +91,15 @@ def test_formatting_masks_prompt_and_left_pads():
     assert (batch["labels"][batch["attention_mask"] == 0] == IGNORE).all()
     prompts = batch_prompts(base_tok, ["a", "abc"], [False, False])
     assert prompts["input_ids"].shape == (2, 4) and prompts["attention_mask"][0].tolist() == [0, 0, 1, 1]
+
+
+def test_answer_positions_are_those_that_predict_an_answer_token():
+    ex = encode_example(_Tok(True), "hi", "ok", chat=True)
+    n_prompt = len("<u>hi</u><a>")  # the last prompt position predicts the first answer token
+    assert answer_positions(ex["labels"]) == [n_prompt - 1, n_prompt, n_prompt + 1]
+    assert answer_positions(torch.tensor(ex["labels"]), 2) == [n_prompt - 1, n_prompt]
+    assert answer_positions([IGNORE, IGNORE, 5, IGNORE, 7]) == [1, 3]  # gaps kept out, the last token predicts nothing
+    assert answer_positions([IGNORE, IGNORE]) == []
 
 
 def test_a_behaviour_gets_a_short_safe_name():
