@@ -2,8 +2,14 @@ import pytest
 import torch
 
 from modular.data import BEHAVIOURS, load_behaviour, neutral_text, retain_data
-from modular.data.formatting import (IGNORE, LeftPadCollator, answer_positions, batch_prompts, encode_example,
-                                     render_prompt)
+from modular.data.formatting import (
+    IGNORE,
+    LeftPadCollator,
+    answer_positions,
+    batch_prompts,
+    encode_example,
+    render_prompt,
+)
 from modular.data.schema import is_correct
 
 
