@@ -18,7 +18,8 @@ def tiny_config(tmp_path, model_dir, behaviours=("capitals",), extra_model=None,
     cfg = yaml.safe_load((ROOT / "configs" / "gate_capitals_smollm2.yaml").read_text())
     run = tmp_path / "run"
     cfg["model"].update({"model_name": str(model_dir), "behaviours": list(behaviours), **(extra_model or {})})
-    cfg["data"].update({"reference_max_new_tokens": 4, "batch_size": 4, "max_length": 96})
+    # a tiny model has 2 blocks: KeepHidden's cached residual stream at every block output
+    cfg["data"].update({"reference_max_new_tokens": 4, "batch_size": 4, "max_length": 96, "hidden_stride": 1})
     cfg["trainer"].update({"default_root_dir": str(run), "max_steps": 3, "val_check_interval": 3,
                            "limit_val_batches": 1, "log_every_n_steps": 1, "enable_progress_bar": False})
     cfg["trainer"]["callbacks"][0]["init_args"].update({"every_n_train_steps": 2})  # dirpath follows the run folder

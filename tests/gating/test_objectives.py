@@ -14,6 +14,7 @@ from modular.gating.data import NEIGHBOURS_KEY, TASK_PREFIX, GatingDataModule
 from modular.gating.losses import (
     direction_write_shortfall,
     first_token_kl,
+    hidden_drift,
     refusal_guard,
     token_ce,
     topk_kl,
@@ -30,12 +31,13 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 #: each training config's loss options as flat module options, before the terms became objects (the capitals
 #: configs have the refusal guard, guard_weight 1 at floor -3, and the write term, weight 10 at target 0.2, fading
 #: below a locked-state CE of 1; since, the neighbours' KeepReference of their own adds a CE on the reference's
-#: greedy first answer token, weight 1, which the flat options never had)
+#: greedy first answer token, weight 1, which the flat options never had; and the default capitals config keeps the
+#: neighbours' residual stream, KeepHidden weight 30, a term the flat options never had either)
 OLD = {
     "gate_capitals_smollm2.yaml": dict(retain_weight=1.0, retain_ce_weight=0.0, first_token_weight=1.0,
                                        write_weight=10.0, write_target=0.2, write_fade=1.0, guard_weight=1.0,
                                        guard_floor=-3.0, locked_objective="refusal", task_weight=1.0,
-                                       neighbour_first_ce_weight=1.0),
+                                       neighbour_first_ce_weight=1.0, neighbour_hidden_weight=30.0),
     "gate_capitals_lora_large.yaml": dict(retain_weight=1.0, retain_ce_weight=0.0, first_token_weight=1.0,
                                           write_weight=10.0, write_target=0.2, write_fade=1.0, guard_weight=1.0,
                                           guard_floor=-3.0, locked_objective="refusal", task_weight=1.0,
@@ -57,7 +59,9 @@ OLD = {
 _MODEL_KEYS = ("behaviours", "locked_weight", "finetuning", "lora_rank", "lora_alpha", "head_gates", "gate_init",
                "sparsity", "sparsity_weight", "lm_loss_target", "multiplier_lr", "multiplier_ema", "multiplier_init",
                "gate_freeze_step", "gate_scope", "gate_live_prob", "seed")
-_DATA_KEYS = ("locked_response", "neighbours", "lm_text", "tasks")
+_DATA_KEYS = ("locked_response", "neighbours", "lm_text", "tasks", "hidden_positions")
+#: the tiny test model has 2 blocks: the cached reference residual stream is taken at every block output
+_TINY_DATA = {"hidden_stride": 1}
 
 
 def _instantiate(spec: dict) -> Term:
@@ -90,6 +94,12 @@ def _old_loss(lm: GatedLM, batch: dict, old: dict) -> torch.Tensor:
                 logits[rows, idx], p["labels"][rows, idx + 1])
         return kl + old["retain_ce_weight"] * token_ce(logits, p["labels"])
 
+    def keep_hidden(p, ablated):  # the residual stream at the cached answer positions, ablated directions projected out
+        out = run(p, ablated, hidden=True)
+        drift = hidden_drift(out.hidden_states, p["labels"], p["ref_hidden"], p["ref_hidden_blocks"][0].tolist(),
+                             [lm.directions[j] for j in sorted(ablated)])
+        return out.logits, drift
+
     for i, b in enumerate(lm.behaviours):
         extra = set(every) - {i} if (k > 1 and i % 2 == 0) else set()
         out = run(batch[b]["open"], extra, hidden=bool(old["write_weight"]))
@@ -110,8 +120,10 @@ def _old_loss(lm: GatedLM, batch: dict, old: dict) -> torch.Tensor:
         if key not in batch:
             continue
         p = batch[key]
-        total = total + rw * keep(run(p["open"], set()).logits, p["open"], key)
-        total = total + rw * lam * keep(run(p["locked"], set(every)).logits, p["locked"], key)
+        hw = old.get("neighbour_hidden_weight", 0.0) if key == NEIGHBOURS_KEY else 0.0
+        for state, ablated, scale in (("open", set(), 1.0), ("locked", set(every), lam)):
+            logits, drift = keep_hidden(p[state], ablated) if hw else (run(p[state], ablated).logits, 0.0)
+            total = total + scale * (rw * keep(logits, p[state], key) + hw * drift)
         if old["guard_weight"] and "open_guard" in p:
             g = old["guard_weight"]
             total = total + g * refusal_guard(run(p["open_guard"], set()).logits, p["open_guard"]["labels"],
@@ -182,7 +194,8 @@ def test_every_config_keeps_its_loss_and_gradients(config, tmp_path, isolated_ca
     data = {k: cfg["data"][k] for k in _DATA_KEYS if k in cfg["data"]}
     dm = GatingDataModule(model_name=str(model_dir), behaviours=lm.behaviours, batch_size=4, max_length=64,
                           lm_max_length=32, reference_max_new_tokens=4, reference_top_k=8, neighbour_items=8,
-                          task_counterfactuals=lm.hparams.gate_scope == "tasks", seed=lm.hparams.seed, **data)
+                          task_counterfactuals=lm.hparams.gate_scope == "tasks", seed=lm.hparams.seed, **data,
+                          **_TINY_DATA)
     dm.setup("fit")
     if lm.behaviours:
         q, _ = torch.linalg.qr(torch.randn(lm.directions.shape[1], len(lm.behaviours)))
@@ -209,7 +222,7 @@ def test_open_and_locked_rows_share_one_forward_pass(tmp_path, isolated_cache):
                  locked_steering=0.0)
     dm = GatingDataModule(model_name=str(model_dir), behaviours=lm.behaviours, batch_size=4, max_length=64,
                           lm_max_length=32, reference_max_new_tokens=4, reference_top_k=8, neighbour_items=8,
-                          **{k: cfg["data"][k] for k in _DATA_KEYS if k in cfg["data"]})
+                          **{k: cfg["data"][k] for k in _DATA_KEYS if k in cfg["data"]}, **_TINY_DATA)
     dm.setup("fit")
 
     batch = _first_batch(lm, dm)
