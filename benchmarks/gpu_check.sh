@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU figures of docs/devices.md in one call (about 10 minutes on one H200):
+# The GPU figures of docs/devices.md in one script (about 25 minutes on one H100: each scale grid about 10, the training 3-4):
 #   1. benchmarks/scale.py on the three SmolLM2 shapes in bf16, at the default batch (8) and at 32;
 #   2. the default capitals config trained in bf16-mixed (the training's wall time is written to OUT/train_wall_s);
 #   3. its lock evaluation on the GPU.
