@@ -147,9 +147,11 @@ def hidden_cache_path(model_source: str, rows: list[list[int]], positions: int, 
 def compute_hidden_reference(model, tokenizer, records: list[dict], positions: int, stride: int,
                              batch_size: int = 16) -> dict:
     """The reference model's residual stream on each record (``input_ids``, ``labels``): ``hidden``, at its first
-    ``positions`` answer-computing positions and every ``stride``-th block output, ``(positions, blocks, d_model)``
-    float16, zero where a record has fewer positions; ``blocks``: those blocks' indices into ``hidden_states``
-    (batched, on the model's device)."""
+    ``positions`` answer-computing positions and every ``stride``-th block output, ``(positions, blocks, d_model)``,
+    zero where a record has fewer positions; ``blocks``: those blocks' indices into ``hidden_states`` (batched, on
+    the model's device). Stored in float16 (half of float32's size) when every value fits its range, else in the
+    dtype the reference ran in: a residual stream of some models (Gemma's) grows past float16's largest value.
+    """
     out, blocks = [], []
     for start in tqdm(range(0, len(records), batch_size), desc="reference hidden states", leave=False):
         chunk = records[start:start + batch_size]
@@ -163,9 +165,11 @@ def compute_hidden_reference(model, tokenizer, records: list[dict], positions: i
         stacked = torch.stack([hidden[b] for b in blocks], dim=2)  # (rows, tokens, blocks, d)
         for j, r in enumerate(chunk):
             pos = answer_positions(r["labels"], positions)
-            t = torch.zeros(positions, len(blocks), stacked.shape[-1], dtype=torch.float16)
-            t[:len(pos)] = stacked[j, pos].to("cpu", torch.float16)
+            t = torch.zeros(positions, len(blocks), stacked.shape[-1], dtype=stacked.dtype)
+            t[:len(pos)] = stacked[j, pos].cpu()
             out.append(t)
+    if out and max(t.abs().max().item() for t in out) <= torch.finfo(torch.float16).max:
+        out = [t.to(torch.float16) for t in out]
     return {"blocks": blocks, "hidden": out}
 
 
@@ -176,6 +180,8 @@ def load_or_compute_hidden(model_source: str, load_model, tokenizer, records: li
     rows = [list(map(int, r["input_ids"])) for r in records]
     path = hidden_cache_path(model_source, rows, positions, stride, precision=precision)
     if path.exists():
-        return torch.load(path, weights_only=False)
+        cached = torch.load(path, weights_only=False)
+        if all(torch.isfinite(t).all() for t in cached["hidden"]):  # a cache written before overflow was caught
+            return cached
     log.info("computing reference hidden states for %d prompts (cached in %s)", len(records), path)
     return _save_atomic(compute_hidden_reference(load_model(), tokenizer, records, positions, stride), path)

@@ -55,3 +55,34 @@ def test_the_cache_keeps_each_precision_apart(isolated_cache):
     again = load_or_compute(args[0], None, tok, *args[1:], precision="float32")
     assert torch.equal(again["records"][0]["first_logp"], full["records"][0]["first_logp"])
     assert not torch.equal(half["records"][0]["first_logp"], full["records"][0]["first_logp"])
+
+
+def test_hidden_states_past_float16s_range_are_kept_finite(isolated_cache):
+    """A residual stream larger than float16's largest value (Gemma's grows to about 1e5) is cached in the
+    reference's own dtype, value for value; one that fits is cached in float16. A cache holding infinities (written
+    before overflow was caught) is computed again."""
+    from modular.data.formatting import answer_positions
+    from modular.gating.reference import compute_hidden_reference, hidden_cache_path, load_or_compute_hidden
+
+    model, tok = make_tiny_model("llama"), make_tiny_tokenizer()
+    records = compute_reference(model, tok, PROMPTS, [True, False, True, False], max_new_tokens=4, top_k=2)["records"]
+    assert compute_hidden_reference(model, tok, records, 2, 1)["hidden"][0].dtype == torch.float16
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(1e7)
+    ref = compute_hidden_reference(model, tok, records, 2, 1)
+    assert ref["hidden"][0].dtype == torch.float32
+    for r, cached in zip(records, ref["hidden"], strict=True):
+        with torch.no_grad():
+            hidden = model(input_ids=torch.tensor([r["input_ids"]]), output_hidden_states=True).hidden_states
+        pos = answer_positions(r["labels"], 2)
+        expected = torch.stack([torch.stack([hidden[b][0, t] for b in ref["blocks"]]) for t in pos])
+        assert expected.abs().max() > torch.finfo(torch.float16).max
+        torch.testing.assert_close(cached[:len(pos)], expected, rtol=1e-5, atol=0)
+
+    rows = [list(map(int, r["input_ids"])) for r in records]
+    path = hidden_cache_path("tiny", rows, 2, 1, precision="float32")
+    path.parent.mkdir(parents=True)
+    torch.save({"blocks": ref["blocks"], "hidden": [t.to(torch.float16) for t in ref["hidden"]]}, path)
+    again = load_or_compute_hidden("tiny", lambda: model, tok, records, 2, 1, precision="float32")
+    assert all(torch.isfinite(t).all() for t in again["hidden"])
+    assert all(torch.isfinite(t).all() for t in torch.load(path, weights_only=False)["hidden"])
