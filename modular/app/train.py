@@ -12,6 +12,7 @@ training starts it checks that the checkpoint it would resume from can be read.
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import logging
 import os
@@ -30,8 +31,25 @@ from modular.data import load_jsonl, parse_behaviour
 from modular.data.behaviours import is_jsonl
 from modular.gating.data import GatingDataModule, check_data_options, training_data
 from modular.gating.module import GatedLM, check_model_options
+from modular.gating.objectives import KeepHidden, default_objectives
 from modular.runs import LAST_CHECKPOINT, WANDB_RUN_ID, read_checkpoint
 from modular.tracking import write_text
+
+
+def hidden_parts(objectives) -> list[str]:
+    """The batch parts whose reference hidden states the objectives (``model.objectives`` as parsed: class paths
+    and their arguments; ``None``: the defaults) read: every KeepHidden term's ``parts``, in their order. The data
+    module caches hidden states for these alone (``data.hidden_parts``)."""
+    if objectives is None:
+        found = [t.parts for t in default_objectives() if isinstance(t, KeepHidden)]
+    else:
+        found = [spec.init_args.parts for spec in objectives if issubclass(_term_class(spec.class_path), KeepHidden)]
+    return list(dict.fromkeys(p for parts in found for p in parts))
+
+
+def _term_class(class_path: str) -> type:
+    module, _, name = class_path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
 
 
 class GatingCLI(LightningCLI):
@@ -40,6 +58,7 @@ class GatingCLI(LightningCLI):
         parser.link_arguments("model.behaviours", "data.behaviours")
         parser.link_arguments("model.seed", "data.seed")
         parser.link_arguments("model.gate_scope", "data.task_counterfactuals", compute_fn=lambda s: s == "tasks")
+        parser.link_arguments("model.objectives", "data.hidden_parts", compute_fn=hidden_parts)
 
     def before_instantiate_classes(self) -> None:
         if self.subcommand != "fit":

@@ -166,6 +166,9 @@ def check_data_options(options) -> None:
         if value < low:
             why = " (each batch is split between the open and the locked state)" if option == "batch_size" else ""
             raise ModularError(f"data.{option} must be >= {low}{why}, got {value}")
+    unknown = sorted(set(options.get("hidden_parts", ())) - {"retain", NEIGHBOURS_KEY})
+    if unknown:
+        raise ModularError(f"data.hidden_parts: unknown part(s) {unknown} (known: retain, {NEIGHBOURS_KEY})")
 
 
 def training_data(name: str, data, batch_size: int) -> tuple:
@@ -224,6 +227,8 @@ class GatingDataModule(L.LightningDataModule):
             this many answer-computing positions (cached once, like the answers), for
             :class:`~modular.gating.objectives.KeepHidden`; 0: none.
         hidden_stride: Those hidden states are kept at every this many-th block output.
+        hidden_parts: Which items carry them (``retain``, ``neighbours``); ``modular train`` links it from
+            ``model.objectives``: the parts its KeepHidden terms read, none without one.
         num_workers: DataLoader workers.
         seed: Seed of the data generators and splits.
         task_counterfactuals: Task batches also carry each item's counterfactual prompt with the same target
@@ -248,6 +253,7 @@ class GatingDataModule(L.LightningDataModule):
         reference_top_k: int = 32,
         hidden_positions: int = 0,
         hidden_stride: int = 4,
+        hidden_parts: list[str] = ("retain", NEIGHBOURS_KEY),
         num_workers: int = 0,
         seed: int = 0,
         task_counterfactuals: bool = False,
@@ -365,6 +371,10 @@ class GatingDataModule(L.LightningDataModule):
             self._reference_precision_cache = dtype_name(load_dtype(self.hparams.model_name))
         return self._reference_precision_cache
 
+    def _keeps_hidden(self, part: str) -> bool:
+        """Whether ``part``'s items carry the reference's hidden states (``hidden_positions``, ``hidden_parts``)."""
+        return bool(self.hparams.hidden_positions) and part in self.hparams.hidden_parts
+
     def _hidden(self, records: list[dict]) -> dict:
         """The reference model's residual stream on reference records, cached
         (:func:`~modular.gating.reference.load_or_compute_hidden`)."""
@@ -401,10 +411,10 @@ class GatingDataModule(L.LightningDataModule):
         self._load()
         try:
             ref, neighbour_ref = self.reference(), self.neighbour_reference()
-            if self.hparams.hidden_positions:
+            if self._keeps_hidden("retain"):
                 self._hidden(ref["records"])
-                if neighbour_ref:
-                    self._hidden(neighbour_ref["records"])
+            if neighbour_ref and self._keeps_hidden(NEIGHBOURS_KEY):
+                self._hidden(neighbour_ref["records"])
             if self.hparams.lm_text:
                 self.lm_reference()
         finally:
@@ -432,10 +442,10 @@ class GatingDataModule(L.LightningDataModule):
         for i, ((_, split, r), rec) in enumerate(zip(raw, neighbour_ref["records"] if neighbour_ref else [])):
             neighbour_items.append(self._retain_item(rec, r, i))
             self.neighbour_rows[split].append(neighbour_items[-1])
-        if hp.hidden_positions:
+        if self._keeps_hidden("retain"):
             self._add_hidden(ref["records"], [it for s in ("train", "validation", "test") for it in self.retain_rows[s]])
-            if neighbour_ref:
-                self._add_hidden(neighbour_ref["records"], neighbour_items)
+        if neighbour_ref and self._keeps_hidden(NEIGHBOURS_KEY):
+            self._add_hidden(neighbour_ref["records"], neighbour_items)
         self.reference_first_logp = {
             s: torch.stack([ref["records"][offsets[s] + i]["first_logp"].float() for i in range(len(self.retain[s]))])
             for s in ("validation", "test")

@@ -508,7 +508,9 @@ class KeepHidden(Term):
     def loss_on(self, ctx, piece, logits, hidden):
         b = piece.batch
         if "ref_hidden" not in b:
-            raise ModularError("KeepHidden needs the reference's hidden states: set data.hidden_positions > 0")
+            part = piece.name.partition("/")[0]
+            raise ModularError(f"KeepHidden needs the reference's hidden states of {part}: set data.hidden_positions "
+                               f"> 0 and list {part} in data.hidden_parts")
         blocks = b["ref_hidden_blocks"][0].tolist()
         return hidden_drift(hidden, b["labels"], b["ref_hidden"], blocks,
                             [ctx.lm.directions[i] for i in sorted(piece.ablated)])

@@ -9,6 +9,7 @@ import pytest
 import torch
 import yaml
 
+from modular.gating.objectives import KeepHidden
 from tests.conftest import save_tiny_folder
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -95,11 +96,13 @@ def test_a_config_writing_into_another_folder_is_refused_before_anything_is_writ
     assert not run.exists()
 
 
-def test_gated_training_runs_checkpoints_and_resumes(tmp_path, tiny_env):
+def test_gated_training_runs_checkpoints_and_resumes(tmp_path, tiny_env, isolated_cache):
     model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
     cfg, run = tiny_config(tmp_path, model_dir, lock_args={"stop": False})  # trains to max_steps whatever the lock
     out = _train(cfg, env=tiny_env)
     assert out.returncode == 0, out.stderr[-3000:]
+    # the config's KeepHidden reads the neighbours' residual stream: theirs alone is cached, not the retain items'
+    assert len(list((isolated_cache / "reference").glob("hidden-*.pt"))) == 1
     record = json.loads((run / "run.json").read_text())
     assert record["global_step"] == 3 and record["behaviours"] == ["capitals"]
     assert "val/capitals/accuracy_locked" in record["metrics"]
@@ -483,3 +486,25 @@ def test_a_config_files_checkpoint_is_resumed_from(tmp_path):
     out = _train(config, "--print_config")
     assert out.returncode == 0, out.stderr[-2000:]
     assert yaml.safe_load(out.stdout)["ckpt_path"] == "last"
+
+
+def test_the_data_caches_hidden_states_for_the_parts_keep_hidden_terms_read():
+    """``data.hidden_parts`` is linked from ``model.objectives``: every KeepHidden term's parts (a subclass's
+    too), in order, once each; none without a KeepHidden term (the default objectives have none)."""
+    from jsonargparse import Namespace
+
+    from modular.app.train import hidden_parts
+
+    def spec(name, **args):
+        return Namespace(class_path=name if "." in name else f"modular.gating.objectives.{name}",
+                         init_args=Namespace(**args))
+
+    assert hidden_parts(None) == []
+    assert hidden_parts([spec("KeepReference", parts=["retain"])]) == []
+    assert hidden_parts([spec("KeepReference", parts=["retain"]), spec("KeepHidden", weight=1.0, parts=["neighbours"]),
+                         spec(f"{__name__}.MyHidden", weight=2.0, parts=["retain", "neighbours"])]) \
+        == ["neighbours", "retain"]
+
+
+class MyHidden(KeepHidden):
+    """A user's own term built on KeepHidden."""

@@ -355,3 +355,28 @@ def test_every_neighbour_and_retain_item_carries_its_own_reference_hidden_states
                           reference_max_new_tokens=3, max_length=64, hidden_positions=2, hidden_stride=8)
     with pytest.raises(ModularError, match="data.hidden_stride 8 takes no block output of a model with 2 blocks"):
         dm.setup("fit")
+
+
+@pytest.mark.parametrize("parts", [["neighbours"], []])
+def test_hidden_states_are_cached_for_the_listed_parts_alone(tmp_path, isolated_cache, parts):
+    """``hidden_parts`` names the items that carry the reference's hidden states (``modular train`` links it to the
+    parts KeepHidden terms read): the others carry none and no forward pass computes theirs."""
+    model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
+    dm = GatingDataModule(model_name=str(model_dir), behaviours=["capitals"], neighbours=["continents"],
+                          neighbour_items=6, batch_size=4, reference_max_new_tokens=3, max_length=64,
+                          hidden_positions=2, hidden_stride=1, hidden_parts=parts)
+    dm.prepare_data()
+    dm.setup("fit")
+    for part, rows in (("retain", dm.retain_rows), ("neighbours", dm.neighbour_rows)):
+        items = [it for s in ("train", "validation") for it in rows[s]]
+        assert items and all(("ref_hidden" in it) == (part in parts) for it in items), part
+    assert len(list((isolated_cache / "reference").glob("hidden-*.pt"))) == len(parts)
+
+
+def test_an_unknown_hidden_part_is_refused():
+    from modular.gating.data import check_data_options
+
+    options = dict(batch_size=4, max_length=64, lm_max_length=64, reference_max_new_tokens=4, reference_top_k=4,
+                   num_workers=0, neighbour_items=4, hidden_positions=2, hidden_stride=1, hidden_parts=["retian"])
+    with pytest.raises(ModularError, match=r"data.hidden_parts: unknown part\(s\) \['retian'\]"):
+        check_data_options(options)

@@ -517,5 +517,6 @@ def test_keep_hidden_needs_the_cached_hidden_states(tmp_path, isolated_cache):
 
     model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
     lm, batch = _capitals_step(model_dir, [KeepReference(parts=["retain"]), KeepHidden(parts=["retain"])])
-    with pytest.raises(ModularError, match="KeepHidden needs the reference's hidden states: set data.hidden_positions"):
+    with pytest.raises(ModularError, match="KeepHidden needs the reference's hidden states of retain: set data.hidden_positions > 0 and list "
+                                         "retain in data.hidden_parts"):
         lm.model_step(batch, train=False)
