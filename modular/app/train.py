@@ -12,7 +12,6 @@ training starts it checks that the checkpoint it would resume from can be read.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import logging
 import os
@@ -31,25 +30,17 @@ from modular.data import load_jsonl, parse_behaviour
 from modular.data.behaviours import is_jsonl
 from modular.gating.data import GatingDataModule, check_data_options, training_data
 from modular.gating.module import GatedLM, check_model_options
-from modular.gating.objectives import KeepHidden, default_objectives
+from modular.gating.objectives import build_objectives, default_objectives
+from modular.gating.objectives import hidden_parts as objective_hidden_parts
 from modular.runs import LAST_CHECKPOINT, WANDB_RUN_ID, read_checkpoint
 from modular.tracking import write_text
 
 
 def hidden_parts(objectives) -> list[str]:
-    """The batch parts whose reference hidden states the objectives (``model.objectives`` as parsed: class paths
-    and their arguments; ``None``: the defaults) read: every KeepHidden term's ``parts``, in their order. The data
-    module caches hidden states for these alone (``data.hidden_parts``)."""
-    if objectives is None:
-        found = [t.parts for t in default_objectives() if isinstance(t, KeepHidden)]
-    else:
-        found = [spec.init_args.parts for spec in objectives if issubclass(_term_class(spec.class_path), KeepHidden)]
-    return list(dict.fromkeys(p for parts in found for p in parts))
-
-
-def _term_class(class_path: str) -> type:
-    module, _, name = class_path.rpartition(".")
-    return getattr(importlib.import_module(module), name)
+    """The batch parts whose reference hidden states ``model.objectives`` (as parsed; ``None``: the defaults) read
+    (:func:`~modular.gating.objectives.hidden_parts`): the data module caches hidden states for these alone
+    (``data.hidden_parts``)."""
+    return objective_hidden_parts(default_objectives() if objectives is None else build_objectives(objectives))
 
 
 class GatingCLI(LightningCLI):

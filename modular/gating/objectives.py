@@ -668,14 +668,15 @@ class ClosedAttribution(HeadTaskTerm):
         return {"tasks/closed_attribution": ctx.lm._closed_attribution(merged, group["cf_inputs"])}
 
 
-def check_objectives(specs) -> None:
-    """Build every term of ``model.objectives`` as the config names them (``class_path``, ``init_args``) and
-    drop them: a bad option is one line (:class:`~modular.ModularError`) before the module loads anything."""
-
+def build_objectives(specs) -> list[Term]:
+    """The terms of ``model.objectives`` as the config names them (``class_path``, ``init_args``; a parsed config's
+    Namespaces or dicts; built terms are kept): a bad option is one line (:class:`~modular.ModularError`)."""
+    terms = []
     for spec in specs or []:
         if hasattr(spec, "as_dict"):  # a parsed config's Namespace
             spec = spec.as_dict()
         if isinstance(spec, Term):
+            terms.append(spec)
             continue
         path = spec.get("class_path", "") if isinstance(spec, dict) else spec
         module, _, name = str(path).rpartition(".")
@@ -685,7 +686,20 @@ def check_objectives(specs) -> None:
             raise ModularError(f"model.objectives: no class {path!r}") from None
         if not (isinstance(cls, type) and issubclass(cls, Term)):
             raise ModularError(f"model.objectives: {path} is not a modular.gating.objectives.Term")
-        cls(**((spec.get("init_args") if isinstance(spec, dict) else None) or {}))
+        terms.append(cls(**((spec.get("init_args") if isinstance(spec, dict) else None) or {})))
+    return terms
+
+
+def check_objectives(specs) -> None:
+    """Build every term of ``model.objectives`` (:func:`build_objectives`) and drop them: a bad option is one line
+    before the module loads anything."""
+    build_objectives(specs)
+
+
+def hidden_parts(terms: list[Term]) -> list[str]:
+    """The batch parts whose reference hidden states ``terms`` read: every :class:`KeepHidden` term's ``parts``, in
+    their order, once each."""
+    return list(dict.fromkeys(p for t in terms if isinstance(t, KeepHidden) for p in t.parts))
 
 
 def default_objectives() -> list[Term]:
