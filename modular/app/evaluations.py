@@ -155,7 +155,8 @@ def attack(model: str, behaviours: list[str] | None = None, alphas: list[float] 
     examples over a sweep (modes × learning rates × N × seeds), (d) fine-tune on neutral text only; the same
     relearning sweep on baselines trained from the same base (a plain refusal fine-tune, and the base itself).
     Headline: the worst case over the sweep, the fewest steps to 50% / 90% of the open accuracy on held-out items.
-    Writes attack.json beside attack.png.
+    Writes attack.json beside attack.png. What is measured is saved as it comes (attack.partial.json, removed at the
+    end): an attack cut short and started again with the same options on the same weights measures only the rest.
 
     Args:
         model: A published folder (from ``modular publish``).
@@ -200,6 +201,12 @@ def attack(model: str, behaviours: list[str] | None = None, alphas: list[float] 
     retain = retain_data(seed)
     neutral_texts = list(neutral_text(seed)["train"]["text"])
     out_dir = output_folder(out, "attack", str(folder))
+    identity = {"model": str(folder.resolve()), "weights_hash": manifest.get("weights_hash"), "base": base_name,
+                "dtype": dtype_name(model_dtype(locked)), "behaviours": sources, "alphas": list(alphas),
+                "n_pairs": n_pairs, "n_examples": list(n_examples), "seeds": list(seeds), "modes": list(relearn_modes),
+                "lrs": lrs, "relearn_steps": relearn_steps, "prune": prune, "refusal_steps": refusal_steps,
+                "refusal_lr": refusal_lr, "limit": limit, "seed": seed}
+    progress = _AttackProgress(out_dir / "attack.partial.json", identity)
     report = {"model": str(folder), "base": base_name, "dtype": dtype_name(model_dtype(locked)),
               "sweep": {"modes": list(relearn_modes), "lrs": {m: lrs[m] for m in relearn_modes},
                         "n_examples": list(n_examples), "seeds": list(seeds), "max_steps": relearn_steps, "pruned": prune,
@@ -209,15 +216,18 @@ def attack(model: str, behaviours: list[str] | None = None, alphas: list[float] 
         data = load_behaviour(source, seed=seed, tokenizer=tokenizer)
         test = data["test"] if limit is None else data["test"].select(range(min(limit, len(data["test"]))))
         refuse = (refusals.get(b, DEFAULT_LOCKED_RESPONSE),)
-        base_acc = evaluate_behaviour(base, tokenizer, test, batch_size=batch_size, desc="base",
-                                      refusals=refuse).accuracy
-        locked_acc = evaluate_behaviour(locked, tokenizer, test, batch_size=batch_size, desc="locked",
-                                        refusals=refuse).accuracy
+        part = partial(progress.part, b)  # each part measured once, also over a restart
+        base_acc = part("base_accuracy", _accuracy, base, tokenizer, test, batch_size=batch_size, desc="base",
+                        refusals=refuse)
+        locked_acc = part("locked_accuracy", _accuracy, locked, tokenizer, test, batch_size=batch_size, desc="locked",
+                          refusals=refuse)
         open_acc = manifest.get("measured_accuracy", {}).get("open", {}).get(b, base_acc)
-        scale = residual_scale(locked, tokenizer, retain["train"]["prompt"], retain["train"]["chat"])
-        a = weight_attack(locked, tokenizer, test, list(alphas), scale, refusals=refuse, batch_size=batch_size)
-        s = steering_attack(locked, tokenizer, data["train"], retain["train"], test, list(alphas), scale, n_pairs,
-                            refusals=refuse, batch_size=batch_size)
+        scale = part("residual_scale", residual_scale, locked, tokenizer, retain["train"]["prompt"],
+                     retain["train"]["chat"])
+        a = part("a_weights", weight_attack, locked, tokenizer, test, list(alphas), scale, refusals=refuse,
+                 batch_size=batch_size)
+        s = part("b_steering", steering_attack, locked, tokenizer, data["train"], retain["train"], test, list(alphas),
+                 scale, n_pairs, refusals=refuse, batch_size=batch_size)
 
         def rows_for(setting, train=data["train"]):
             if setting.data == "neutral":
@@ -225,11 +235,11 @@ def attack(model: str, behaviours: list[str] | None = None, alphas: list[float] 
                                                                                min(setting.n, len(neutral_texts))))
             return example_rows(tokenizer, train.shuffle(seed=setting.seed).select(range(min(setting.n, len(train)))))
 
-        kw = dict(max_steps=relearn_steps, prune=prune, eval_batch_size=batch_size, refusals=refuse)
-        relearn = partial(run_sweep, tokenizer=tokenizer, rows_for=rows_for, test=test, settings=settings_c,
-                          reference=open_acc, **kw)
-        c = relearn(locked, start=locked_acc)
-        d = run_sweep(locked, tokenizer, rows_for, test, settings_d, open_acc, locked_acc, **kw)
+        relearn = partial(progress.run_sweep, b, tokenizer=tokenizer, rows_for=rows_for, test=test,
+                          settings=settings_c, reference=open_acc, max_steps=relearn_steps, prune=prune,
+                          eval_batch_size=batch_size, refusals=refuse)
+        c = relearn("c_relearning", locked, start=locked_acc)
+        d = relearn("d_neutral", locked, start=locked_acc, settings=settings_d)
         entry = {
             "base_accuracy": base_acc, "open_accuracy": open_acc, "locked_accuracy": locked_acc,
             "residual_scale": scale,
@@ -239,7 +249,8 @@ def attack(model: str, behaviours: list[str] | None = None, alphas: list[float] 
         }
         for name in baselines:
             entry["baselines"][name] = _baseline(name, base, tokenizer, data["train"], retain, test, refuse[0],
-                                                 base_acc, refusal_steps, refusal_lr, seed, batch_size, relearn)
+                                                 base_acc, refusal_steps, refusal_lr, seed, batch_size,
+                                                 partial(relearn, f"{name}/c_relearning"))
             entry["baselines"][name]["cost_ratio"] = {
                 k: cost_ratio(c["worst_case"], entry["baselines"][name]["c_relearning"]["worst_case"], k)
                 for k in ("steps_to_50pct_open", "steps_to_90pct_open")}
@@ -255,14 +266,72 @@ def attack(model: str, behaviours: list[str] | None = None, alphas: list[float] 
                      v["start_accuracy"], _steps(v["c_relearning"]["worst_case"]["steps_to_50pct_open"]),
                      _steps(v["c_relearning"]["worst_case"]["steps_to_90pct_open"]))
     write_json(out_dir / "attack.json", report)
+    progress.finish()
     fig = plot_attack(report, out_dir / "attack.png")
     log_to_wandb(out_dir, "evaluate-attack", report, config={"model": str(folder)}, figures={"attack": fig})
     log.info("wrote %s and %s", out_dir / "attack.json", fig)
     return report
 
 
+def _accuracy(model, tokenizer, test, **kw) -> float:
+    return evaluate_behaviour(model, tokenizer, test, **kw).accuracy
+
+
 def _steps(w: dict) -> str:
     return str(w["steps"]) if w["steps"] is not None else f"none within {w['more_than']}"
+
+
+class _AttackProgress:
+    """What an attack has measured so far, kept in ``path`` (rewritten atomically after each part and each
+    relearning setting) with the options and weights it measured (``identity``), so that an attack cut short and
+    started again on the same ones takes it over instead of measuring it again. A file of other options or weights
+    is replaced."""
+
+    def __init__(self, path: Path, identity: dict):
+        self.path = path
+        identity = json.loads(json.dumps(identity))  # as it reads back
+        self.data = {"identity": identity, "behaviours": {}}
+        try:
+            old = json.loads(path.read_text()) if path.is_file() else None
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            old = None
+        if old is not None and old.get("identity") == identity:
+            self.data = old
+            b = old.get("behaviours", {}).values()
+            log.info("resuming the attack cut short in %s: %d parts and %d relearning settings already measured",
+                     path, sum(len(v.get("parts", {})) for v in b),
+                     sum(len(w["settings"]) for v in b for w in v.get("sweeps", {}).values()))
+        elif path.is_file():
+            log.info("%s holds an attack of other options or weights: measuring afresh", path)
+
+    def _behaviour(self, b: str) -> dict:
+        return self.data["behaviours"].setdefault(b, {"parts": {}, "sweeps": {}})
+
+    def part(self, b: str, key: str, compute, *args, **kwargs):
+        """``compute(*args, **kwargs)``, the part ``key`` of behaviour ``b``, measured once."""
+        parts = self._behaviour(b)["parts"]
+        if key not in parts:
+            parts[key] = compute(*args, **kwargs)
+            write_json(self.path, self.data)
+        return parts[key]
+
+    def run_sweep(self, b: str, name: str, model, start: float, **kw) -> dict:
+        """:func:`run_sweep` of ``model`` (its own accuracy ``start``) as the sweep ``name`` of behaviour ``b``:
+        the settings saved for it are taken over, each new one saved as it is measured. A sweep saved for a model
+        that started elsewhere (a baseline trained again to another result) is measured afresh."""
+        sweeps = self._behaviour(b)["sweeps"]
+        if sweeps.get(name, {}).get("start") != start:
+            sweeps[name] = {"start": start, "settings": {}}
+        kept = sweeps[name]["settings"]
+
+        def on_result(r: dict) -> None:
+            kept[r["label"]] = r
+            write_json(self.path, self.data)
+
+        return run_sweep(model, start=start, done=dict(kept), on_result=on_result, **kw)
+
+    def finish(self) -> None:
+        self.path.unlink(missing_ok=True)
 
 
 def _baseline(name: str, base, tokenizer, behaviour_train, retain, test, locked_response: str, base_acc: float,

@@ -13,6 +13,7 @@ steps it took to reach 50%, 90% and 100% of a reference accuracy (the open model
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -176,19 +177,29 @@ def worst_case(results: list[dict], max_steps: int) -> dict:
 
 
 def run_sweep(model, tokenizer, rows_for, test, settings: list[Setting], reference: float, start: float,
-              max_steps: int = 40, prune: bool = False, **kw) -> dict:
+              max_steps: int = 40, prune: bool = False, done: dict[str, dict] | None = None,
+              on_result: Callable[[dict], None] | None = None, **kw) -> dict:
     """:func:`recovery_curve` for every setting (``rows_for(setting)``: its training rows) and the worst case.
 
     ``prune``: once some setting has reached 90% of ``reference`` at step ``k``, run the others for ``k`` steps at
     most (highest learning rates first). The worst-case steps to 50% and 90% are the same as without pruning (a
     later hit cannot lower them); the curves of the other settings stop at ``k`` (``budget`` in each result), and
-    the steps to 100% are only a minimum where they are at most ``k`` (else a ``note`` says so)."""
+    the steps to 100% are only a minimum where they are at most ``k`` (else a ``note`` says so).
+
+    ``done``: results of an earlier run of this sweep on the same model cut short (setting label → result), taken
+    over where their step budget is the one the setting gets now instead of being measured again;
+    ``on_result(result)`` is called with each result measured here, as soon as it is (to save progress)."""
     if prune:
         settings = sorted(settings, key=lambda s: -s.lr)
     results, bound = [], max_steps
     for s in tqdm(settings, desc="relearning sweep", leave=False):
-        r = recovery_curve(model, tokenizer, rows_for(s), test, s, reference, start, bound, **kw)
-        results.append({**r, "budget": bound})
+        r = (done or {}).get(s.label)
+        if r is None or r.get("budget") != bound:
+            r = {**recovery_curve(model, tokenizer, rows_for(s), test, s, reference, start, bound, **kw),
+                 "budget": bound}
+            if on_result is not None:
+                on_result(r)
+        results.append(r)
         if prune and r["steps_to_90pct_open"] is not None:
             bound = max(min(bound, r["steps_to_90pct_open"]), 1)
     worst = worst_case(results, max_steps)

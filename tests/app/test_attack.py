@@ -167,3 +167,65 @@ def test_quantized_int4_group_size(tmp_path, monkeypatch):
         out = tmp_path / "bad"
         assert main(args[:-2] + bad + ["--out", str(out)]) != 0
         assert not out.exists()
+
+
+def test_an_attack_cut_short_resumes_where_it_stopped(tmp_path, monkeypatch, caplog):
+    """An attack killed mid-sweep leaves what it measured in attack.partial.json (no attack.json); started again
+    with the same options it trains only the settings still missing and writes the report an uncut run writes,
+    then removes the partial file; with other options it measures everything afresh."""
+    import json
+
+    import modular.evaluation.relearning as relearning
+    from modular.app.cli import main
+
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    base, pub = _tiny_release(tmp_path, seed=1)
+    args = ["attack", "--model", str(pub), "--base", str(base), "--alphas", "[1]", "--n_pairs", "2",
+            "--n_examples", "[2]", "--seeds", "[0]", "--full_lrs", "[1e-3]", "--lora_lrs", "[1e-2]",
+            "--relearn_steps", "2", "--baselines", "[refusal]", "--refusal_steps", "1", "--limit", "2"]
+    real, trained = relearning.recovery_curve, []
+
+    def counted(model, tokenizer, rows, test, setting, *a, **kw):
+        if len(trained) == stop_at:
+            raise KeyboardInterrupt  # the job is killed here
+        trained.append(setting.label)
+        return real(model, tokenizer, rows, test, setting, *a, **kw)
+
+    monkeypatch.setattr(relearning, "recovery_curve", counted)
+    stop_at = None
+    assert main([*args, "--out", str(tmp_path / "whole")]) == 0
+    whole = json.loads((tmp_path / "whole" / "attack.json").read_text())
+    assert len(trained) == 6 and not (tmp_path / "whole" / "attack.partial.json").exists()  # (c), (d), refusal (c)
+    order = list(trained)
+
+    out = tmp_path / "cut"
+    trained.clear()
+    stop_at = 3
+    with pytest.raises(KeyboardInterrupt):
+        main([*args, "--out", str(out)])
+    assert not (out / "attack.json").exists()
+    saved = json.loads((out / "attack.partial.json").read_text())["behaviours"]["capitals"]
+    assert set(saved["parts"]) == {"base_accuracy", "locked_accuracy", "residual_scale", "a_weights", "b_steering"}
+    assert {k: len(v["settings"]) for k, v in saved["sweeps"].items()} == {"c_relearning": 2, "d_neutral": 1}
+
+    assert trained == order[:3]
+    stop_at = None
+    trained.clear()
+    with caplog.at_level("INFO", logger="modular"):
+        assert main([*args, "--out", str(out)]) == 0
+    assert "resuming the attack cut short" in caplog.text and "5 parts and 3 relearning settings" in caplog.text
+    assert trained == order[3:]  # the rest only: (d)'s second setting, the refusal baseline's sweep
+    assert json.loads((out / "attack.json").read_text()) == whole
+    assert not (out / "attack.partial.json").exists()
+
+    # other options: nothing taken over
+    trained.clear()
+    stop_at = 1
+    with pytest.raises(KeyboardInterrupt):
+        main([*args, "--out", str(out)])
+    stop_at = None
+    trained.clear()
+    caplog.clear()
+    with caplog.at_level("INFO", logger="modular"):
+        assert main([*args[:-1], "1", "--out", str(out)]) == 0  # --limit 1
+    assert "measuring afresh" in caplog.text and len(trained) == 6

@@ -131,6 +131,36 @@ def test_pruning_keeps_the_worst_case_and_shortens_the_other_settings(monkeypatc
         "steps_to_100pct_open"]  # reached at 3 > the budget of 2: a slower setting may not have been seen
 
 
+def test_a_sweep_takes_over_what_was_measured_at_the_same_budget_and_reports_what_it_measures(monkeypatch):
+    """A sweep cut short and run again: settings in ``done`` with the budget they get now are not trained again,
+    one measured at another budget is; ``on_result`` sees each new result as it comes; the report is the same as
+    an uninterrupted sweep's."""
+    model, tok = make_tiny_model("llama"), make_tiny_tokenizer()
+    rows = example_rows(tok, _rows(4))
+    script = {1e-3: [0.2, 0.56, 0.6], 1e-4: [0.1, 0.3, 0.4], 1e-5: [0.1, 0.2, 0.3]}  # 90% of 0.6 at step 2 (1e-3)
+    settings = [Setting("behaviour", "full", lr, 4, 0) for lr in (1e-5, 1e-4, 1e-3)]
+    kw = dict(max_steps=3, prune=True)
+    calls = _scripted(monkeypatch, script)
+    seen = []
+    whole = run_sweep(model, tok, lambda s: rows, None, settings, 0.6, 0.0, on_result=seen.append, **kw)
+    assert [r["lr"] for r in seen] == [1e-3, 1e-4, 1e-5] and seen == whole["settings"]
+    assert [r["budget"] for r in seen] == [3, 2, 2]
+
+    # cut short after the first two settings: the third alone is trained again
+    done = {r["label"]: r for r in whole["settings"][:2]}
+    calls = _scripted(monkeypatch, script)
+    seen = []
+    again = run_sweep(model, tok, lambda s: rows, None, settings, 0.6, 0.0, done=done, on_result=seen.append, **kw)
+    assert set(calls) == {1e-5} and [r["lr"] for r in seen] == [1e-5]
+    assert again == whole
+
+    # a result saved at another step budget (another sweep's pruning) is measured again
+    stale = {**done, settings[0].label: {**whole["settings"][2], "budget": 3}}
+    calls = _scripted(monkeypatch, script)
+    again = run_sweep(model, tok, lambda s: rows, None, settings, 0.6, 0.0, done=stale, **kw)
+    assert set(calls) == {1e-5} and again == whole
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "olmo2"])
 def test_attacker_copies_train_what_their_mode_says_and_leave_the_model_alone(arch):
     model, tok = make_tiny_model(arch), make_tiny_tokenizer()
