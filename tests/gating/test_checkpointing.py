@@ -6,6 +6,7 @@ import torch
 
 from modular import ModularError
 from modular.gating.module import GatedLM
+from modular.gating.objectives import BehaviourAnswer, KeepHidden, KeepReference, LockedState
 from tests.conftest import save_tiny_folder
 from tests.gating.test_objectives import _capitals_step
 
@@ -22,10 +23,17 @@ def _step(model_dir, **options):
 
 
 @pytest.mark.parametrize("finetuning", ["full", "lora"])
-def test_checkpointed_step_has_the_same_loss_and_gradients(tmp_path, isolated_cache, finetuning):
+@pytest.mark.parametrize("keep_hidden", [False, True])
+def test_checkpointed_step_has_the_same_loss_and_gradients(tmp_path, isolated_cache, finetuning, keep_hidden):
+    """Also with KeepHidden, whose gradient reaches the recomputed blocks' outputs directly (the large config has it)."""
     model_dir = save_tiny_folder(tmp_path / "tiny", "qwen2")
-    loss, grads = _step(model_dir, finetuning=finetuning)
-    loss_ckpt, grads_ckpt = _step(model_dir, finetuning=finetuning, gradient_checkpointing=True)
+    kw = dict(finetuning=finetuning)
+    if keep_hidden:
+        kw.update(objectives=[BehaviourAnswer(), LockedState(), KeepReference(parts=["retain"]),
+                              KeepHidden(weight=30.0, parts=["retain"])],
+                  data=dict(hidden_positions=3, hidden_stride=1, hidden_parts=["retain"]))
+    loss, grads = _step(model_dir, **kw)
+    loss_ckpt, grads_ckpt = _step(model_dir, gradient_checkpointing=True, **kw)
     assert loss_ckpt == pytest.approx(loss, rel=1e-6)
     assert set(grads) == set(grads_ckpt) and grads
     for name in grads:

@@ -31,7 +31,7 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 #: each training config's loss options as flat module options, before the terms became objects (the capitals
 #: configs have the refusal guard, guard_weight 1 at floor -3, and the write term, weight 10 at target 0.2, fading
 #: below a locked-state CE of 1; since, the neighbours' KeepReference of their own adds a CE on the reference's
-#: greedy first answer token, weight 1, which the flat options never had; and the default capitals config keeps the
+#: greedy first answer token, weight 1, which the flat options never had; and both capitals configs keep the
 #: neighbours' residual stream, KeepHidden weight 30, a term the flat options never had either)
 OLD = {
     "gate_capitals_smollm2.yaml": dict(retain_weight=1.0, retain_ce_weight=0.0, first_token_weight=1.0,
@@ -41,7 +41,7 @@ OLD = {
     "gate_capitals_lora_large.yaml": dict(retain_weight=1.0, retain_ce_weight=0.0, first_token_weight=1.0,
                                           write_weight=10.0, write_target=0.2, write_fade=1.0, guard_weight=1.0,
                                           guard_floor=-3.0, locked_objective="refusal", task_weight=1.0,
-                                          neighbour_first_ce_weight=1.0),
+                                          neighbour_first_ce_weight=1.0, neighbour_hidden_weight=30.0),
     "gate_ioi_smollm2.yaml": dict(retain_weight=1.0, retain_ce_weight=0.0, first_token_weight=1.0, write_weight=0.0,
                                   guard_weight=0.0, locked_objective="refusal", task_weight=1.0),
     "gate_two_smollm2.yaml": dict(retain_weight=1.0, retain_ce_weight=0.0, first_token_weight=1.0, write_weight=0.0,
@@ -253,13 +253,13 @@ def test_a_module_refuses_what_is_not_a_term(tmp_path):
         GatedLM(model_name=str(model_dir), objectives=[LockedState(objective="forget")])
 
 
-def _capitals_step(model_dir, objectives: list[Term] | None = None, **options):
-    """A capitals module with ``objectives`` (and module ``options``) on a tiny model, wired to its data module, and
-    one training batch."""
+def _capitals_step(model_dir, objectives: list[Term] | None = None, data: dict | None = None, **options):
+    """A capitals module with ``objectives`` (and module ``options``) on a tiny model, wired to its data module (and
+    its ``data`` options), and one training batch."""
     lm = GatedLM(model_name=str(model_dir), behaviours=["capitals"], locked_steering=0.0, objectives=objectives,
                  **options)
     dm = GatingDataModule(model_name=str(model_dir), behaviours=["capitals"], batch_size=4, max_length=64,
-                          reference_max_new_tokens=4, reference_top_k=8, neighbours=[])
+                          reference_max_new_tokens=4, reference_top_k=8, neighbours=[], **(data or {}))
     dm.setup("fit")
 
     class _Trainer:  # model_step reads the tokenizer's pad id from the trainer's data module
