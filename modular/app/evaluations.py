@@ -201,17 +201,16 @@ def attack(model: str, behaviours: list[str] | None = None, alphas: list[float] 
     retain = retain_data(seed)
     neutral_texts = list(neutral_text(seed)["train"]["text"])
     out_dir = output_folder(out, "attack", str(folder))
-    identity = {"model": str(folder.resolve()), "weights_hash": manifest.get("weights_hash"), "base": base_name,
-                "dtype": dtype_name(model_dtype(locked)), "behaviours": sources, "alphas": list(alphas),
-                "n_pairs": n_pairs, "n_examples": list(n_examples), "seeds": list(seeds), "modes": list(relearn_modes),
-                "lrs": lrs, "relearn_steps": relearn_steps, "prune": prune, "refusal_steps": refusal_steps,
-                "refusal_lr": refusal_lr, "limit": limit, "seed": seed}
-    progress = _AttackProgress(out_dir / "attack.partial.json", identity)
     report = {"model": str(folder), "base": base_name, "dtype": dtype_name(model_dtype(locked)),
               "sweep": {"modes": list(relearn_modes), "lrs": {m: lrs[m] for m in relearn_modes},
                         "n_examples": list(n_examples), "seeds": list(seeds), "max_steps": relearn_steps, "pruned": prune,
                         "batch_size": 8, "eval_steps": eval_steps(relearn_steps)},
               "behaviours": {}}
+    identity = {**{k: report[k] for k in ("base", "dtype", "sweep")}, "model": str(folder.resolve()),
+                "weights_hash": manifest.get("weights_hash"), "behaviours": sources, "alphas": list(alphas),
+                "n_pairs": n_pairs, "refusal_steps": refusal_steps, "refusal_lr": refusal_lr, "limit": limit,
+                "seed": seed}
+    progress = _AttackProgress(out_dir / "attack.partial.json", identity)
     for b, source in sources.items():
         data = load_behaviour(source, seed=seed, tokenizer=tokenizer)
         test = data["test"] if limit is None else data["test"].select(range(min(limit, len(data["test"]))))

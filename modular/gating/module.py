@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from modular import ModularError
 from modular.data.formatting import IGNORE
 from modular.gating.losses import response_margins
-from modular.gating.objectives import HeadTaskTerm, Piece, StepContext, Term, check_objectives, default_objectives
+from modular.gating.objectives import HeadTaskTerm, Piece, StepContext, Term, build_objectives, default_objectives
 from modular.heads.gates import deterministic_gate_values, head_gate_scope
 from modular.hooks import ablate_directions, ablate_rows, add_vectors, capture_head_inputs, enable_checkpointing
 from modular.models.adapter import ArchitectureAdapter
@@ -84,7 +84,7 @@ def check_model_options(options) -> None:
         value = options.get(option)
         if value is not None and (value < low if inclusive else value <= low):
             raise ModularError(f"model.{option} must be {'>=' if inclusive else '>'} {low:g}, got {value}")
-    check_objectives(options.get("objectives"))
+    build_objectives(options.get("objectives"))  # a bad term option: one line, before anything loads
     if not 0.0 < options["direction_fraction"] <= 1.0:
         raise ModularError(f"model.direction_fraction must be in (0, 1], got {options['direction_fraction']}")
     if not 0.0 <= options["multiplier_ema"] < 1.0:

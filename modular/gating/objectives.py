@@ -690,12 +690,6 @@ def build_objectives(specs) -> list[Term]:
     return terms
 
 
-def check_objectives(specs) -> None:
-    """Build every term of ``model.objectives`` (:func:`build_objectives`) and drop them: a bad option is one line
-    before the module loads anything."""
-    build_objectives(specs)
-
-
 def hidden_parts(terms: list[Term]) -> list[str]:
     """The batch parts whose reference hidden states ``terms`` read: every :class:`KeepHidden` term's ``parts``, in
     their order, once each."""
