@@ -21,6 +21,9 @@ LOSS_TOL = 5e-3
 #: trained weights of two processes against one: within 1.2e-4 measured (lr 2e-5, 5 AdamW steps: entries whose
 #: gradient is near 0 may take the other sign, one lr per step)
 WEIGHT_TOL = 2 * STEPS * 2e-5
+#: DDP against FSDP on the same rows: float rounding alone, a few float32 units at the loss's scale (the default
+#: config's KeepHidden, weight 30, makes the loss about 22, where one unit is 1.9e-6: two units apart measured)
+SAME_STEP_REL = 5e-7
 FSDP = ["--config", str(ROOT / "configs" / "strategy_fsdp.yaml"), "--trainer.precision", "32-true"]
 STRATEGIES = {
     "one": ["--trainer.strategy", "ddp", "--trainer.devices", "1", "--data.batch_size", "4"],
@@ -101,7 +104,7 @@ def test_two_processes_reach_the_losses_of_one(runs, strategy):
 def test_ddp_and_fsdp_compute_the_same_steps(runs):
     """Sharding changes where the parameters live, not what a step computes: the same losses and weights as DDP
     (the ablation, steering and capture hooks found and acted on their modules inside the sharded blocks)."""
-    assert runs["ddp"]["records"][0]["losses"] == pytest.approx(runs["fsdp"]["records"][0]["losses"], abs=1e-6)
+    assert runs["ddp"]["records"][0]["losses"] == pytest.approx(runs["fsdp"]["records"][0]["losses"], rel=SAME_STEP_REL)
     assert (runs["fsdp"]["run"] / "last.ckpt").is_dir()  # a folder of shards, read whole
     w1, w2 = _weights(runs["ddp"]["run"]), _weights(runs["fsdp"]["run"])
     assert max((w1[k] - w2[k]).abs().max().item() for k in w1) <= 1e-6
@@ -206,7 +209,7 @@ def test_fsdp_matches_ddp_with_post_norms_and_head_gates(tmp_path, arch, extra_m
         records = _records(tmp_path / name)
         assert all(torch.equal(records[0]["steering"][b], records[1]["steering"][b]) for b in records[0]["steering"])
         losses[name] = records[0]["losses"]
-    assert losses["ddp"] == pytest.approx(losses["fsdp"], abs=1e-6)
+    assert losses["ddp"] == pytest.approx(losses["fsdp"], rel=SAME_STEP_REL)
     if extra_model.get("head_gates"):
         assert any(".head_gate." in k for k in weights["fsdp"])
     assert max((weights["ddp"][k] - weights["fsdp"][k]).abs().max().item() for k in weights["ddp"]) <= 1e-6
@@ -224,5 +227,5 @@ def test_fsdp_with_the_hidden_state_term_matches_ddp(tmp_path):
         assert done.returncode == 0, done.stderr[-3000:]
         weights[name], losses[name] = _weights(run), _records(tmp_path / name)[0]["losses"]
     assert list((tmp_path / "cache" / "reference").glob("hidden-*.pt"))  # the reference's residual stream, cached once
-    assert losses["ddp"] == pytest.approx(losses["fsdp"], abs=1e-6)
+    assert losses["ddp"] == pytest.approx(losses["fsdp"], rel=SAME_STEP_REL)
     assert max((weights["ddp"][k] - weights["fsdp"][k]).abs().max().item() for k in weights["ddp"]) <= 1e-6
