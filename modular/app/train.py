@@ -21,11 +21,13 @@ import uuid
 from pathlib import Path
 
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks.progress import ProgressBar
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from modular import ModularError
+from modular.app.progress import LogProgress
 from modular.data import load_jsonl, parse_behaviour
 from modular.data.behaviours import is_jsonl
 from modular.gating.data import GatingDataModule, check_data_options, training_data
@@ -65,6 +67,16 @@ class GatingCLI(LightningCLI):
                 training_data(name, load_jsonl(source), config["data"]["batch_size"])
         follow_run_folder(config["trainer"])
         self._choose_wandb_run(config)
+
+    def instantiate_trainer(self, **kwargs):
+        """The trainer, with :class:`~modular.app.progress.LogProgress` in place of Lightning's bar when stderr is not
+        a terminal (a log file would get nothing from the bar until the run ends); a progress bar the config names
+        is kept."""
+        config = self._get(self.config_init, "trainer", default={})
+        named = [cb for cb in config.get("callbacks") or [] if isinstance(cb, ProgressBar)]
+        if config.get("enable_progress_bar") is not False and not named and not sys.stderr.isatty():
+            kwargs["callbacks"] = [*(config.get("callbacks") or []), LogProgress()]
+        return super().instantiate_trainer(**kwargs)
 
     def before_fit(self) -> None:
         path = self._resume_path(self.config_init["fit"].get("ckpt_path"))
