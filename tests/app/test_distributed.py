@@ -22,7 +22,7 @@ LOSS_TOL = 5e-3
 #: gradient is near 0 may take the other sign, one lr per step)
 WEIGHT_TOL = 2 * STEPS * 2e-5
 #: DDP against FSDP on the same rows: float rounding alone, a few float32 units at the loss's scale (the default
-#: config's KeepHidden, weight 30, makes the loss about 22, where one unit is 1.9e-6: two units apart measured)
+#: config's KeepHidden, weight 30, makes the loss about 22, where one unit is 1.9e-6: one unit apart measured)
 SAME_STEP_REL = 5e-7
 FSDP = ["--config", str(ROOT / "configs" / "strategy_fsdp.yaml"), "--trainer.precision", "32-true"]
 STRATEGIES = {
