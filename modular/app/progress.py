@@ -34,6 +34,7 @@ class LogProgress(ProgressBar):
         self.every_s = every_s
         self._enabled = True
         self._start: tuple[float, int] | None = None  # (time, step) when this process's training began
+        self._total: int | None = None  # the run's last step (None: unbounded)
         self._last_line = -math.inf
 
     def disable(self) -> None:
@@ -44,24 +45,20 @@ class LogProgress(ProgressBar):
 
     def on_train_start(self, trainer, pl_module) -> None:
         self._start = (time.monotonic(), trainer.global_step)  # a resumed run counts from where it resumed
+        total = trainer.estimated_stepping_batches  # fixed for the fit: read once, not at every step
+        self._total = int(total) if math.isfinite(total) else None
         self._last_line = -math.inf
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if not self._enabled or self._start is None:
             return
-        now, step = time.monotonic(), trainer.global_step
-        total = self._total_steps(trainer)
+        now, step, total = time.monotonic(), trainer.global_step, self._total
         last = total is not None and step >= total
         if now - self._last_line < self.every_s and not last and step != self._start[1] + 1:
             return
         self._last_line = now
         log.info(self.line(step, total, self.get_metrics(trainer, pl_module),
                            seconds=now - self._start[0], steps_done=step - self._start[1]))
-
-    @staticmethod
-    def _total_steps(trainer) -> int | None:
-        total = trainer.estimated_stepping_batches
-        return int(total) if math.isfinite(total) else None
 
     @staticmethod
     def line(step: int, total: int | None, metrics: dict, seconds: float, steps_done: int) -> str:
