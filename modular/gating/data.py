@@ -17,6 +17,7 @@ from modular.data import behaviour_name, load_behaviour, parse_behaviour, retain
 from modular.data.behaviours import builtin_neighbours, is_jsonl
 from modular.data.formatting import IGNORE, LeftPadCollator, answer_positions, encode_example
 from modular.data.schema import DEFAULT_LOCKED_RESPONSE, all_refusals
+from modular.gating.loaders import PassSeededSampler, ResumableLoader
 
 log = logging.getLogger("modular")
 
@@ -516,20 +517,29 @@ class GatingDataModule(L.LightningDataModule):
         return item
 
     def _loaders(self, split: str, shuffle: bool) -> CombinedLoader:
+        """Validation: every loader in order. Training: every loader shuffled (each pass a new order), resumable
+        in the middle of a pass (``ResumableLoader``)."""
         collate = split_collate(self.tokenizer.pad_token_id)
         kw = dict(batch_size=self.hparams.batch_size, collate_fn=collate, num_workers=self.hparams.num_workers,
                   drop_last=shuffle)
-        loaders = {b: DataLoader(_Rows(rows[split]), shuffle=shuffle, **kw) for b, rows in self.behaviour_rows.items()}
-        loaders["retain"] = DataLoader(_Rows(self.retain_rows[split]), shuffle=shuffle, **kw)
+
+        def loader(rows, **kw):
+            data = _Rows(rows)
+            if shuffle:
+                return ResumableLoader(data, sampler=PassSeededSampler(data), **kw)
+            return DataLoader(data, shuffle=False, **kw)
+
+        loaders = {b: loader(rows[split], **kw) for b, rows in self.behaviour_rows.items()}
+        loaders["retain"] = loader(self.retain_rows[split], **kw)
         if self.neighbour_rows[split]:  # kept like retain data, half open, half locked
-            loaders[NEIGHBOURS_KEY] = DataLoader(_Rows(self.neighbour_rows[split]), shuffle=shuffle, **kw)
+            loaders[NEIGHBOURS_KEY] = loader(self.neighbour_rows[split], **kw)
         kw["collate_fn"] = open_collate(self.tokenizer.pad_token_id)
         for t, rows in self.task_rows.items():
-            loaders[f"{TASK_PREFIX}{t}"] = DataLoader(_Rows(rows[split]), shuffle=shuffle, **kw)
+            loaders[f"{TASK_PREFIX}{t}"] = loader(rows[split], **kw)
         if self.lm_rows:  # split between the states when there is a lock to keep the LM in; else open only
             if self.behaviours:
                 kw["collate_fn"] = split_collate(self.tokenizer.pad_token_id)
-            loaders["lm"] = DataLoader(_Rows(self.lm_rows[split]), shuffle=shuffle, **kw)
+            loaders["lm"] = loader(self.lm_rows[split], **kw)
         return CombinedLoader(loaders, mode="max_size_cycle" if shuffle else "min_size")
 
     def train_dataloader(self):

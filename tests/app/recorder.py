@@ -1,5 +1,7 @@
-"""A test-only callback for multi-process runs: every process writes what it holds, so a test can compare them."""
+"""Test-only callbacks: every process writes what it holds (multi-process runs), a lost node, the batches a run trained
+on, so that a test can compare them."""
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -45,3 +47,31 @@ class KillAt(Callback):
 
         if trainer.global_step == self.step and trainer.is_global_zero:
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _digest(value, h) -> None:
+    if isinstance(value, dict):
+        for k in sorted(value):
+            h.update(str(k).encode())
+            _digest(value[k], h)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _digest(v, h)
+    elif isinstance(value, torch.Tensor) and not value.is_floating_point():
+        h.update(value.cpu().contiguous().numpy().tobytes())
+
+
+class RecordBatches(Callback):
+    """Appends ``{"step": S, "batch": {loader: digest}}`` for every training batch, S the step it trains."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        digests = {}
+        for key, value in batch.items():
+            h = hashlib.sha1()
+            _digest(value, h)
+            digests[key] = h.hexdigest()[:12]
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": trainer.global_step + 1, "batch": digests}) + "\n")

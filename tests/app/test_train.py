@@ -161,6 +161,35 @@ def test_a_run_stopped_by_sigterm_saves_its_step_and_resumes_from_it(tmp_path, t
     assert [h["step"] for h in record["lock"]["history"]] == checks, record["lock"]
 
 
+def test_a_run_resumed_mid_pass_trains_on_the_batches_an_uninterrupted_run_would(tmp_path, tiny_env):
+    """Pre-empted after step 3 and resumed, a run's steps 4 and 5 take the batches the same run uninterrupted takes
+    (every training loader continues its pass; a plain shuffled DataLoader would start a new one)."""
+    model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
+    records = {}
+    for name, kill in (("whole", False), ("resumed", True)):
+        (tmp_path / name).mkdir()
+        cfg, run = tiny_config(tmp_path / name, model_dir, lock_args={"stop": False})
+        data = yaml.safe_load(cfg.read_text())
+        log = tmp_path / f"{name}.jsonl"
+        recorder = {"class_path": "tests.app.recorder.RecordBatches", "init_args": {"path": str(log)}}
+        data["trainer"].update({"max_steps": 5, "limit_val_batches": 1, "val_check_interval": 5})
+        callbacks = [*data["trainer"]["callbacks"], recorder]
+        if kill:
+            killer = {"class_path": "tests.app.signals.SigtermAt", "init_args": {"step": 3}}
+            cfg.write_text(yaml.safe_dump({**data, "trainer": {**data["trainer"], "callbacks": [*callbacks, killer]}}))
+            out = _train(cfg, env=tiny_env)
+            assert out.returncode == 143 and _ckpt_step(run / "last.ckpt") == 3, out.stderr[-3000:]
+        cfg.write_text(yaml.safe_dump({**data, "trainer": {**data["trainer"], "callbacks": callbacks}}))
+        out = _train(cfg, env=tiny_env)
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert "dataloader is not resumable" not in out.stderr
+        records[name] = [json.loads(line) for line in log.read_text().splitlines()]
+    whole, resumed = records["whole"], records["resumed"]
+    assert [r["step"] for r in whole] == [1, 2, 3, 4, 5] and [r["step"] for r in resumed] == [1, 2, 3, 4, 5]
+    assert len(whole[0]["batch"]) >= 4  # capitals, retain, neighbours, neutral text
+    assert whole == resumed
+
+
 def _ckpt_step(path) -> int:
     import torch
 
