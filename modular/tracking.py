@@ -49,6 +49,16 @@ def write_json(path: str | Path, data: Any) -> Path:
     return write_text(path, json.dumps(_clean(data), indent=2) + "\n")
 
 
+def read_json_if_valid(path: str | Path) -> Any | None:
+    """The JSON in ``path``, or None where there is none to read: no such file, or one that does not parse (cut short
+    by another writer, not text). For files a command takes over if it can (a partial report) and else replaces."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_text()) if path.is_file() else None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+
+
 def _flatten(d: dict, prefix: str = "") -> dict:
     out = {}
     for k, v in d.items():

@@ -42,7 +42,7 @@ from modular.runs import (
     load_tokenizer_or_run,
     read_run,
 )
-from modular.tracking import log_to_wandb, write_json
+from modular.tracking import log_to_wandb, read_json_if_valid, write_json
 
 log = logging.getLogger("modular")
 RelearnMode = Literal["full", "lora"]
@@ -290,11 +290,8 @@ class _AttackProgress:
         self.path = path
         identity = json.loads(json.dumps(identity))  # as it reads back
         self.data = {"identity": identity, "behaviours": {}}
-        try:
-            old = json.loads(path.read_text()) if path.is_file() else None
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            old = None
-        if old is not None and old.get("identity") == identity:
+        old = read_json_if_valid(path)
+        if isinstance(old, dict) and old.get("identity") == identity:
             self.data = old
             b = old.get("behaviours", {}).values()
             log.info("resuming the attack cut short in %s: %d parts and %d relearning settings already measured",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import json
 import logging
 from pathlib import Path
 from typing import Literal
@@ -32,7 +31,7 @@ from modular.heads.efficiency import DEFINITIONS, RANKINGS, ig_steps_for, task_c
 from modular.heads.loading import load_head_model, model_label
 from modular.heads.ranking import ABLATIONS
 from modular.models.precision import DTypeName
-from modular.tracking import log_to_wandb, write_json
+from modular.tracking import log_to_wandb, read_json_if_valid, write_json
 
 log = logging.getLogger("modular")
 
@@ -282,13 +281,8 @@ def _resume(path: Path, settings: dict, specs: dict[str, str], results: dict[str
     """Take over the (task, model) results of a run cut short (``partial`` report in the same folder, same
     settings, same model for the label), so that a restarted run measures only what is missing."""
 
-    if not path.is_file():
-        return
-    try:
-        old = json.loads(path.read_text())
-    except json.JSONDecodeError:
-        return
-    if not old.get("partial") or any(old.get(k) != v for k, v in settings.items()):
+    old = read_json_if_valid(path)
+    if not isinstance(old, dict) or not old.get("partial") or any(old.get(k) != v for k, v in settings.items()):
         return
     kept = []
     for task, by_label in old.get("results", {}).items():

@@ -168,6 +168,9 @@ def test_ablation_run_cut_short_resumes_with_what_it_measured(folders, monkeypat
     (out / "ablation.json").write_text(json.dumps(cut))
     assert _run(args[:-3] + ["--max_heads=3", "--categories=single", f"--out={out}"]) == 0  # other settings
     assert len(calls) == 3  # nothing taken over: both tasks measured again
+    (out / "ablation.json").write_bytes(b"\xff\xfe{partial")  # a report another tool cut short, not text
+    assert _run(args) == 0
+    assert len(calls) == 5 and json.loads((out / "ablation.json").read_text())["results"] == full["results"]
 
 
 def test_bad_input_exits_2(folders, capsys):
