@@ -62,7 +62,8 @@ def _digest(value, h) -> None:
 
 
 class RecordBatches(Callback):
-    """Appends ``{"step": S, "batch": {loader: digest}}`` for every training batch, S the step it trains."""
+    """Appends ``{"step": S, "batch": {loader: digest}}`` for every training batch, S the step it trains, to ``path``
+    (``{rank}`` in it: the process's rank)."""
 
     def __init__(self, path: str):
         self.path = path
@@ -73,5 +74,5 @@ class RecordBatches(Callback):
             h = hashlib.sha1()
             _digest(value, h)
             digests[key] = h.hexdigest()[:12]
-        with open(self.path, "a") as f:
+        with open(self.path.format(rank=trainer.global_rank), "a") as f:
             f.write(json.dumps({"step": trainer.global_step + 1, "batch": digests}) + "\n")

@@ -50,6 +50,8 @@ def _config(folder, arch="llama", extra_model=None, callbacks=(), keep_hidden=Fa
     c["model"]["objectives"] = [o for o in c["model"]["objectives"] if not o["class_path"].endswith(drop)]
     c["trainer"].update({"max_steps": STEPS, "val_check_interval": STEPS, "accelerator": "cpu"})
     c["trainer"]["callbacks"] += [{"class_path": "tests.app.recorder.Recorder", "init_args": {"out": str(folder / "rec")}},
+                                  {"class_path": "tests.app.recorder.RecordBatches",
+                                   "init_args": {"path": str(folder / "batches{rank}.jsonl")}},
                                   *callbacks]
     cfg.write_text(yaml.safe_dump(c))
     return cfg, run
@@ -130,11 +132,18 @@ def test_processes_agree_and_one_writes_the_run_folder(runs, strategy):
     assert json.loads((r["run"] / "run.json").read_text())["global_step"] == STEPS
 
 
+def _batches(folder, rank) -> dict[int, dict]:
+    """The batches a run's process trained on, by step (a step trained again after a resume: its last batch)."""
+    lines = (folder / f"batches{rank}.jsonl").read_text().splitlines()
+    return {r["step"]: r["batch"] for r in map(json.loads, lines)}
+
+
 @pytest.mark.parametrize("strategy, sharded", [("ddp", False), ("fsdp", True)])
-def test_a_killed_run_resumes(tmp_path, strategy, sharded):
+def test_a_killed_run_resumes(tmp_path, runs, strategy, sharded):
     """Killed (SIGKILL of the main process) after step 3, with checkpoints every 2 steps: started again, it
-    resumes from step 2 with the same directions and ends at step 5. FSDP saves its checkpoint as a folder of
-    shards here (save_distributed_checkpoint)."""
+    resumes from step 2 with the same directions and ends at step 5, every process on the batches of the run that
+    was not killed (each loader resumes in its pass). FSDP saves its checkpoint as a folder of shards here
+    (save_distributed_checkpoint)."""
     args = [*STRATEGIES[strategy]]
     if sharded:
         args += ["--trainer.strategy.save_distributed_checkpoint", "true"]
@@ -156,6 +165,8 @@ def test_a_killed_run_resumes(tmp_path, strategy, sharded):
     assert (run / "directions.safetensors").read_bytes() == directions
     assert "directions chosen" not in log  # read from the run folder, not chosen again
     assert len(_records(tmp_path)[0]["losses"]) == STEPS - 2
+    for rank in (0, 1):
+        assert _batches(tmp_path, rank) == _batches(runs[strategy]["folder"], rank)
     if sharded:  # the folder of shards is what publish reads
         from modular.runs import read_checkpoint
 
