@@ -23,69 +23,62 @@ def test_a_line_gives_the_step_of_the_total_the_metrics_the_pace_and_the_time_to
         "step 30/300 (10%); 3.0 s a step; training ended"
 
 
-class _Clock:
-    def __init__(self):
-        self.now = 0.0
+class _Run:
+    """A fake clock (25 s a step) and a trainer at ``step`` of 20, with a LogProgress (lines at most every 60 s)."""
 
-    def __call__(self):
-        return self.now
+    def __init__(self, monkeypatch, step: int):
+        self.now = 0.0
+        monkeypatch.setattr(progress.time, "monotonic", lambda: self.now)
+        self.trainer = SimpleNamespace(global_step=step, estimated_stepping_batches=20, loggers=[],
+                                       progress_bar_metrics={"train/loss": 1.0}, is_global_zero=True)
+        self.bar = LogProgress(every_s=60)
+        self.bar._trainer = self.trainer
+        self.bar.on_train_start(self.trainer, None)
+
+    def steps(self, first: int, last: int, caplog) -> list[int]:
+        """Train steps first..last; the steps that wrote a line."""
+        written = []
+        for step in range(first, last + 1):
+            self.now += 25.0
+            self.trainer.global_step = step
+            n = len(caplog.records)
+            self.bar.on_train_batch_end(self.trainer, None, None, None, step)
+            written += [step] * (len(caplog.records) - n)
+        return written
 
 
 def test_lines_come_at_the_first_step_at_most_every_every_s_and_at_the_last(monkeypatch, caplog):
-    clock = _Clock()
-    monkeypatch.setattr(progress.time, "monotonic", clock)
-    trainer = SimpleNamespace(global_step=10, estimated_stepping_batches=20, progress_bar_metrics={"train/loss": 1.0},
-                              loggers=[], is_global_zero=True)
-    bar = LogProgress(every_s=60)
-    bar._trainer = trainer
-    bar.on_train_start(trainer, None)  # resumed at step 10
-    written = []
+    run = _Run(monkeypatch, step=10)  # resumed at step 10
     with caplog.at_level(logging.INFO, logger="modular"):
-        for step in range(11, 21):
-            clock.now += 25.0  # 25 s a step
-            trainer.global_step = step
-            bar.on_train_batch_end(trainer, None, None, None, step)
-            written += [step] * len(caplog.records)
-            caplog.clear()
+        written = run.steps(11, 20, caplog)
     # the first step, then each step 60 s or more after the previous line, and the last
     assert written == [11, 14, 17, 20]
-    bar.disable()
+    caplog.clear()
+    run.bar.disable()
     with caplog.at_level(logging.INFO, logger="modular"):
-        bar.on_train_batch_end(trainer, None, None, None, 20)
+        run.bar.on_train_batch_end(run.trainer, None, None, None, 20)
     assert not caplog.records
     with pytest.raises(ValueError):
         LogProgress(every_s=-1)
 
 
 def test_a_run_that_stops_before_its_last_step_ends_with_that_steps_line(monkeypatch, caplog):
-    clock = _Clock()
-    monkeypatch.setattr(progress.time, "monotonic", clock)
-    trainer = SimpleNamespace(global_step=0, estimated_stepping_batches=20, progress_bar_metrics={"train/loss": 1.0},
-                              loggers=[], is_global_zero=True)
-    bar = LogProgress(every_s=60)
-    bar._trainer = trainer
-    bar.on_train_start(trainer, None)
+    run = _Run(monkeypatch, step=0)
     with caplog.at_level(logging.INFO, logger="modular"):
-        for step in range(1, 6):  # lines at steps 1 and 4 (25 s a step); the lock holds at step 5
-            clock.now += 25.0
-            trainer.global_step = step
-            bar.on_train_batch_end(trainer, None, None, None, step)
-        bar.on_train_end(trainer, None)
-        bar.on_train_end(trainer, None)  # once only
+        assert run.steps(1, 5, caplog) == [1, 4]  # the lock holds at step 5
+        run.bar.on_train_end(run.trainer, None)
+        run.bar.on_train_end(run.trainer, None)  # once only
     lines = [r.getMessage() for r in caplog.records]
     assert [line.split(":")[0] for line in lines] == ["step 1/20 (5%)", "step 4/20 (20%)", "step 5/20 (25%)"]
     assert lines[-1] == "step 5/20 (25%): train/loss 1; 25.0 s a step; training ended"
     # a run whose last line is its last step writes nothing more
     caplog.clear()
-    bar.on_train_start(trainer, None)
+    run.bar.on_train_start(run.trainer, None)
     with caplog.at_level(logging.INFO, logger="modular"):
-        for step in range(6, 21):
-            clock.now += 25.0
-            trainer.global_step = step
-            bar.on_train_batch_end(trainer, None, None, None, step)
+        assert run.steps(6, 20, caplog)[-1] == 20
         n = len(caplog.records)
-        bar.on_train_end(trainer, None)
-    assert len(caplog.records) == n and caplog.records[-1].getMessage().startswith("step 20/20 (100%)")
+        run.bar.on_train_end(run.trainer, None)
+    assert len(caplog.records) == n
 
 
 @pytest.mark.parametrize("enabled", [True, False])
