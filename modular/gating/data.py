@@ -545,5 +545,10 @@ class GatingDataModule(L.LightningDataModule):
     def train_dataloader(self):
         return self._loaders("train", shuffle=True)
 
+    def train_loader_items(self) -> list[int]:
+        """The items of each training loader, in the order of ``train_dataloader``'s (and of a checkpoint's loader
+        states)."""
+        return [len(dl.dataset) for dl in self.train_dataloader().flattened]
+
     def val_dataloader(self):
         return self._loaders("validation", shuffle=False)

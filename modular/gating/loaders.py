@@ -66,7 +66,13 @@ class ResumableLoader(DataLoader):
 
     def state_dict(self) -> dict:
         pass_seed = self.sampler.pass_seed if isinstance(self.sampler, PassSeededSampler) else None
-        return {"yielded": getattr(self, "_yielded", 0), "pass_seed": pass_seed}
+        return {"yielded": getattr(self, "_yielded", 0), "pass_seed": pass_seed, "items": len(self.dataset)}
 
     def load_state_dict(self, state: dict) -> None:
         self._resume = dict(state)
+
+
+def loader_states_fit(states: list[dict], items: list[int]) -> bool:
+    """Whether a checkpoint's loader states (``ResumableLoader.state_dict``, in order) are those of loaders over
+    ``items`` items each: the same data, so that each state can resume its loader."""
+    return len(states) == len(items) and all(s.get("items") == n for s, n in zip(states, items))

@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from modular import ModularError
 from modular.data.formatting import IGNORE
+from modular.gating.loaders import loader_states_fit
 from modular.gating.losses import response_margins
 from modular.gating.objectives import HeadTaskTerm, Piece, StepContext, Term, build_objectives, default_objectives
 from modular.heads.gates import deterministic_gate_values, head_gate_scope
@@ -581,5 +582,19 @@ class GatedLM(L.LightningModule):
         }
         checkpoint["modular"] = {"behaviours": self.behaviours, "model_name": self.hparams.model_name,
                                  "finetuning": self.hparams.finetuning, "head_gates": self.hparams.head_gates}
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        """A run resumed on other training data (another neighbour list, other behaviours): the checkpoint's loader
+        states are not this run's loaders', and every loader starts a new pass instead (Lightning would refuse)."""
+        fit = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
+        states = fit.get("combined_loader")
+        datamodule = self._trainer.datamodule if self._trainer is not None else None
+        if not states or not hasattr(datamodule, "train_loader_items"):
+            return
+        items = datamodule.train_loader_items()
+        if not loader_states_fit(states, items):
+            log.warning("the checkpoint was trained on other data (%s items a loader, now %s): every training loader "
+                        "starts a new pass", [s.get("items") for s in states], items)
+            fit["combined_loader"] = []
 
     strict_loading = False

@@ -188,6 +188,10 @@ def test_a_run_resumed_mid_pass_trains_on_the_batches_an_uninterrupted_run_would
     assert [r["step"] for r in whole] == [1, 2, 3, 4, 5] and [r["step"] for r in resumed] == [1, 2, 3, 4, 5]
     assert len(whole[0]["batch"]) >= 4  # capitals, retain, neighbours, neutral text
     assert whole == resumed
+    # resumed on other data (no neutral text now): the loaders start new passes, in one warning line
+    out = _train(tmp_path / "resumed" / "cfg.yaml", "--trainer.max_steps", "6", "--data.lm_text", "null", env=tiny_env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "the checkpoint was trained on other data" in out.stderr and "starts a new pass" in out.stderr
 
 
 def _ckpt_step(path) -> int:

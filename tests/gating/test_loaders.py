@@ -1,7 +1,7 @@
 import torch
 from torch.utils.data import DataLoader
 
-from modular.gating.loaders import PassSeededSampler, ResumableLoader
+from modular.gating.loaders import PassSeededSampler, ResumableLoader, loader_states_fit
 
 
 def _loader(n=10, batch_size=3):
@@ -38,7 +38,7 @@ def test_a_loader_resumed_mid_pass_gives_the_rest_of_that_pass():
     again = list(resumed)
     assert _flat(again) == _flat(rest)
     assert sorted(_flat(seen + again)) == sorted(_flat(seen + rest)) and len(set(_flat(seen + again))) == 9
-    assert resumed.state_dict() == {"yielded": 3, "pass_seed": state["pass_seed"]}
+    assert resumed.state_dict() == {"yielded": 3, "pass_seed": state["pass_seed"], "items": 10}
     # the pass after it is a new order (and the state says the pass just begun)
     nxt = list(resumed)
     assert _flat(nxt) != _flat(seen + again) and resumed.state_dict()["pass_seed"] != state["pass_seed"]
@@ -55,3 +55,11 @@ def test_a_state_saved_at_a_pass_end_or_start_begins_a_new_pass():
         resumed.load_state_dict(loader.state_dict())
         assert len(list(resumed)) == 3  # a whole pass, nothing skipped
         assert resumed.state_dict()["yielded"] == 3
+
+
+def test_loader_states_fit_only_loaders_over_the_same_data():
+    states = [_loader(10).state_dict(), _loader(7).state_dict()]
+    assert loader_states_fit(states, [10, 7])
+    assert not loader_states_fit(states, [10, 8]) and not loader_states_fit(states, [10]) \
+        and not loader_states_fit(states, [10, 7, 4])
+    assert not loader_states_fit([{"yielded": 1, "pass_seed": 5}], [10])  # a state that names no size
