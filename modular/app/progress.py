@@ -4,8 +4,8 @@ A progress bar redraws one line in place; written to a file (``nohup``, a cluste
 shows nothing until the run ends, and tqdm's is one ever-growing line. :class:`LogProgress` is Lightning's progress
 bar for those: one plain line at the first step, then at most one every ``every_s`` seconds and at the last step
 (``[modular] step 37/300 (12%): train/loss 0.412; 26.1 s a step; about 1:54:00 to step 300``; a run that
-locks earlier stops earlier, and its last step's line says training ended there). ``modular train`` uses it in place of the bar when stderr is not a terminal;
-``enable_progress_bar: false`` turns both off.
+locks earlier stops earlier, and its last step's line says training ended there). ``modular train`` uses it in place
+of the bar when stderr is not a terminal; ``enable_progress_bar: false`` turns both off.
 """
 
 from __future__ import annotations
