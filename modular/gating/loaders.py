@@ -5,8 +5,10 @@ Lightning saves the ``state_dict`` of every training loader that has one in its 
 middle of a pass over the data starts a new pass: the items the interrupted pass had not reached yet are skipped and
 the ones it had are seen twice. ``ResumableLoader`` saves how many batches of the pass in progress it has yielded and
 the seed of that pass's order (``PassSeededSampler``); resumed, it draws the same order and continues after the last
-batch the checkpoint's steps saw. Later passes draw new orders as before (torch's global random state, from which
-every pass's seed is drawn, is not restored).
+batch the checkpoint's steps saw, drawing nothing from torch's global random state (the run uninterrupted drew the
+pass's seed and its iterator's worker seed before the checkpoint). Later passes draw their seeds from the global
+state as before; the gated module restores it from the checkpoint (``modular.gating.randomness``), so they are the
+uninterrupted run's too.
 
 An uninterrupted run draws exactly what ``DataLoader(shuffle=True)`` draws: one seed per pass from torch's global
 random state, at the pass's first batch.
@@ -55,7 +57,12 @@ class ResumableLoader(DataLoader):
             if isinstance(self.sampler, PassSeededSampler) and resume.get("pass_seed") is not None:
                 self.sampler.resume_seed = resume["pass_seed"]
         self._yielded = skip
-        return self._batches(super().__iter__(), skip)
+        if not skip:
+            return self._batches(super().__iter__(), skip)
+        state = torch.get_rng_state()  # the iterator draws its workers' seed: drawn before the checkpoint
+        batches = super().__iter__()
+        torch.set_rng_state(state)
+        return self._batches(batches, skip)
 
     def _batches(self, batches, skip: int):
         for _ in range(skip):  # the batches the checkpoint's steps took: drawn again, not given

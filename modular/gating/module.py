@@ -18,6 +18,7 @@ from modular.data.formatting import IGNORE
 from modular.gating.loaders import loader_states_fit
 from modular.gating.losses import response_margins
 from modular.gating.objectives import HeadTaskTerm, Piece, StepContext, Term, build_objectives, default_objectives
+from modular.gating.randomness import global_random_state, set_global_random_state
 from modular.heads.gates import deterministic_gate_values, head_gate_scope
 from modular.hooks import ablate_directions, ablate_rows, add_vectors, capture_head_inputs, enable_checkpointing
 from modular.models.adapter import ArchitectureAdapter
@@ -581,14 +582,32 @@ class GatedLM(L.LightningModule):
             if k in trainable or not k.startswith("model.") or ".head_gate." in k  # gates' fixed values too
         }
         checkpoint["modular"] = {"behaviours": self.behaviours, "model_name": self.hparams.model_name,
-                                 "finetuning": self.hparams.finetuning, "head_gates": self.hparams.head_gates}
+                                 "finetuning": self.hparams.finetuning, "head_gates": self.hparams.head_gates,
+                                 "random": self._random_state()}
+
+    def _random_state(self) -> dict:
+        """Every random draw's state, so that a resumed run draws what the run uninterrupted would: each process's
+        global generators (every process saves a checkpoint: they are gathered), the state assignment's, the
+        steering adversary's (with its vectors) and the objectives' own."""
+        processes = [global_random_state()]
+        if self._trainer is not None and self.trainer.world_size > 1:
+            processes = [None] * self.trainer.world_size
+            torch.distributed.all_gather_object(processes, global_random_state())
+        return {"processes": processes, "assignment": self._rng.getstate(),
+                "steering": None if self.steering is None else self.steering.state_dict(),
+                "objectives": [[type(t).__name__, t.state_dict()] for t in self.objectives]}
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        """A run resumed on other training data (another neighbour list, other behaviours): the checkpoint's loader
-        states are not this run's loaders', and every loader starts a new pass instead (Lightning would refuse)."""
+        """A resumed run takes back the checkpoint's random state (:meth:`_random_state`; from a checkpoint of
+        another number of processes, only what all processes share). A run resumed on other training data
+        (another neighbour list, other behaviours): the checkpoint's loader states are not this run's loaders', and
+        every loader starts a new pass instead (Lightning would refuse)."""
+        if self._trainer is None:  # loaded to be evaluated or published, not resumed
+            return
+        self._load_random_state(checkpoint.get("modular", {}).get("random"))
         fit = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
         states = fit.get("combined_loader")
-        datamodule = self._trainer.datamodule if self._trainer is not None else None
+        datamodule = self._trainer.datamodule
         if not states or not hasattr(datamodule, "train_loader_items"):
             return
         items = datamodule.train_loader_items()
@@ -596,5 +615,18 @@ class GatedLM(L.LightningModule):
             log.warning("the checkpoint was trained on other data (%s items a loader, now %s): every training loader "
                         "starts a new pass", [s.get("items") for s in states], items)
             fit["combined_loader"] = []
+
+    def _load_random_state(self, state: dict | None) -> None:
+        if not state:  # a checkpoint written before it was saved
+            return
+        if len(state["processes"]) == self.trainer.world_size:
+            set_global_random_state(state["processes"][self.trainer.global_rank])
+        version, internal, gauss = state["assignment"]
+        self._rng.setstate((version, tuple(internal), gauss))
+        if self.steering is not None and state["steering"] is not None:
+            self.steering.load_state_dict(state["steering"], self.device)
+        if [name for name, _ in state["objectives"]] == [type(t).__name__ for t in self.objectives]:
+            for term, (_, term_state) in zip(self.objectives, state["objectives"]):  # other terms: new draws
+                term.load_state_dict(term_state)
 
     strict_loading = False

@@ -121,6 +121,13 @@ class Term:
     def bind(self, lm) -> None:
         """Called once by the module when it is built (checks that need the module's options)."""
 
+    def state_dict(self) -> dict:
+        """What a resumed run takes back (a term's own random draws); kept in the module's checkpoints."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Take back :meth:`state_dict`."""
+
     def check_model(self, model) -> None:
         """Called once with the loaded transformers model, before training (checks that need its shapes)."""
 
@@ -324,6 +331,12 @@ class _AttackerSizedLock(_PerturbedLock):
             raise ModularError(f"{type(self).__name__} lrs must be > 0, got {list(lrs)}")
         self.lrs = [float(x) for x in lrs]
         self._rng = torch.Generator().manual_seed(0)
+
+    def state_dict(self) -> dict:
+        return {"rng": self._rng.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._rng.set_state(state["rng"])
 
     def draw_lr(self) -> float:
         lo, hi = torch.log(torch.tensor(min(self.lrs))), torch.log(torch.tensor(max(self.lrs)))

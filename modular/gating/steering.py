@@ -37,6 +37,17 @@ class SteeringAdversary:
         self.scale = 0.0
         self._step = None
 
+    def state_dict(self) -> dict:
+        """What a resumed run takes back: the draws' state, the vectors (on the CPU), their scale and step."""
+        return {"rng": self._rng.getstate(), "vectors": {b: v.detach().cpu() for b, v in self.vectors.items()},
+                "scale": self.scale, "step": self._step}
+
+    def load_state_dict(self, state: dict, device=None) -> None:
+        version, internal, gauss = state["rng"]
+        self._rng.setstate((version, tuple(internal), gauss))
+        self.vectors = {b: v.to(device) for b, v in state["vectors"].items()}
+        self.scale, self._step = state["scale"], state["step"]
+
     def needs_refresh(self, step: int) -> bool:
         return not self.vectors or (step - self._step) >= self.refresh
 

@@ -63,10 +63,11 @@ def _digest(value, h) -> None:
 
 class RecordBatches(Callback):
     """Appends ``{"step": S, "batch": {loader: digest}}`` for every training batch, S the step it trains, to ``path``
-    (``{rank}`` in it: the process's rank)."""
+    (``{rank}`` in it: the process's rank); with ``losses``, also the step's training loss (``"loss"``)."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, losses: bool = False):
         self.path = path
+        self.losses = losses
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         digests = {}
@@ -74,5 +75,15 @@ class RecordBatches(Callback):
             h = hashlib.sha1()
             _digest(value, h)
             digests[key] = h.hexdigest()[:12]
+        self._record = {"step": trainer.global_step + 1, "batch": digests}
+        if not self.losses:
+            self._write(trainer)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.losses:
+            self._record["loss"] = float(outputs["loss"])
+            self._write(trainer)
+
+    def _write(self, trainer) -> None:
         with open(self.path.format(rank=trainer.global_rank), "a") as f:
-            f.write(json.dumps({"step": trainer.global_step + 1, "batch": digests}) + "\n")
+            f.write(json.dumps(self._record) + "\n")

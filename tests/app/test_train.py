@@ -161,18 +161,24 @@ def test_a_run_stopped_by_sigterm_saves_its_step_and_resumes_from_it(tmp_path, t
     assert [h["step"] for h in record["lock"]["history"]] == checks, record["lock"]
 
 
-def test_a_run_resumed_mid_pass_trains_on_the_batches_an_uninterrupted_run_would(tmp_path, tiny_env):
-    """Pre-empted after step 3 and resumed, a run's steps 4 and 5 take the batches the same run uninterrupted takes
-    (every training loader continues its pass; a plain shuffled DataLoader would start a new one)."""
+def test_a_resumed_run_trains_as_the_uninterrupted_run_would(tmp_path, tiny_env):
+    """Pre-empted after step 3 and resumed, a run's later steps are the same run's uninterrupted: every training loader
+    continues its pass (a plain shuffled DataLoader would start a new one) and the next pass draws the same order
+    (the global random state is restored), and every other draw (which behaviour's direction is ablated beside
+    another's, the steering adversary's vectors and draws) is the same, so every step's loss is too."""
     model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
+    # two small behaviours: 6 batches a pass, so that a second pass starts after the resume
+    first = _facts_jsonl(tmp_path / "data" / "after.jsonl")
+    second = _facts_jsonl(tmp_path / "data" / "before.jsonl", lambda i: (f"Which number comes before {i + 2}?", i + 1))
     records = {}
     for name, kill in (("whole", False), ("resumed", True)):
         (tmp_path / name).mkdir()
-        cfg, run = tiny_config(tmp_path / name, model_dir, lock_args={"stop": False})
+        cfg, run = tiny_config(tmp_path / name, model_dir, (str(first), str(second)), {"steering_refresh": 2},
+                               lock_args={"stop": False})
         data = yaml.safe_load(cfg.read_text())
         log = tmp_path / f"{name}.jsonl"
-        recorder = {"class_path": "tests.app.recorder.RecordBatches", "init_args": {"path": str(log)}}
-        data["trainer"].update({"max_steps": 5, "limit_val_batches": 1, "val_check_interval": 5})
+        recorder = {"class_path": "tests.app.recorder.RecordBatches", "init_args": {"path": str(log), "losses": True}}
+        data["trainer"].update({"max_steps": 8, "limit_val_batches": 1, "val_check_interval": 8})
         callbacks = [*data["trainer"]["callbacks"], recorder]
         if kill:
             killer = {"class_path": "tests.app.signals.SigtermAt", "init_args": {"step": 3}}
@@ -185,11 +191,13 @@ def test_a_run_resumed_mid_pass_trains_on_the_batches_an_uninterrupted_run_would
         assert "dataloader is not resumable" not in out.stderr
         records[name] = [json.loads(line) for line in log.read_text().splitlines()]
     whole, resumed = records["whole"], records["resumed"]
-    assert [r["step"] for r in whole] == [1, 2, 3, 4, 5] and [r["step"] for r in resumed] == [1, 2, 3, 4, 5]
-    assert len(whole[0]["batch"]) >= 4  # capitals, retain, neighbours, neutral text
-    assert whole == resumed
+    assert [r["step"] for r in whole] == list(range(1, 9)) and [r["step"] for r in resumed] == list(range(1, 9))
+    assert {"after", "before", "retain", "lm"} <= set(whole[0]["batch"])  # steps 7 and 8: the behaviours' 2nd pass
+    for w, r in zip(whole, resumed):
+        assert w["batch"] == r["batch"], w["step"]
+        assert r["loss"] == pytest.approx(w["loss"], rel=1e-5, abs=1e-6), w["step"]
     # resumed on other data (no neutral text now): the loaders start new passes, in one warning line
-    out = _train(tmp_path / "resumed" / "cfg.yaml", "--trainer.max_steps", "6", "--data.lm_text", "null", env=tiny_env)
+    out = _train(tmp_path / "resumed" / "cfg.yaml", "--trainer.max_steps", "9", "--data.lm_text", "null", env=tiny_env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "the checkpoint was trained on other data" in out.stderr and "starts a new pass" in out.stderr
 
@@ -200,9 +208,9 @@ def _ckpt_step(path) -> int:
     return int(torch.load(path, map_location="cpu", weights_only=False)["global_step"])
 
 
-def _facts_jsonl(path):
-    """A small user behaviour with all three splits."""
-    rows = [{"prompt": f"Which number follows {i}?", "target": f"{i + 1}.", "answer": str(i + 1),
+def _facts_jsonl(path, fact=lambda i: (f"Which number follows {i}?", i + 1)):
+    """A small user behaviour with all three splits (24 train items)."""
+    rows = [{"prompt": fact(i)[0], "target": f"{fact(i)[1]}.", "answer": str(fact(i)[1]),
              "split": "train" if i < 24 else "validation" if i < 28 else "test"} for i in range(34)]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))

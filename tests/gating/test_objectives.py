@@ -351,6 +351,11 @@ def test_weight_noise_lock_moves_every_weight_by_eta(tmp_path, isolated_cache):
     assert 0.3 < torch.cat([(d > 0).float().flatten() for d in delta.values()]).mean() < 0.7
     expected = _locked_ce_at(lm, batch, {n: p + delta[n] for n, p in params.items()})
     torch.testing.assert_close(total, expected, rtol=1e-4, atol=1e-5)
+    state = twin.state_dict()  # a resumed run's term draws what the uninterrupted run's would
+    expected = [twin.draw_lr() for _ in range(3)]
+    resumed = WeightNoiseLock(lrs=[1e-3, 1e-2])
+    resumed.load_state_dict(state)
+    assert [resumed.draw_lr() for _ in range(3)] == expected != [WeightNoiseLock(lrs=[1e-3, 1e-2]).draw_lr()] * 3
     with pytest.raises(ModularError, match="WeightNoiseLock lrs must be > 0"):
         WeightNoiseLock(lrs=[0.0])
     with pytest.raises(ModularError, match="RelearningAdversary steps must be >= 1"):

@@ -68,3 +68,18 @@ def test_steered_pieces_get_their_vector_on_their_rows_only():
     torch.testing.assert_close(vectors[1], expected1)
     torch.testing.assert_close(vectors[0], expected0)
     assert GatedLM._row_vectors(SimpleNamespace(device=torch.device("cpu")), items[:1], 2) == {}
+
+
+def test_a_state_dict_resumes_the_vectors_schedule_and_draws():
+    """What a resumed run takes back: the vectors, their scale and refresh step, and the next draws."""
+    model, tok = make_tiny_model("llama"), make_tiny_tokenizer()
+    adv = SteeringAdversary(max_scale=0.5, refresh=3, n_prompts=4, seed=0)
+    adv.update(model, tok, {"capitals": _prompts("what is the capital of", 6)}, _prompts("tell me a story", 5), step=4)
+    adv.draw("capitals")
+    state = adv.state_dict()
+    expected = [adv.draw("capitals") for _ in range(3)]
+    fresh = SteeringAdversary(max_scale=0.5, refresh=3, n_prompts=4, seed=0)  # a restarted process's
+    fresh.load_state_dict(state)
+    assert not fresh.needs_refresh(6) and fresh.needs_refresh(7) and fresh.scale == adv.scale
+    for (block, vec), (b, v) in zip(expected, [fresh.draw("capitals") for _ in range(3)]):
+        assert block == b and torch.equal(vec, v)
