@@ -233,10 +233,20 @@ def _grouped_bars(ax, report: dict, states: list[str], group: str, names: list[s
             ax.annotate(f"{a:.2f}", (bar.get_x() + bar.get_width() / 2, a), ha="center", va="bottom",
                         fontsize=7, xytext=(0, 2), textcoords="offset points")
     ax.set_xticks(x, states, rotation=20)
-    ax.set_ylim(0, 1.1)
     ax.set_ylabel("accuracy (held-out test split)")
     ax.set_title(title)
-    ax.legend(fontsize=7)
+    _legend_above(ax, top=1.1)
+
+
+def _legend_above(ax, top: float) -> None:
+    """The legend in rows above the bars (``top``: the bars' room, labels included; ticks end at 1), as many
+    columns as its longest label leaves room for, so that it hides none of them however many there are."""
+    labels = ax.get_legend_handles_labels()[1]
+    ncol = max(1, min(4, len(labels), int(400 / (4 * max(map(len, labels), default=1) + 30))))
+    rows = -(-max(1, len(labels)) // ncol)
+    ax.set_ylim(0, top + 0.05 + 0.1 * rows)
+    ax.set_yticks(np.linspace(0, 1, 6))
+    ax.legend(fontsize=7, loc="upper center", ncol=ncol)
 
 
 def plot_lock(report: dict, path: str | Path) -> Path:
@@ -279,10 +289,9 @@ def lock_figure(report: dict):
                 axes["refusal"].annotate(f"{v:.2f}", (bar.get_x() + bar.get_width() / 2, v), ha="center",
                                          va="bottom", fontsize=6, xytext=(0, 2), textcoords="offset points")
         axes["refusal"].set_xticks(x, states, rotation=20)
-        axes["refusal"].set_ylim(0, 1.05)
         axes["refusal"].set_ylabel("share of answers")
         axes["refusal"].set_title("refusal leakage: answers that are the locked response")
-        axes["refusal"].legend(fontsize=7)
+        _legend_above(axes["refusal"], top=1.1)
     for key, name, title in (("retain_first_token_kl", "kl", "retain: first-token KL to base"),
                              ("perplexity_ratio", "ppl", "neutral text: perplexity / base")):
         ax = axes[name]

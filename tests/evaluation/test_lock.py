@@ -132,3 +132,30 @@ def test_weights_bit_exact_compares_raw_bits_of_shared_tensors():
     assert not weights_bit_exact(a, {"w": nudged})
     assert not weights_bit_exact(a, {"w": a["w"].float()})  # same values, other precision
     assert weights_bit_exact({"x": torch.tensor([1.5])}, {"x": torch.tensor([1.5])})  # float32
+
+
+def test_lock_figure_legends_hide_no_bar_or_value():
+    """Eight neighbours with long names and full accuracies: every panel's legend lies clear of its bars, error bars
+    and value labels (it used to cover the highest bars)."""
+    from matplotlib.transforms import Bbox
+
+    names = [f"relation_number_{i}_all" for i in range(8)]
+    report = _report(names)
+    for row in report["states"].values():
+        for i, n in enumerate(names):
+            acc = 1.0 - 0.05 * i
+            row["neighbours"][n].update(accuracy=acc, ci95=[acc - 0.1, 1.0], refusal_rate=1.0)
+    fig = lock_module.lock_figure(report)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    for ax in fig.axes:
+        legend = ax.get_legend()
+        if legend is None:
+            continue
+        box = legend.get_window_extent(renderer)
+        boxes = [a.get_window_extent(renderer) for a in (*ax.patches, *ax.texts)]
+        for bars in ax.collections:  # error bars: one segment each (the collection's own box is the whole axes)
+            boxes += [Bbox(ax.transData.transform(seg)) for seg in bars.get_segments()]
+        assert len(boxes) > 2 * len(report["states"]), ax.get_title()
+        hidden = [b for b in boxes if b.overlaps(box)]
+        assert not hidden, (ax.get_title(), hidden[:3])
