@@ -59,10 +59,8 @@ class ResumableLoader(DataLoader):
         self._yielded = skip
         if not skip:
             return self._batches(super().__iter__(), skip)
-        state = torch.get_rng_state()  # the iterator draws its workers' seed: drawn before the checkpoint
-        batches = super().__iter__()
-        torch.set_rng_state(state)
-        return self._batches(batches, skip)
+        with torch.random.fork_rng(devices=[]):  # the iterator draws its workers' seed: drawn before the checkpoint
+            return self._batches(super().__iter__(), skip)
 
     def _batches(self, batches, skip: int):
         for _ in range(skip):  # the batches the checkpoint's steps took: drawn again, not given

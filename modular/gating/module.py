@@ -18,7 +18,7 @@ from modular.data.formatting import IGNORE
 from modular.gating.loaders import loader_states_fit
 from modular.gating.losses import response_margins
 from modular.gating.objectives import HeadTaskTerm, Piece, StepContext, Term, build_objectives, default_objectives
-from modular.gating.randomness import global_random_state, python_state, set_global_random_state
+from modular.gating.randomness import global_random_state, set_global_random_state
 from modular.heads.gates import deterministic_gate_values, head_gate_scope
 from modular.hooks import ablate_directions, ablate_rows, add_vectors, capture_head_inputs, enable_checkpointing
 from modular.models.adapter import ArchitectureAdapter
@@ -621,7 +621,7 @@ class GatedLM(L.LightningModule):
             return
         if len(state["processes"]) == self.trainer.world_size:
             set_global_random_state(state["processes"][self.trainer.global_rank])
-        self._rng.setstate(python_state(state["assignment"]))
+        self._rng.setstate(state["assignment"])
         if self.steering is not None and state["steering"] is not None:
             self.steering.load_state_dict(state["steering"], self.device)
         if [name for name, _ in state["objectives"]] == [type(t).__name__ for t in self.objectives]:

@@ -25,17 +25,10 @@ def global_random_state() -> dict:
     return state
 
 
-def python_state(state) -> tuple:
-    """A ``random.Random`` state as ``setstate`` takes it (its middle part may come back from a checkpoint as a
-    list)."""
-    version, internal, gauss = state
-    return version, tuple(internal), gauss
-
-
 def set_global_random_state(state: dict) -> None:
     """Take back a state of :func:`global_random_state` (the GPU's where this process uses one)."""
     torch.set_rng_state(state["torch"])
-    random.setstate(python_state(state["python"]))
+    random.setstate(state["python"])
     kind, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     if "cuda" in state and torch.cuda.is_available() and torch.cuda.is_initialized():

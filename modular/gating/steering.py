@@ -17,7 +17,6 @@ import random
 import torch
 
 from modular.directions import last_position_states, robust_norm
-from modular.gating.randomness import python_state
 
 
 class SteeringAdversary:
@@ -44,7 +43,7 @@ class SteeringAdversary:
                 "scale": self.scale, "step": self._step}
 
     def load_state_dict(self, state: dict, device=None) -> None:
-        self._rng.setstate(python_state(state["rng"]))
+        self._rng.setstate(state["rng"])
         self.vectors = {b: v.to(device) for b, v in state["vectors"].items()}
         self.scale, self._step = state["scale"], state["step"]
 
