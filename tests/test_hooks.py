@@ -268,3 +268,23 @@ def test_one_basis_per_lock_for_writes_without_a_post_norm(arch, tokens, monkeyp
     assert sorted(calls) == sorted([2] * (own + (own < len(adapter.write_sites()))) +
                                    [1] * (own + (own < len(adapter.write_sites()))))
     assert len(qr) == calls.count(2)  # the one-direction bases took no QR
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_one_direction_projection_has_the_formula_s_gradients(masked):
+    """The one-direction projection (a function of its own, whose backward is the same projection) gives the plain
+    formula's value, gradient and second-order gradient."""
+    from modular.hooks import _project_out
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 4, 6, dtype=torch.float64, requires_grad=True)
+    u = torch.nn.functional.normalize(torch.randn(6, dtype=torch.float64), dim=0)
+    keep = torch.tensor([True, False, True]).reshape(3, 1, 1) if masked else None
+    k = keep.double() if masked else 1.0
+    formula = x - (x * u).sum(-1, keepdim=True) * k * u
+    torch.testing.assert_close(_project_out(x, u, keep), formula)
+    assert torch.autograd.gradcheck(lambda x: _project_out(x, u, keep), (x,))
+    assert torch.autograd.gradgradcheck(lambda x: _project_out(x, u, keep) ** 2, (x,))
+    w = torch.randn(3, 4, 6, dtype=torch.float64)
+    g, = torch.autograd.grad((_project_out(x, u, keep) * w).sum(), x)
+    torch.testing.assert_close(g, w - (w * u).sum(-1, keepdim=True) * k * u)

@@ -23,6 +23,7 @@ from modular.heads.gates import deterministic_gate_values, head_gate_scope
 from modular.hooks import ablate_directions, ablate_rows, add_vectors, capture_head_inputs, enable_checkpointing
 from modular.models.adapter import ArchitectureAdapter
 from modular.models.attention import eager_attention
+from modular.models.precision import host_to_device
 from modular.optim import adamw
 from modular.runs import DIRECTIONS
 
@@ -374,11 +375,11 @@ class GatedLM(L.LightningModule):
             merged = concat_left_padded([p.batch for p in items], pad)
             readers = [(t, p, name) for p in items for t in self.objectives if (name := t.reads(p))]
             with ExitStack() as stack:
-                row_sets = self._row_ablations(items, merged["input_ids"].shape[0])
-                if len(row_sets) == 1 and bool(row_sets[0][0].all()):  # every row alike: the plain hooks
+                row_sets, every_row = self._row_ablations(items, merged["input_ids"].shape[0])
+                if every_row:  # every row alike: the plain hooks
                     stack.enter_context(ablate_directions(self.adapter, row_sets[0][1]))
-                elif row_sets:
-                    stack.enter_context(ablate_rows(self.adapter, row_sets))
+                elif row_sets:  # disjoint by construction: no check (it would wait for the device)
+                    stack.enter_context(ablate_rows(self.adapter, row_sets, check=False))
                 if task_group:
                     full = any(isinstance(t, HeadTaskTerm) and t.needs_cf_logits and t.active(ctx)
                                for t in self.objectives)
@@ -393,18 +394,21 @@ class GatedLM(L.LightningModule):
                 out = self.model(input_ids=merged["input_ids"], attention_mask=merged["attention_mask"],
                                  output_hidden_states=bool(readers))
                 logits = out.logits
-            rows, row = {}, 0
-            for p in items:
-                n = p.batch["input_ids"].shape[0]
-                rows[id(p)] = (row, n)
-                sub = _rows(p, merged, row, n)
-                terms[p.name] = p.term.loss(ctx, sub, logits[row:row + n])
+            # each piece's rows as one split of the outputs, not a slice each: a split's backward is one
+            # concatenation, a slice's a zero tensor of the whole output per piece (vocabulary-wide for the logits)
+            sizes = [p.batch["input_ids"].shape[0] for p in items]
+            starts = [sum(sizes[:i]) for i in range(len(items))]
+            piece_logits = logits.split(sizes)
+            index = {id(p): i for i, p in enumerate(items)}
+            for i, p in enumerate(items):
+                sub = _rows(p, merged, starts[i], sizes[i])
+                terms[p.name] = p.term.loss(ctx, sub, piece_logits[i])
                 weights[p.name] = p.term.weight * (hp.locked_weight if p.locked else 1.0)
-                row += n
+            piece_hidden = [h.split(sizes) for h in out.hidden_states] if readers else []
             for t, p, name in readers:
-                row, n = rows[id(p)]
-                sub = _rows(p, merged, row, n)
-                terms[name] = t.loss_on(ctx, sub, logits[row:row + n], tuple(h[row:row + n] for h in out.hidden_states))
+                i = index[id(p)]
+                sub = _rows(p, merged, starts[i], sizes[i])
+                terms[name] = t.loss_on(ctx, sub, piece_logits[i], tuple(h[i] for h in piece_hidden))
                 weights[name] = t.weight * (hp.locked_weight if p.locked else 1.0)
             if task_group:
                 plain_logits = []
@@ -478,17 +482,34 @@ class GatedLM(L.LightningModule):
             logits = self.model(**inputs).logits if full_logits else last_position_logits(self.model, inputs)
         return dict(z), logits
 
-    def _row_ablations(self, items: list[Piece], n_rows: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """``(rows, directions)`` for every ablated set among the pieces: a (n_rows,) mask of their rows."""
-        masks: dict[frozenset, torch.Tensor] = {}
+    def _row_ablations(self, items: list[Piece], n_rows: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], bool]:
+        """``(rows, directions)`` for every ablated set among the pieces (a (n_rows,) mask of their rows), and whether
+        one set covers every row. Built on the host from the pieces' sizes and sent in one asynchronous copy: nothing
+        here waits for the device."""
+        sets: dict[frozenset, list[tuple[int, int]]] = {}
         row = 0
         for piece in items:
             n = piece.batch["input_ids"].shape[0]
             if piece.ablated:
-                mask = masks.setdefault(piece.ablated, torch.zeros(n_rows, dtype=torch.bool, device=self.device))
-                mask[row:row + n] = True
+                sets.setdefault(piece.ablated, []).append((row, row + n))
             row += n
-        return [(mask, self.directions[sorted(ablated)]) for ablated, mask in masks.items()]
+        if not sets:
+            return [], False
+        masks = torch.zeros(len(sets), n_rows, dtype=torch.bool)
+        for j, spans in enumerate(sets.values()):
+            for start, end in spans:
+                masks[j, start:end] = True
+        every_row = len(sets) == 1 and sum(end - start for start, end in next(iter(sets.values()))) == n_rows
+        masks = host_to_device(masks, self.directions.device)
+        return [(masks[j], self._directions_of(ablated)) for j, ablated in enumerate(sets)], every_row
+
+    def _directions_of(self, ablated: frozenset) -> torch.Tensor:
+        """The rows of ``directions`` of the behaviours in ``ablated``: a slice where they are consecutive (no index
+        tensor to copy to the device)."""
+        idx = sorted(ablated)
+        if idx == list(range(idx[0], idx[-1] + 1)):
+            return self.directions[idx[0]:idx[-1] + 1]
+        return self.directions.index_select(0, host_to_device(torch.tensor(idx), self.directions.device))
 
     def _row_vectors(self, items: list[Piece], n_rows: int) -> dict[int, torch.Tensor]:
         """{block: (n_rows, d) vectors}: each steered piece's vector on its rows, zeros elsewhere."""

@@ -40,6 +40,15 @@ def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
     return dev
 
 
+def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t``, built on the host, on ``device``. To a GPU through pinned memory and asynchronously: a copy from
+    ordinary host memory makes the host wait until the GPU has run everything queued before it."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def own_dtype(config) -> torch.dtype | None:
     """The precision a model's config declares (``torch_dtype``/``dtype``), if it is one modular runs in."""
     for name in ("dtype", "torch_dtype"):

@@ -236,6 +236,64 @@ def test_open_and_locked_rows_share_one_forward_pass(tmp_path, isolated_cache):
     assert len(passes) == 2
 
 
+def test_a_gated_step_reads_nothing_back_from_the_device(tmp_path, isolated_cache):
+    """Two behaviours, each with its own directions ablated on its own rows of a shared pass: building the row masks
+    and choosing the directions reads no tensor value back (on a GPU each read waits for every queued kernel). Only
+    the model's own code may read; the module's and the hooks' code may not."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    cfg = yaml.safe_load((CONFIGS / "gate_two_smollm2.yaml").read_text())
+    model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
+    lm = GatedLM(model_name=str(model_dir), objectives=[_instantiate(s) for s in cfg["model"]["objectives"]],
+                 locked_steering=0.0, **{k: cfg["model"][k] for k in _MODEL_KEYS if k in cfg["model"]})
+    dm = GatingDataModule(model_name=str(model_dir), behaviours=lm.behaviours, batch_size=4, max_length=64,
+                          lm_max_length=32, reference_max_new_tokens=4, reference_top_k=8, neighbour_items=8,
+                          **{k: cfg["data"][k] for k in _DATA_KEYS if k in cfg["data"]}, **_TINY_DATA)
+    dm.setup("fit")
+    batch = _first_batch(lm, dm)
+    package = str(Path(importlib.import_module("modular").__file__).parent)
+    reads = []
+
+    class Reads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default):
+                import traceback
+
+                own = [f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename]  # not this frame
+                if own and own[-1].filename.startswith(package):
+                    reads.append(f"{own[-1].filename}:{own[-1].lineno}")
+            return func(*args, **(kwargs or {}))
+
+    with Reads():
+        total, terms = lm.model_step(batch, train=False)
+    assert len(lm.behaviours) == 2 and any(n.endswith("locked_kl") or "locked" in n for n in terms)
+    assert reads == []
+
+
+def test_row_masks_and_directions_of_each_ablated_set(tmp_path):
+    """Each ablated set's mask covers its pieces' rows and no other; one set over every row is told apart (the
+    plain hooks serve it); a set's directions are its behaviours' rows, consecutive or not."""
+    from types import SimpleNamespace
+
+    lm = GatedLM(model_name=str(save_tiny_folder(tmp_path / "tiny", "llama")), locked_steering=0.0,
+                 behaviours=["capitals", "currencies", "demonyms"])
+    lm.directions.copy_(torch.randn_like(lm.directions))
+
+    def piece(n, ablated):
+        return SimpleNamespace(batch={"input_ids": torch.zeros(n, 3)}, ablated=frozenset(ablated))
+
+    sets, every_row = lm._row_ablations([piece(2, {0, 2}), piece(1, ()), piece(3, {1}), piece(1, {0, 2})], 7)
+    assert not every_row and len(sets) == 2
+    assert sets[0][0].tolist() == [True, True, False, False, False, False, True]
+    assert sets[1][0].tolist() == [False, False, False, True, True, True, False]
+    torch.testing.assert_close(sets[0][1], lm.directions[[0, 2]])
+    torch.testing.assert_close(sets[1][1], lm.directions[[1]])
+    sets, every_row = lm._row_ablations([piece(2, {0, 1}), piece(3, {0, 1})], 5)
+    assert every_row and sets[0][0].all() and torch.equal(sets[0][1], lm.directions[:2])
+    assert lm._row_ablations([piece(2, {1}), piece(3, ())], 5)[1] is False
+    assert lm._row_ablations([piece(2, ())], 2) == ([], False)
+
+
 def test_terms_check_their_options():
     with pytest.raises(ModularError, match="KeepReference weight must be >= 0"):
         KeepReference(weight=-1.0)
