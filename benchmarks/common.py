@@ -85,6 +85,33 @@ def plain_loss(model, plain_batches) -> torch.Tensor:
     return loss
 
 
+def gated_module(folder, mode: str, precision: str, device: torch.device):
+    """``(module, tokenizer)``: a GatedLM of the model in ``folder`` (``mode``: full or lora) with a random unit
+    direction, on ``device`` in training mode, ready for ``model_step`` outside a Trainer."""
+    from modular.gating.module import GatedLM
+    from modular.models import load_tokenizer
+
+    torch.manual_seed(0)
+    module = GatedLM(model_name=str(folder), finetuning=mode, load_dtype=precision)
+    tok = load_tokenizer(str(folder))
+    attach_tokenizer(module, tok)
+    module.directions.copy_(torch.nn.functional.normalize(torch.randn_like(module.directions), dim=-1))
+    module.to(device).train()
+    return module, tok
+
+
+def training_step(module, opt, kind: str, batch: dict, plain_batches: list):
+    """One step of ``kind`` (``plain`` fine-tuning or ``gated``) on the same examples: forward, backward, update."""
+
+    def run():
+        loss = module.model_step(batch, train=True)[0] if kind == "gated" else plain_loss(module.model, plain_batches)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return run
+
+
 def count_ops(fn) -> int:
     """The aten operations that one call of ``fn`` dispatches, its backward pass included: host work that does not
     shrink with a faster device (on a GPU each launches at least one kernel), so the part of a step's time that a

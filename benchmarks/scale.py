@@ -88,30 +88,17 @@ class PeakRSS:
 
 def worker(args) -> dict:
     """One measurement in this process: ``args.step`` (plain or gated) of one size and mode."""
-    from common import attach_tokenizer, count_ops, median_time, plain_loss, to_device, training_batch
+    from common import count_ops, gated_module, median_time, to_device, training_batch, training_step
 
-    from modular.gating.module import GatedLM
-    from modular.models import load_tokenizer
     from modular.models.precision import resolve_device
 
     device = resolve_device(args.device)
-    torch.manual_seed(0)
-    module = GatedLM(model_name=args.folder, finetuning=args.mode, load_dtype=args.precision)
-    tok = load_tokenizer(args.folder)
-    attach_tokenizer(module, tok)
-    module.directions.copy_(torch.nn.functional.normalize(torch.randn_like(module.directions), dim=-1))
-    module.to(device).train()
+    module, tok = gated_module(args.folder, args.mode, args.precision, device)
     batch, plain_batches = training_batch(tok, args.batch_size, args.lm_length)
     batch, plain_batches = to_device(batch, device), to_device(plain_batches, device)
     params = [p for p in module.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-5)
-
-    def step():
-        loss = module.model_step(batch, train=True)[0] if args.step == "gated" else plain_loss(module.model,
-                                                                                               plain_batches)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    step = training_step(module, opt, args.step, batch, plain_batches)
 
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)

@@ -65,34 +65,10 @@ def sync_points(step) -> list[str]:
     return [f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
 
 
-def training_step(module, opt, kind: str, batch: dict, plain_batches: list):
-    """One step of ``kind`` (plain fine-tuning or gated) on the same examples: forward, backward and update."""
-    from common import plain_loss
-
-    def run():
-        if kind == "gated":
-            loss = module.model_step(batch, train=True)[0]
-        else:
-            loss = plain_loss(module.model, plain_batches)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return run
-
-
 def measure(folder: Path, mode: str, batch_sizes: list[int], args, device: torch.device) -> list[dict]:
-    from common import attach_tokenizer, to_device, training_batch
+    from common import gated_module, to_device, training_batch, training_step
 
-    from modular.gating.module import GatedLM
-    from modular.models import load_tokenizer
-
-    torch.manual_seed(0)
-    module = GatedLM(model_name=str(folder), finetuning=mode, load_dtype=args.precision)
-    tok = load_tokenizer(str(folder))
-    attach_tokenizer(module, tok)
-    module.directions.copy_(torch.nn.functional.normalize(torch.randn_like(module.directions), dim=-1))
-    module.to(device).train()
+    module, tok = gated_module(folder, mode, args.precision, device)
     opt = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-5)
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
