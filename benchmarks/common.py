@@ -80,7 +80,7 @@ def plain_loss(model, plain_batches) -> torch.Tensor:
     """Cross-entropy of plain fine-tuning on the same examples."""
     loss = 0.0
     for b in plain_batches:
-        logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+        logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], use_cache=False).logits
         loss = loss + token_ce(logits, b["labels"])
     return loss
 

@@ -39,7 +39,7 @@ def residual_covariance(model, tokenizer, prompts: list[str], chats: list[bool],
         batch = batch_prompts(tokenizer, prompts[start:start + batch_size], chats[start:start + batch_size])
         mask = batch["attention_mask"].bool()
         with capture_residual(adapter) as states:
-            model(**{k: v.to(device) for k, v in batch.items()})
+            model(**{k: v.to(device) for k, v in batch.items()}, use_cache=False)
         for s in states:
             x = s[mask.to(s.device)].double().cpu()
             total += x.sum(0)
@@ -90,7 +90,7 @@ def last_position_states(model, tokenizer, prompts: list[str], chats: list[bool]
     for start in range(0, len(prompts), batch_size):
         batch = batch_prompts(tokenizer, prompts[start:start + batch_size], chats[start:start + batch_size])
         with (intervention() if intervention is not None else nullcontext()), capture_residual(adapter) as states:
-            model(**{k: v.to(device) for k, v in batch.items()}, **extra)
+            model(**{k: v.to(device) for k, v in batch.items()}, use_cache=False, **extra)
         rows.append(torch.stack([s[:, -1].float() for s in states], dim=1))
     return torch.cat(rows)
 

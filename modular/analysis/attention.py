@@ -33,7 +33,7 @@ def last_token_attention(model, tokenizer, sequences: list[list[int]], spans: li
         for start in range(0, len(sequences), batch_size):
             chunk = sequences[start:start + batch_size]
             batch = with_positions(collate([{"input_ids": s} for s in chunk]))
-            out = model(**{k: v.to(device) for k, v in batch.items()}, output_attentions=True)
+            out = model(**{k: v.to(device) for k, v in batch.items()}, output_attentions=True, use_cache=False)
             att = torch.stack([a[:, :, -1, :].float().cpu() for a in out.attentions], 1)  # (b, L, H, seq)
             if total is None:
                 total = torch.zeros(*att.shape[1:3], max_len)

@@ -40,7 +40,7 @@ def suffix_means(model, tokenizer, prompts: list[str], fmt: str, batch_size: int
     for start in range(0, len(prompts), batch_size):
         batch = with_positions(format_batch(tokenizer, prompts[start:start + batch_size], fmt, sfx))
         with capture_residual(adapter) as states:
-            model(**{key: v.to(device) for key, v in batch.items()})
+            model(**{key: v.to(device) for key, v in batch.items()}, use_cache=False)
         for i in range(adapter.n_layers):
             total[i] += states[i + 1][:, -k:].double().mean(1).sum(0).cpu()
     return total / len(prompts)

@@ -51,7 +51,7 @@ def residual_scale(model, tokenizer, prompts, chats) -> float:
     batch = batch_prompts(tokenizer, list(prompts[:16]), list(chats[:16]))
     batch = {k: v.to(next(model.parameters()).device) for k, v in batch.items()}
     with capture_residual(adapter) as states:
-        model(**batch)
+        model(**batch, use_cache=False)
     # median over prompts of the residual norm without its largest coordinate (outlier dimensions
     # dominate the norm but not what a behaviour direction carries)
     return robust_norm(states[adapter.n_layers // 2][:, -1].float()).item()

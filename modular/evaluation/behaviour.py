@@ -67,7 +67,7 @@ def last_logits(model, tokenizer, prompts: list[str], chats: list[bool], batch_s
     for start in range(0, len(prompts), batch_size):
         batch = batch_prompts(tokenizer, prompts[start:start + batch_size], chats[start:start + batch_size])
         batch = {k: v.to(_device(model)) for k, v in batch.items()}
-        rows.append(model(**batch).logits[:, -1].float().cpu())
+        rows.append(model(**batch, use_cache=False).logits[:, -1].float().cpu())
     return torch.cat(rows)
 
 

@@ -123,7 +123,7 @@ def fine_tune(m, batches, steps: int, lr: float, pad_id: int, desc: str | bool):
     device = next(m.parameters()).device
     for step in tqdm(range(1, steps + 1), desc=desc or None, disable=desc is False, leave=False):
         batch = {k: v.to(device) for k, v in collate(batches(step)).items()}
-        loss = m(**batch).loss
+        loss = m(**batch, use_cache=False).loss
         if not torch.isfinite(loss):
             return
         loss.backward()

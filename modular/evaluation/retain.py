@@ -40,5 +40,5 @@ def perplexity(model, tokenizer, texts: list[str], intervention=None, batch_size
                             max_length=max_length)
             enc = {k: v.to(device) for k, v in enc.items()}
             mask = enc["attention_mask"][:, 1:].bool() & enc["attention_mask"][:, :-1].bool()
-            metric.update(model(**enc).logits[:, :-1], enc["input_ids"][:, 1:], mask)
+            metric.update(model(**enc, use_cache=False).logits[:, :-1], enc["input_ids"][:, 1:], mask)
     return metric.compute().item()

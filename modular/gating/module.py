@@ -392,7 +392,7 @@ class GatedLM(L.LightningModule):
                 if vectors:  # steered pieces get their vector on their own rows only, in the shared forward
                     stack.enter_context(add_vectors(self.adapter, vectors))
                 out = self.model(input_ids=merged["input_ids"], attention_mask=merged["attention_mask"],
-                                 output_hidden_states=bool(readers))
+                                 output_hidden_states=bool(readers), use_cache=False)
                 logits = out.logits
             # each piece's rows as one split of the outputs, not a slice each: a split's backward is one
             # concatenation, a slice's a zero tensor of the whole output per piece (vocabulary-wide for the logits)
@@ -417,7 +417,8 @@ class GatedLM(L.LightningModule):
                     if not plain_logits:
                         with head_gate_scope(self.hf_model, active=False):
                             plain_logits.append(self.model(input_ids=merged["input_ids"],
-                                                           attention_mask=merged["attention_mask"]).logits)
+                                                           attention_mask=merged["attention_mask"],
+                                                           use_cache=False).logits)
                     return plain_logits[0]
 
                 group = {"merged": merged, "logits": logits, "cf_inputs": cf_inputs, "cf_logits": cf_logits,
@@ -459,7 +460,8 @@ class GatedLM(L.LightningModule):
         # eager attention: SDPA kernels have no second derivative
         with eager_attention(self.hf_model), head_gate_scope(self.hf_model, active=False), \
                 capture_head_inputs(self.adapter, detach=False) as z:
-            logits = self.model(input_ids=merged["input_ids"], attention_mask=merged["attention_mask"]).logits
+            logits = self.model(input_ids=merged["input_ids"], attention_mask=merged["attention_mask"],
+                                use_cache=False).logits
         margins, keep = response_margins(logits, merged["labels"], merged["wrong_ids"])
         keep = keep & (merged["cf_input_ids"] != merged["input_ids"]).any(dim=1)  # a counterfactual of its own
         layers = sorted(z)
@@ -479,7 +481,7 @@ class GatedLM(L.LightningModule):
 
         inputs = {"input_ids": merged["cf_input_ids"], "attention_mask": merged["cf_attention_mask"]}
         with head_gate_scope(self.hf_model, active=False), capture_head_inputs(self.adapter) as z:
-            logits = self.model(**inputs).logits if full_logits else last_position_logits(self.model, inputs)
+            logits = self.model(**inputs, use_cache=False).logits if full_logits else last_position_logits(self.model, inputs)
         return dict(z), logits
 
     def _row_ablations(self, items: list[Piece], n_rows: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], bool]:

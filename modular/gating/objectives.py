@@ -660,7 +660,8 @@ class HeadInterchange(HeadTaskTerm):
 
         lm, merged = ctx.lm, group["merged"]
         with head_gate_scope(lm.hf_model, replacements=group["cf_inputs"], invert=True):
-            swapped = lm.model(input_ids=merged["input_ids"], attention_mask=merged["attention_mask"]).logits
+            swapped = lm.model(input_ids=merged["input_ids"], attention_mask=merged["attention_mask"],
+                               use_cache=False).logits
         differs = (merged["cf_input_ids"] != merged["input_ids"]).any(dim=1)  # a counterfactual of its own
         return {"tasks/interchange_kl": interchange_kl(swapped, group["cf_logits"], merged["labels"], differs)}
 

@@ -48,7 +48,7 @@ def _log_probs(model, tokenizer, rows: list[list[int]]) -> list[torch.Tensor]:
     """Next-token log-probabilities (float32, on the CPU) at every position of each row, batched on the model's
     device."""
     ids, mask = _padded(rows, tokenizer.pad_token_id or 0, next(model.parameters()).device)
-    logits = model(input_ids=ids, attention_mask=mask).logits
+    logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
     return [torch.log_softmax(logits[j, :len(r)].float(), -1).cpu() for j, r in enumerate(rows)]
 
 
@@ -157,7 +157,7 @@ def compute_hidden_reference(model, tokenizer, records: list[dict], positions: i
         chunk = records[start:start + batch_size]
         rows = [list(r["input_ids"]) for r in chunk]
         ids, mask = _padded(rows, tokenizer.pad_token_id or 0, next(model.parameters()).device)
-        hidden = model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
+        hidden = model(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False).hidden_states
         blocks = hidden_blocks(len(hidden), stride)
         if not blocks:
             raise ModularError(f"data.hidden_stride {stride} takes no block output of a model with "

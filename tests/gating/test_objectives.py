@@ -236,13 +236,9 @@ def test_open_and_locked_rows_share_one_forward_pass(tmp_path, isolated_cache):
     assert len(passes) == 2
 
 
-def test_a_gated_step_reads_nothing_back_from_the_device(tmp_path, isolated_cache):
-    """Two behaviours, each with its own directions ablated on its own rows of a shared pass: building the row masks
-    and choosing the directions reads no tensor value back (on a GPU each read waits for every queued kernel). Only
-    the model's own code may read; the module's and the hooks' code may not."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    cfg = yaml.safe_load((CONFIGS / "gate_two_smollm2.yaml").read_text())
+def _config_step_inputs(tmp_path, config: str):
+    """``(module, batch)``: a tiny Llama gated with a shipped config's objectives, and its first training batch."""
+    cfg = yaml.safe_load((CONFIGS / config).read_text())
     model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
     lm = GatedLM(model_name=str(model_dir), objectives=[_instantiate(s) for s in cfg["model"]["objectives"]],
                  locked_steering=0.0, **{k: cfg["model"][k] for k in _MODEL_KEYS if k in cfg["model"]})
@@ -250,7 +246,38 @@ def test_a_gated_step_reads_nothing_back_from_the_device(tmp_path, isolated_cach
                           lm_max_length=32, reference_max_new_tokens=4, reference_top_k=8, neighbour_items=8,
                           **{k: cfg["data"][k] for k in _DATA_KEYS if k in cfg["data"]}, **_TINY_DATA)
     dm.setup("fit")
-    batch = _first_batch(lm, dm)
+    return lm, _first_batch(lm, dm)
+
+
+def test_a_gated_step_builds_no_key_value_cache(tmp_path, isolated_cache, monkeypatch):
+    """A training step decodes nothing: its forward passes build no key-value cache (the model's default builds one,
+    a copy of every block's keys and values held until the step's outputs are dropped)."""
+    from transformers import cache_utils
+
+    lm, batch = _config_step_inputs(tmp_path, "gate_capitals_smollm2.yaml")
+    built = []
+    init = cache_utils.DynamicCache.__init__
+
+    def counted(self, *args, **kwargs):
+        built.append(1)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(cache_utils.DynamicCache, "__init__", counted)
+    lm.hf_model(input_ids=torch.ones(1, 3, dtype=torch.long))  # the default builds one
+    assert built, "the patch does not see the model's cache"
+    built.clear()
+    total, terms = lm.model_step(batch, train=True)
+    total.backward()
+    assert any("hidden" in n for n in terms) and built == []
+
+
+def test_a_gated_step_reads_nothing_back_from_the_device(tmp_path, isolated_cache):
+    """Two behaviours, each with its own directions ablated on its own rows of a shared pass: building the row masks
+    and choosing the directions reads no tensor value back (on a GPU each read waits for every queued kernel). Only
+    the model's own code may read; the module's and the hooks' code may not."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    lm, batch = _config_step_inputs(tmp_path, "gate_two_smollm2.yaml")
     package = str(Path(importlib.import_module("modular").__file__).parent)
     reads = []
 
