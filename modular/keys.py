@@ -182,6 +182,24 @@ def ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(x == 0, torch.full_like(x, torch.finfo(dtype).tiny), spacing)
 
 
+def grid_steps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many steps of ``b``'s dtype's grid separate ``a`` (rounded to that dtype) from ``b``, per entry
+    (int64; equal values, ``-0.0`` and ``0.0`` included, are 0 apart): units in the last place that are counted on
+    the grid, so that they stay finite and comparable across binades and at zero, where a spacing-based count
+    divides by the smallest normal number. For 16- and 32-bit floats; other dtypes are measured in float32's grid."""
+    if b.element_size() not in (2, 4):
+        a, b = a.float(), b.float()
+    a = a.to(b.dtype)
+    if b.element_size() == 4:
+        sign = 0x80000000
+        ia, ib = (t.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF for t in (a, b))
+    else:
+        sign = 0x8000
+        ia, ib = (t.contiguous().view(torch.int16).to(torch.int64) & 0xFFFF for t in (a, b))
+    oa, ob = (torch.where(i < sign, i, sign - i) for i in (ia, ib))  # signed magnitudes: -0 and +0 both at 0
+    return (oa - ob).abs()
+
+
 def _grid_order(x: torch.Tensor) -> torch.Tensor:
     """The position of each 16-bit float on its dtype's grid, as int32: consecutive representable values get
     consecutive integers (−0 just below +0), so a difference counts grid steps, across binades too."""

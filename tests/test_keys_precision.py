@@ -269,3 +269,41 @@ def test_low_precision_keys_are_stored_compactly(tmp_path, k):
         assert len(made) == len(got)
         for (i0, v0), (i1, v1) in zip(made, got):
             assert torch.equal(i0, i1) and torch.equal(v0.double(), v1.double())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_grid_steps_count_representable_values_across_zero_and_binades(dtype):
+    """Units in the last place counted on the dtype's grid: next values are 1 apart, across a binade too; at zero
+    the smallest subnormal is 1 step (a spacing-based count divided by the smallest normal and gave 1e29 for a float32
+    key's 3e-9 residual on a zero weight); ``-0.0`` equals ``0.0``; opposite signs add their steps."""
+    from modular.keys import grid_steps
+
+    one, zero = torch.tensor([1.0], dtype=dtype), torch.tensor([0.0], dtype=dtype)
+    tiny = torch.nextafter(zero, one)  # the smallest subnormal
+    assert 0 < float(tiny) < torch.finfo(dtype).smallest_normal
+    up, down = torch.nextafter(one, 2 * one), torch.nextafter(one, zero)
+    assert grid_steps(up, one).item() == 1 and grid_steps(down, one).item() == 1  # across the binade at 1
+    assert grid_steps(torch.nextafter(up, 2 * one), one).item() == 2
+    assert grid_steps(tiny, zero).item() == 1 and grid_steps(-tiny, zero).item() == 1
+    assert grid_steps(-tiny, tiny).item() == 2  # -tiny, 0, +tiny
+    assert grid_steps(torch.tensor([-0.0], dtype=dtype), zero).item() == 0
+    assert grid_steps(one, one).item() == 0
+    if dtype == torch.float32:  # a float32 residual of 3e-9 on a zero weight: a finite count of float32 values
+        assert 0 < grid_steps(torch.tensor([3e-9]), zero).item() < 2 ** 31
+    else:  # measured in the 16-bit grid, a float32 value rounded to it first
+        assert grid_steps(up.float() + 1e-6, one).item() == 1
+
+
+def test_max_param_ulps_reports_grid_steps_of_the_second_model():
+    from modular.evaluation.lock import max_param_ulps
+
+    a, b = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    b.load_state_dict(a.state_dict())
+    assert max_param_ulps(a, b) == 0
+    with torch.no_grad():
+        b.weight[0, 0] = 0.0
+        a.weight[0, 0] = 3e-9
+    assert 0 < max_param_ulps(a, b) < 2 ** 31
+    with torch.no_grad():
+        a.weight[0, 0] = torch.nextafter(torch.tensor(0.0), torch.tensor(1.0))
+    assert max_param_ulps(a, b) == 1

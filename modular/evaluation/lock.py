@@ -22,7 +22,7 @@ from modular.evaluation.metrics import share
 from modular.evaluation.retain import first_token_logp, mean_kl, perplexity
 from modular.evaluation.stats import paired_change, wilson_interval
 from modular.hooks import ablate_directions
-from modular.keys import apply_key, lock_weights, ulp
+from modular.keys import apply_key, grid_steps, lock_weights
 from modular.models.adapter import ArchitectureAdapter
 
 log = logging.getLogger("modular")
@@ -54,14 +54,14 @@ def weights_bit_exact(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) ->
     return all(a[k].dtype == b[k].dtype and torch.equal(bits(a[k]), bits(b[k])) for k in a if k in b)
 
 
-def max_param_ulps(a, b) -> float:
-    """The largest difference between ``a``'s and ``b``'s weights in units in the last place of ``b``'s."""
+def max_param_ulps(a, b) -> int:
+    """The largest difference between ``a``'s and ``b``'s weights in units in the last place of ``b``'s: the
+    representable values of ``b``'s dtype between the two (:func:`~modular.keys.grid_steps`)."""
     sa, sb = a.state_dict(), b.state_dict()
-    worst = 0.0
+    worst = 0
     for k in sa:
-        if k in sb and sb[k].is_floating_point():
-            diff = (sa[k].double() - sb[k].double()).abs() / ulp(sb[k], sb[k].dtype)
-            worst = max(worst, diff.max().item())
+        if k in sb and sb[k].is_floating_point() and sb[k].numel():
+            worst = max(worst, int(grid_steps(sa[k], sb[k]).max()))
     return worst
 
 
