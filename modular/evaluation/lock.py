@@ -56,7 +56,7 @@ def weights_bit_exact(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) ->
 
 def max_param_ulps(a, b) -> int:
     """The largest difference between ``a``'s and ``b``'s weights in units in the last place of ``b``'s: the
-    representable values of ``b``'s dtype between the two (:func:`~modular.keys.grid_steps`)."""
+    steps of ``b``'s dtype's grid between the two (:func:`~modular.keys.grid_steps`)."""
     sa, sb = a.state_dict(), b.state_dict()
     worst = 0
     for k in sa:
