@@ -190,14 +190,14 @@ def grid_steps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if b.element_size() not in (2, 4):
         a, b = a.float(), b.float()
     a = a.to(b.dtype)
-    if b.element_size() == 4:
-        sign = 0x80000000
-        ia, ib = (t.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF for t in (a, b))
-    else:
-        sign = 0x8000
-        ia, ib = (t.contiguous().view(torch.int16).to(torch.int64) & 0xFFFF for t in (a, b))
-    oa, ob = (torch.where(i < sign, i, sign - i) for i in (ia, ib))  # signed magnitudes: -0 and +0 both at 0
-    return (oa - ob).abs()
+    view, width = {2: (torch.int16, 16), 4: (torch.int32, 32)}[b.element_size()]
+    sign = 1 << (width - 1)
+
+    def order(t):  # signed magnitude: -0 and +0 both at 0
+        bits = t.contiguous().view(view).to(torch.int64) & ((1 << width) - 1)
+        return torch.where(bits < sign, bits, sign - bits)
+
+    return (order(a) - order(b)).abs()
 
 
 def _grid_order(x: torch.Tensor) -> torch.Tensor:
