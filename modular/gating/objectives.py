@@ -311,7 +311,8 @@ class _PerturbedLock(Term):
                 delta = self.perturbation(ctx, i, params)
                 moved = {n: p + delta[n] for n, p in params.items() if n in delta}
                 logits = torch.func.functional_call(lm.model, moved, args=(), kwargs={
-                    "input_ids": rows["input_ids"], "attention_mask": rows["attention_mask"]}, strict=False).logits
+                    "input_ids": rows["input_ids"], "attention_mask": rows["attention_mask"], "use_cache": False},
+                    strict=False).logits
             out[f"{b}/{self.log_name}"] = token_ce(logits, rows["labels"])
         return out
 
@@ -369,7 +370,8 @@ class RelearningAdversary(_AttackerSizedLock):
             current = {n: (p.detach() + delta[n]).requires_grad_(True) for n, p in params.items()}
             with torch.enable_grad():
                 logits = torch.func.functional_call(ctx.lm.model, current, args=(), kwargs={
-                    "input_ids": rows["input_ids"], "attention_mask": rows["attention_mask"]}, strict=False).logits
+                    "input_ids": rows["input_ids"], "attention_mask": rows["attention_mask"], "use_cache": False},
+                    strict=False).logits
                 grads = torch.autograd.grad(token_ce(logits, rows["labels"]), list(current.values()),
                                             allow_unused=True)
             for n, g in zip(current, grads):
