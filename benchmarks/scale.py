@@ -7,15 +7,18 @@ default objective (open and locked pieces of a capitals batch, retain prompts an
 states), the plain step cross-entropy on the same examples. Each measurement runs in a fresh process (so that
 one's memory peak cannot hide another's): the median of ``--repeats`` timed steps after a warm-up, and the peak
 memory during the steps (GPU: allocated by torch; CPU: the process's resident set, sampled every millisecond).
-Plain and gated processes alternate, ``--rounds`` times each; ratios are gated / plain of the medians. Each process
-also counts the aten operations one step dispatches (forward, backward, update): host work, which a faster device does
-not shrink. On a GPU with the default batch the step is bound by it (docs/devices.md): the ops ratio is then what the
+Plain and gated processes alternate, ``--rounds`` times each; the memory ratio is gated / plain of their medians.
+The time ratio comes from one more process in which the two kinds of step alternate (``--paired_repeats`` of each
+after two warm-ups of each; ``step_time.py``'s measurement): both see the same machine state at the same moments,
+where separate processes differ by more than the gating costs (on 2 CPU cores a fresh process's steps varied by
+±15%). The separate processes' ratio is kept as ``separate_time_ratio``. Each process also counts the aten
+operations one step dispatches (forward, backward, update): host work, which a faster device does not shrink. On a GPU with the default batch the step is bound by it (docs/devices.md): the ops ratio is then what the
 time ratio tends to; larger batches (``--batch_size``) make the arithmetic count.
 Targets: gated ≤ 1.15× the plain step's time and ≤ 1.10× its peak memory.
 
 Usage: python benchmarks/scale.py [--sizes 135M 360M 1.7B] [--modes full lora] [--device auto]
-       [--precision auto] [--repeats 3] [--rounds 2] [--batch_size 8] [--lm_length 128] [--tokenizer ALIAS_OR_FOLDER]
-       [--out outputs/benchmarks]
+       [--precision auto] [--repeats 3] [--rounds 2] [--paired_repeats 8] [--batch_size 8] [--lm_length 128]
+       [--tokenizer ALIAS_OR_FOLDER] [--out outputs/benchmarks]
 Writes scale.json and scale.png (time, memory and op-count ratios against parameter count).
 """
 
@@ -87,12 +90,21 @@ class PeakRSS:
 
 
 def worker(args) -> dict:
-    """One measurement in this process: ``args.step`` (plain or gated) of one size and mode."""
+    """One measurement in this process: ``args.step`` (plain or gated) of one size and mode; ``paired``: both
+    kinds alternating, their times only."""
     from common import count_ops, gated_module, median_time, to_device, training_batch, training_step
 
     from modular.models.precision import resolve_device
 
     device = resolve_device(args.device)
+    if args.step == "paired":
+        from step_time import measure
+
+        opts = argparse.Namespace(precision=args.precision, lm_length=args.lm_length, repeats=args.repeats,
+                                  profile=False, sync_check=False)
+        row = measure(Path(args.folder), args.mode, [args.batch_size], opts, device)[0]
+        return {"plain_s": row["plain_s"], "gated_s": row["gated_s"], "time_ratio": row["time_ratio"],
+                "times_s": row["times_s"]}
     module, tok = gated_module(args.folder, args.mode, args.precision, device)
     batch, plain_batches = training_batch(tok, args.batch_size, args.lm_length)
     batch, plain_batches = to_device(batch, device), to_device(plain_batches, device)
@@ -115,13 +127,25 @@ def worker(args) -> dict:
             "trainable": sum(p.numel() for p in params), "device": str(device)}
 
 
+def run_worker(args, folder: Path, mode: str, step: str, repeats: int, device, precision: str) -> dict:
+    """:func:`worker`'s result from a fresh process."""
+    cmd = [sys.executable, __file__, "--worker", "--folder", str(folder), "--mode", mode, "--step", step,
+           "--device", str(device), "--precision", precision, "--repeats", str(repeats),
+           "--batch_size", str(args.batch_size), "--lm_length", str(args.lm_length)]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    if out.returncode != 0 or not lines:
+        sys.exit(f"{folder.name} {mode} {step} failed:\n{out.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
 def plot(report: dict, path: Path) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [("time_ratio", 1.15, "time per step: gated / plain"), ("memory_ratio", 1.10, "peak memory: gated / plain")]
+    panels = [("time_ratio", 1.15, "time per step: gated / plain (alternating)"), ("memory_ratio", 1.10, "peak memory: gated / plain")]
     if all("ops_ratio" in r for r in report["results"]):
         panels.append(("ops_ratio", None, "aten ops per step: gated / plain"))
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4))
@@ -157,6 +181,8 @@ def main() -> None:
                     help="weights' precision (auto: bfloat16 on a GPU, float32 on a CPU)")
     ap.add_argument("--repeats", type=int, default=3, help="timed steps per process (after one warm-up step)")
     ap.add_argument("--rounds", type=int, default=2, help="processes per size, mode and kind of step (alternating)")
+    ap.add_argument("--paired_repeats", type=int, default=8, help="timed steps of each kind in the process where "
+                    "they alternate (the time ratio)")
     ap.add_argument("--batch_size", type=int, default=8, help="examples per behaviour, retain and text batch (as the "
                     "default config)")
     ap.add_argument("--lm_length", type=int, default=128, help="tokens per neutral-text paragraph (0: no text)")
@@ -182,6 +208,7 @@ def main() -> None:
     root = Path(args.models) if args.models else Path(tempfile.mkdtemp(prefix="modular-scale-"))
     results = []
     settings = {"device": str(device), "precision": precision, "repeats": args.repeats, "rounds": args.rounds,
+                "paired_repeats": args.paired_repeats,
                 "batch_size": args.batch_size, "lm_length": args.lm_length, "modes": args.modes,
                 "targets": {"time_ratio_max": 1.15, "memory_ratio_max": 1.10}}
     for size in args.sizes:
@@ -190,28 +217,25 @@ def main() -> None:
             runs = {"plain": [], "gated": []}
             for _ in range(args.rounds):
                 for step in ("plain", "gated"):
-                    cmd = [sys.executable, __file__, "--worker", "--folder", str(folder), "--mode", mode, "--step",
-                           step, "--device", str(device), "--precision", precision, "--repeats", str(args.repeats),
-                           "--batch_size", str(args.batch_size), "--lm_length", str(args.lm_length)]
-                    out = subprocess.run(cmd, capture_output=True, text=True)
-                    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
-                    if out.returncode != 0 or not lines:
-                        sys.exit(f"{size} {mode} {step} failed:\n{out.stderr[-3000:]}")
-                    runs[step].append(json.loads(lines[-1][len("RESULT "):]))
+                    runs[step].append(run_worker(args, folder, mode, step, args.repeats, device, precision))
+            paired = run_worker(args, folder, mode, "paired", args.paired_repeats, device, precision)
             plain_s = statistics.median(r["median_s"] for r in runs["plain"])
             gated_s = statistics.median(r["median_s"] for r in runs["gated"])
             plain_m = statistics.median(r["peak_bytes"] for r in runs["plain"])
             gated_m = statistics.median(r["peak_bytes"] for r in runs["gated"])
             row = {"size": size, "mode": mode, "parameters": runs["plain"][0]["parameters"],
-                   "trainable": runs["plain"][0]["trainable"], "plain_step_s": plain_s, "gated_step_s": gated_s,
-                   "time_ratio": gated_s / plain_s, "plain_peak_bytes": plain_m, "gated_peak_bytes": gated_m,
+                   "trainable": runs["plain"][0]["trainable"], "plain_step_s": paired["plain_s"][1],
+                   "gated_step_s": paired["gated_s"][1], "time_ratio": paired["time_ratio"],
+                   "separate_plain_step_s": plain_s, "separate_gated_step_s": gated_s,
+                   "separate_time_ratio": gated_s / plain_s, "plain_peak_bytes": plain_m, "gated_peak_bytes": gated_m,
                    "memory_ratio": gated_m / plain_m, "memory": runs["plain"][0]["memory"],
                    "plain_ops": runs["plain"][0]["ops"], "gated_ops": runs["gated"][0]["ops"],
-                   "ops_ratio": runs["gated"][0]["ops"] / runs["plain"][0]["ops"], "runs": runs}
+                   "ops_ratio": runs["gated"][0]["ops"] / runs["plain"][0]["ops"], "runs": runs, "paired": paired}
             results.append(row)
             # a run cut short keeps the rows it measured
             write_json(Path(args.out) / "scale.json", {**settings, "complete": False, "results": results})
-            print(f"{size:>5} {mode:<4}  plain {plain_s:7.2f} s  gated {gated_s:7.2f} s  ×{row['time_ratio']:.3f}   "
+            print(f"{size:>5} {mode:<4}  plain {row['plain_step_s']:7.2f} s  gated {row['gated_step_s']:7.2f} s  "
+                  f"×{row['time_ratio']:.3f} (separate processes ×{row['separate_time_ratio']:.3f})   "
                   f"peak plain {plain_m / 2**30:6.2f} GiB  gated {gated_m / 2**30:6.2f} GiB  ×{row['memory_ratio']:.3f}   "
                   f"ops {row['plain_ops']} / {row['gated_ops']}  ×{row['ops_ratio']:.3f}",
                   flush=True)
