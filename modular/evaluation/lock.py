@@ -227,7 +227,7 @@ def _grouped_bars(ax, report: dict, states: list[str], group: str, names: list[s
         acc = [report["states"][s][group][b]["accuracy"] for s in states]
         ci = [report["states"][s][group][b]["ci95"] for s in states]
         err = [[a - lo for a, (lo, hi) in zip(acc, ci)], [hi - a for a, (lo, hi) in zip(acc, ci)]]
-        label = b if group == "behaviours" or b in report.get("neighbours_trained", []) else f"{b} (not trained on)"
+        label = b if group == "behaviours" or b in report.get("neighbours_trained", []) else f"{b} (not in training)"
         bars = ax.bar(x + j * width - 0.4 + width / 2, acc, width, yerr=err, capsize=3, label=label)
         for bar, a in zip(bars, acc):
             ax.annotate(f"{a:.2f}", (bar.get_x() + bar.get_width() / 2, a), ha="center", va="bottom",

@@ -109,7 +109,7 @@ def test_lock_figure_draws_behaviours_neighbours_and_leakage():
     assert heights(panels["gated behaviours"]) == [0.6, 0.7, 0.0, 0.0, 0.7]
     assert heights(panels["neighbour behaviours"]) == [0.8] * 5 + [0.7] * 5
     labels = [t.get_text() for t in panels["neighbour behaviours"].get_legend().get_texts()]
-    assert labels == ["continents", "currencies (not trained on)"]
+    assert labels == ["continents", "currencies (not in training)"]
     leak = panels["refusal leakage: answers that are the locked response"]
     assert heights(leak) == [0.0] * 5 + [0.25] * 5 + [0.05] * 5
     assert [t.get_text() for t in leak.get_legend().get_texts()] == ["continents", "currencies", "retain prompts"]
