@@ -12,8 +12,9 @@ The time ratio comes from one more process in which the two kinds of step altern
 after two warm-ups of each; ``step_time.py``'s measurement): both see the same machine state at the same moments,
 where separate processes differ by more than the gating costs (on 2 CPU cores a fresh process's steps varied by
 ±15%). The separate processes' ratio is kept as ``separate_time_ratio``. Each process also counts the aten
-operations one step dispatches (forward, backward, update): host work, which a faster device does not shrink. On a GPU with the default batch the step is bound by it (docs/devices.md): the ops ratio is then what the
-time ratio tends to; larger batches (``--batch_size``) make the arithmetic count.
+operations one step dispatches (forward, backward, update): host work, which a faster device does not shrink. On a
+GPU with the default batch the step is bound by it (docs/devices.md): the ops ratio is then what the time ratio
+tends to; larger batches (``--batch_size``) make the arithmetic count.
 Targets: gated ≤ 1.15× the plain step's time and ≤ 1.10× its peak memory.
 
 Usage: python benchmarks/scale.py [--sizes 135M 360M 1.7B] [--modes full lora] [--device auto]
@@ -145,7 +146,8 @@ def plot(report: dict, path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [("time_ratio", 1.15, "time per step: gated / plain (alternating)"), ("memory_ratio", 1.10, "peak memory: gated / plain")]
+    panels = [("time_ratio", 1.15, "time per step: gated / plain (alternating)"),
+              ("memory_ratio", 1.10, "peak memory: gated / plain")]
     if all("ops_ratio" in r for r in report["results"]):
         panels.append(("ops_ratio", None, "aten ops per step: gated / plain"))
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4))
@@ -196,6 +198,8 @@ def main() -> None:
     ap.add_argument("--mode", help=argparse.SUPPRESS)
     ap.add_argument("--step", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.paired_repeats < 2:
+        ap.error("--paired_repeats must be at least 2 (quartiles)")
     if args.worker:
         print("RESULT " + json.dumps(worker(args)))
         return
