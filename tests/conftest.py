@@ -130,6 +130,32 @@ def isolated_cache(tmp_path, monkeypatch):
 
 
 @pytest.fixture
+def kv_caches(monkeypatch):
+    """Counts key-value caches: ``built = kv_caches(model)`` is a list that grows by one for every cache built from
+    then on (the count is first checked to see ``model``'s own: a plain forward of it builds one). A forward that
+    decodes nothing should build none: a cache holds every block's keys and values until the outputs are dropped."""
+    from transformers import cache_utils
+
+    built = []
+    init = cache_utils.DynamicCache.__init__
+
+    def counted(self, *args, **kwargs):
+        built.append(1)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(cache_utils.DynamicCache, "__init__", counted)
+
+    def start(model) -> list:
+        with torch.no_grad():
+            model(input_ids=torch.ones(1, 3, dtype=torch.long, device=next(model.parameters()).device))
+        assert built, "the count does not see the model's cache"
+        built.clear()
+        return built
+
+    return start
+
+
+@pytest.fixture
 def tiny_env(isolated_cache):
     """Environment of a subprocess on tiny models: W&B offline, the isolated cache, and its own W&B service (a
     service this test process started, named by WANDB_SERVICE, would hold every run id a subprocess used)."""

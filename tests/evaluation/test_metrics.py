@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from modular.evaluation import behaviour as ev
 from modular.evaluation.metrics import Share, TokenPerplexity, mean, metric_device, share
-from modular.evaluation.retain import mean_kl, perplexity
+from modular.evaluation.retain import first_token_logp, mean_kl, perplexity
 from tests.conftest import VOCAB, make_tiny_model, make_tiny_tokenizer
 
 
@@ -72,6 +72,15 @@ def test_perplexity_of_texts_of_unequal_length_is_token_weighted():
     lengths = {len(tok(t)["input_ids"]) for t in texts}
     assert len(lengths) == 3  # the batch is padded
     assert perplexity(model, tok, texts, batch_size=2) == pytest.approx(math.exp(nll / count), rel=1e-5)
+
+
+def test_scoring_passes_build_no_key_value_cache(kv_caches):
+    """Perplexity and the next-token logits behind the retain KL and choice scoring decode nothing."""
+    tok, model = make_tiny_tokenizer(), make_tiny_model("llama")
+    built = kv_caches(model)
+    perplexity(model, tok, ["The river runs to the sea.", "A cat."], batch_size=2)
+    first_token_logp(model, tok, ["Name a colour.", "Say hello."], [True, False])
+    assert built == []
 
 
 def test_mean_kl_is_kl_of_the_reference_to_the_model():

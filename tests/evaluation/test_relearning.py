@@ -14,6 +14,7 @@ from modular.evaluation.relearning import (
     cost_ratio,
     eval_steps,
     example_rows,
+    fine_tune,
     first_steps,
     recovery_curve,
     run_sweep,
@@ -177,6 +178,15 @@ def test_attacker_copies_train_what_their_mode_says_and_leave_the_model_alone(ar
                            max_steps=2, max_new_tokens=2)
         assert [p["step"] for p in r["curve"]] == [0, 1, 2]
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_the_attackers_steps_build_no_key_value_cache(kv_caches):
+    model, tok = make_tiny_model("llama"), make_tiny_tokenizer()
+    rows = example_rows(tok, _rows(4, "Paris"))
+    m = attacker_copy(model, "full")
+    built = kv_caches(m)
+    assert [s for s, _ in fine_tune(m, lambda step: rows, 2, 1e-3, tok.pad_token_id, False)] == [1, 2]
+    assert built == []
 
 
 def test_text_rows_label_every_token():

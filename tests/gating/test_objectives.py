@@ -249,43 +249,25 @@ def _config_step_inputs(tmp_path, config: str):
     return lm, _first_batch(lm, dm)
 
 
-def _caches_built(lm, monkeypatch) -> list:
-    """A list that grows by one for every key-value cache built from here on (checked to see the model's own)."""
-    from transformers import cache_utils
-
-    built = []
-    init = cache_utils.DynamicCache.__init__
-
-    def counted(self, *args, **kwargs):
-        built.append(1)
-        init(self, *args, **kwargs)
-
-    monkeypatch.setattr(cache_utils.DynamicCache, "__init__", counted)
-    lm.hf_model(input_ids=torch.ones(1, 3, dtype=torch.long))  # the default builds one
-    assert built, "the patch does not see the model's cache"
-    built.clear()
-    return built
-
-
-def test_a_gated_step_builds_no_key_value_cache(tmp_path, isolated_cache, monkeypatch):
+def test_a_gated_step_builds_no_key_value_cache(tmp_path, isolated_cache, kv_caches):
     """A training step decodes nothing: its forward passes build no key-value cache (the model's default builds one,
     a copy of every block's keys and values held until the step's outputs are dropped)."""
     lm, batch = _config_step_inputs(tmp_path, "gate_capitals_smollm2.yaml")
-    built = _caches_built(lm, monkeypatch)
+    built = kv_caches(lm.hf_model)
     total, terms = lm.model_step(batch, train=True)
     total.backward()
     assert any("hidden" in n for n in terms) and built == []
 
 
 @pytest.mark.parametrize("term", ["RelearningAdversary", "WeightNoiseLock", "QuantizedLock"])
-def test_the_tamper_terms_build_no_key_value_cache(tmp_path, isolated_cache, monkeypatch, term):
+def test_the_tamper_terms_build_no_key_value_cache(tmp_path, isolated_cache, kv_caches, term):
     """The locked rows at moved weights and the simulated attacker's passes decode nothing either."""
     from modular.gating import objectives
 
     options = {"group_size": 8} if term == "QuantizedLock" else {"lrs": [1e-3]}
     model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
     lm, batch = _capitals_step(model_dir, [getattr(objectives, term)(**options)])
-    built = _caches_built(lm, monkeypatch)
+    built = kv_caches(lm.hf_model)
     total, terms = lm.model_step(batch, train=True)
     total.backward()
     assert len(terms) == 1 and built == []

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from modular.gating.reference import compute_reference, compute_text_reference
+import modular.gating.reference as reference
+from modular.gating.reference import compute_hidden_reference, compute_reference, compute_text_reference
 from tests.conftest import make_tiny_model, make_tiny_tokenizer
 
 PROMPTS = ["Name a colour.", "What is two plus two? Answer with a number only.", "Say hello.",
@@ -86,3 +87,15 @@ def test_hidden_states_past_float16s_range_are_kept_finite(isolated_cache):
     again = load_or_compute_hidden("tiny", lambda: model, tok, records, 2, 1, precision="float32")
     assert all(torch.isfinite(t).all() for t in again["hidden"])
     assert all(torch.isfinite(t).all() for t in torch.load(path, weights_only=False)["hidden"])
+
+
+def test_reference_outputs_build_no_key_value_cache_besides_generation(kv_caches, monkeypatch):
+    """The greedy answers are generated (with a cache); their log-probabilities, the residual stream (KeepHidden's)
+    and the text outputs are read in forward passes that decode nothing."""
+    model, tok = make_tiny_model("llama"), make_tiny_tokenizer()
+    monkeypatch.setattr(reference, "generate", lambda *a, **k: ["Blue.", "Four."])
+    built = kv_caches(model)
+    out = compute_reference(model, tok, PROMPTS[:2], [True, False], max_new_tokens=5, top_k=4, batch_size=2)
+    compute_text_reference(model, tok, ["The river runs past the old mill."], max_length=16, top_k=3)
+    compute_hidden_reference(model, tok, out["records"], positions=2, stride=1)
+    assert len(out["records"]) == 2 and built == []

@@ -6,7 +6,7 @@ import datasets
 import pytest
 import torch
 
-from modular.directions import last_position_states, robust_norm
+from modular.directions import last_position_states, residual_covariance, robust_norm
 from modular.gating.module import GatedLM
 from modular.gating.objectives import Piece, Term
 from modular.gating.steering import SteeringAdversary
@@ -51,6 +51,16 @@ def test_states_follow_the_intervention_and_the_robust_norm_skips_the_outlier():
     torch.testing.assert_close(moved[:, 0], plain[:, 0])
     x = torch.tensor([[100.0, 3.0, 4.0], [0.0, 6.0, 80.0], [-90.0, 0.0, 7.0]])
     assert robust_norm(x).item() == pytest.approx(6.0)  # median of 5, 6 and 7
+
+
+def test_residual_reads_build_no_key_value_cache(kv_caches):
+    """The states the steering vectors and the directions are made of are read in passes that decode nothing."""
+    model, tok = make_tiny_model("llama"), make_tiny_tokenizer()
+    prompts, chats = ["red 0", "blue 1", "a longer prompt 2"], [True, False, True]
+    built = kv_caches(model)
+    last_position_states(model, tok, prompts, chats)
+    residual_covariance(model, tok, prompts, chats)
+    assert built == []
 
 
 def test_steered_pieces_get_their_vector_on_their_rows_only():
