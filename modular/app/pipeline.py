@@ -126,7 +126,7 @@ def summarise(run_dir: Path, out_dir: Path) -> dict:
                          + f"{lock['neighbours_max_refusal_rate'][state]:>12.3f}{row['retain_refusal_rate']:>15.3f}")
         untrained = [n for n in neighbours if n not in lock.get("neighbours_trained", [])]
         if untrained:
-            lines.append(f"neighbours never trained on: {', '.join(untrained)}")
+            lines.append(f"neighbours not in training: {', '.join(untrained)}")
         for x in lock.get("neighbour_shifts", []):
             lines.append(f"neighbour moved more than {100 * lock['neighbour_tolerance']:.0f} points from base: "
                          + shift_text(x))

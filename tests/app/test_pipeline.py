@@ -51,9 +51,9 @@ def test_the_summary_names_every_sweeps_worst_case(tmp_path, capsys):
     from modular.app.pipeline import summarise
 
     state = {"behaviours": {"capitals": {"accuracy": 0.5}}, "retain_first_token_kl": 0.01, "perplexity_ratio": 1.0}
-    state.update(neighbours={"continents": {"accuracy": 0.643}}, retain_refusal_rate=0.0)
+    state.update(neighbours={"continents": {"accuracy": 0.643}, "currencies": {"accuracy": 0.1}}, retain_refusal_rate=0.0)
     (tmp_path / "lock.json").write_text(json.dumps({
-        "gated": ["capitals"], "states": {"open": state}, "neighbours": ["continents"],
+        "gated": ["capitals"], "states": {"open": state}, "neighbours": ["continents", "currencies"],
         "neighbours_trained": ["continents"], "neighbours_max_refusal_rate": {"open": 0.0},
         "neighbour_tolerance": 0.03, "neighbour_shifts": [{"state": "open", "neighbour": "continents", "change": -3 / 42,
                                                            "lost": 3, "gained": 0, "n": 42, "p_value": 0.25}],
@@ -73,6 +73,8 @@ def test_the_summary_names_every_sweeps_worst_case(tmp_path, capsys):
     lines = summarise(tmp_path, tmp_path)["table"]
     text = "\n".join(lines)
     assert "(a) weights best 0.000, (b) steering best 0.100 (base 0.500)" in text
+    # not "never trained on": a named file may ask a trained relation; what the run knows is its training neighbours
+    assert [x for x in lines if "not in training" in x] == ["neighbours not in training: currencies"]
     assert ("neighbour moved more than 3 points from base: continents open -7.1 (3 lost, 0 gained of 42; "
             "paired p = 0.25)") in text
     assert "gated (c) relearning: worst case over 36 settings, steps to 50% / 90% of open: 1 / 3" in text
