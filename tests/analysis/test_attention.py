@@ -10,6 +10,15 @@ from tests.conftest import VOCAB, make_tiny_tokenizer
 ARCHS = ["llama", "gemma3_text", "gpt2", "qwen2"]
 
 
+def test_attention_reads_build_no_key_value_cache(kv_caches):
+    from tests.conftest import make_tiny_model
+
+    model = make_tiny_model("llama")
+    built = kv_caches(model)
+    last_token_attention(model, make_tiny_tokenizer(), [[5, 6, 7, 8], [9, 10, 11]], batch_size=2)
+    assert built == []
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_last_token_attention_is_a_distribution_over_real_positions(tiny_model, arch):
     tok = make_tiny_tokenizer()

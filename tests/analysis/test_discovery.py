@@ -46,6 +46,15 @@ def test_directions_are_unit_vectors_per_layer(tiny_model, arch, fmt, tok, promp
     assert torch.allclose(torch.diagonal(cos), torch.ones(adapter.n_layers), atol=1e-5)
 
 
+def test_suffix_means_build_no_key_value_cache(tok, prompts, kv_caches):
+    from tests.conftest import make_tiny_model
+
+    model = make_tiny_model("llama")
+    built = kv_caches(model)
+    suffix_means(model, tok, prompts[0], "chat", batch_size=4)
+    assert built == []
+
+
 @pytest.mark.parametrize("name", ["llama", "gpt2"])  # gpt2: absolute positions must ignore the padding
 def test_suffix_means_read_exactly_the_suffix_columns(tok, prompts, name):
     from tests.conftest import make_tiny_model

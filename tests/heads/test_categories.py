@@ -48,6 +48,18 @@ def test_classify_constructed_effects():
         classify_heads(effects, -1.0)
 
 
+def test_head_scoring_builds_no_key_value_cache(tok, kv_caches):
+    """The response log-probabilities and the last-position logits that head effects are made of decode nothing."""
+    from modular.heads.ranking import last_position_logits
+    from tests.conftest import make_tiny_model
+
+    model, batch = make_tiny_model("llama"), response_batch(tok, _data())
+    built = kv_caches(model)
+    response_logprob(model, batch, chunk=2)
+    last_position_logits(model, {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]})
+    assert built == []
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_response_logprob_matches_full_logits(tiny_model, tok, arch):
     ds = _data()

@@ -41,6 +41,13 @@ def test_run_to_layer_matches_capture_residual(arch, tokens):
     torch.testing.assert_close(run_to_layer(model, adapter, 1, input_ids=tokens), states[1])
 
 
+def test_run_to_layer_builds_no_key_value_cache(tokens, kv_caches):
+    model = make_tiny_model("llama")
+    built = kv_caches(model)
+    run_to_layer(model, ArchitectureAdapter(model), 1, input_ids=tokens)
+    assert built == []
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_same_model_same_layer_replace_changes_nothing(arch, tok):
     model = make_tiny_model(arch)
