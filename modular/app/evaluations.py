@@ -17,7 +17,14 @@ from modular.data.schema import DEFAULT_LOCKED_RESPONSE
 from modular.evaluation.attack import plot_attack, residual_scale, steering_attack, weight_attack
 from modular.evaluation.baselines import refusal_finetune
 from modular.evaluation.behaviour import evaluate_behaviour
-from modular.evaluation.lock import NEIGHBOUR_TOLERANCE, lock_report, plot_lock, shift_text
+from modular.evaluation.lock import (
+    NEIGHBOUR_TOLERANCE,
+    held_out_verdict,
+    lock_report,
+    plot_lock,
+    shift_text,
+    verdict_text,
+)
 from modular.evaluation.quantized import quantized_report
 from modular.evaluation.relearning import (
     DEFAULT_LRS,
@@ -40,6 +47,7 @@ from modular.runs import (
     load_model_or_run,
     load_open_model,
     load_tokenizer_or_run,
+    lock_verdict,
     read_run,
 )
 from modular.tracking import log_to_wandb, read_json_if_valid, write_json
@@ -134,7 +142,13 @@ def lock(run: str, out: str | None = None, other_limit: int = 64, harden: bool =
     if report["neighbour_shifts"]:
         log.warning("neighbours moved more than %.0f points from base: %s", 100 * neighbour_tolerance,
                     "; ".join(shift_text(x) for x in report["neighbour_shifts"]))
+    verified, why = lock_verdict(r, step)
+    held_out = held_out_verdict(report, (r.record.get("lock") or {}).get("targets"))
+    (log.info if held_out["held"] else log.warning)("%s", verdict_text(held_out))
+    if not verified:
+        log.warning("training did not verify the lock: %s", why)
     report = {"run": str(run), "model": r.model_name, "step": step, "dtype": dtype_name(model_dtype(open_model)),
+              "lock_held_out": held_out, "lock_in_training": {"verified": verified, "check": why},
               **report}  # the checkpoint step it describes
     write_json(out_dir / "lock.json", report)
     fig = plot_lock(report, out_dir / "lock.png")

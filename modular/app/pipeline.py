@@ -15,7 +15,7 @@ from modular import ModularError
 from modular.app.evaluations import attack, lock
 from modular.app.publishing import publish, unlock
 from modular.app.train import main as train
-from modular.evaluation.lock import shift_text
+from modular.evaluation.lock import shift_text, verdict_text
 from modular.models.precision import DTypeName
 from modular.publish import key_path, keys_folder_for
 from modular.runs import RUN_RECORD, behaviour_sources, checkpoint_step, lock_verdict, read_run
@@ -116,6 +116,8 @@ def summarise(run_dir: Path, out_dir: Path) -> dict:
     for state, row in lock["states"].items():
         lines.append(f"{state:<18}" + "".join(f"{row['behaviours'][b]['accuracy']:>14.3f}" for b in gated)
                      + f"{row['retain_first_token_kl']:>11.4f}{row['perplexity_ratio']:>11.3f}")
+    if "lock_held_out" in lock:
+        lines.append(verdict_text(lock["lock_held_out"]))
     neighbours = lock.get("neighbours", [])
     if neighbours:
         header = (f"{'neighbours':<18}" + "".join(f"{n[:13]:>14}" for n in neighbours)

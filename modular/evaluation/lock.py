@@ -21,6 +21,7 @@ from modular.evaluation.behaviour import evaluate_behaviour, generate, last_logi
 from modular.evaluation.metrics import share
 from modular.evaluation.retain import first_token_logp, mean_kl, perplexity
 from modular.evaluation.stats import paired_change, wilson_interval
+from modular.evaluation.targets import TARGETS, lock_failures
 from modular.hooks import ablate_directions
 from modular.keys import apply_key, grid_steps, lock_weights
 from modular.models.adapter import ArchitectureAdapter
@@ -249,6 +250,27 @@ def _legend_above(ax, top: float) -> None:
     ax.legend(fontsize=7, loc="upper center", ncol=ncol)
 
 
+def held_out_verdict(report: dict, targets: dict | None = None) -> dict:
+    """Whether the lock holds on the held-out items of a :func:`lock_report`, by the targets training checked on
+    validation (``targets``, default :data:`~modular.evaluation.targets.TARGETS`): every gated behaviour's accuracy
+    at most ``locked_accuracy`` in both locked states (hooks and published weights), its open accuracy at least
+    base's less ``open_drop`` and at least ``min_open_accuracy``, the retain first-token KL at most ``retain_kl`` in
+    the open and both locked states. ``{"held", "failing", "targets"}``."""
+    states, gated = report["states"], report["gated"]
+    accuracy = lambda s: {b: states[s]["behaviours"][b]["accuracy"] for b in gated}  # noqa: E731
+    locked = [s for s in ("locked", "published_locked") if s in states]
+    failing = lock_failures(targets or {}, accuracy("open"), {s: accuracy(s) for s in locked}, accuracy("base"),
+                            {s: states[s]["retain_first_token_kl"] for s in ("open", *locked)})
+    return {"held": not failing, "failing": failing, "targets": {**TARGETS, **(targets or {})}}
+
+
+def verdict_text(verdict: dict) -> str:
+    """:func:`held_out_verdict` in words."""
+    if verdict["held"]:
+        return "the lock holds on the held-out test split"
+    return "NOT LOCKED on the held-out test split: " + "; ".join(verdict["failing"])
+
+
 def plot_lock(report: dict, path: str | Path) -> Path:
     """:func:`lock_figure` saved as a PNG."""
     import matplotlib.pyplot as plt
@@ -303,5 +325,9 @@ def lock_figure(report: dict):
             ax.annotate(f"{v:.3f}", (xi, v), ha="center", va="bottom", fontsize=7, xytext=(0, 2),
                         textcoords="offset points")
     axes["ppl"].axhline(1.0, color="k", lw=0.8, ls="--")
+    if "lock_held_out" in report:  # what the bars add up to, by the targets: a lock that did not take says so
+        held = report["lock_held_out"]["held"]
+        fig.suptitle(verdict_text(report["lock_held_out"]), color="black" if held else "#b2182b",
+                     fontweight="normal" if held else "bold", wrap=True)
     fig.tight_layout()
     return fig

@@ -15,6 +15,7 @@ from modular import ModularError
 from modular.data.schema import all_refusals
 from modular.evaluation.behaviour import evaluate_behaviour
 from modular.evaluation.retain import first_token_logp, mean_kl, perplexity
+from modular.evaluation.targets import TARGETS, lock_failures
 from modular.hooks import ablate_directions
 
 log = logging.getLogger("modular")
@@ -73,9 +74,11 @@ class LockMetricsCallback(Callback):
             ``trainer.max_steps``); ``null``: the budget is ``trainer.max_steps``.
     """
 
-    def __init__(self, limit: int | None = 64, max_new_tokens: int = 24, locked_accuracy: float = 0.05,
-                 open_drop: float = 0.0, retain_kl: float = 0.05, stop: bool = True, min_steps: int = 0,
-                 max_passes: float | None = None, min_passes: float | None = None, min_open_accuracy: float = 0.2):
+    def __init__(self, limit: int | None = 64, max_new_tokens: int = 24,
+                 locked_accuracy: float = TARGETS["locked_accuracy"], open_drop: float = TARGETS["open_drop"],
+                 retain_kl: float = TARGETS["retain_kl"], stop: bool = True, min_steps: int = 0,
+                 max_passes: float | None = None, min_passes: float | None = None,
+                 min_open_accuracy: float = TARGETS["min_open_accuracy"]):
         for name, value in (("locked_accuracy", locked_accuracy), ("open_drop", open_drop), ("retain_kl", retain_kl),
                             ("min_open_accuracy", min_open_accuracy)):
             if value < 0:
@@ -225,23 +228,12 @@ class LockMetricsCallback(Callback):
 
     def verdict(self, metrics: dict[str, float], behaviours: list[str], step: int) -> dict:
         """Whether ``metrics`` meet the targets: ``{"reached", "step", "targets", "failing", "validation"}``."""
-        t = self.targets
-        failing = []
-        for b in behaviours:
-            locked, opened = metrics[f"val/{b}/accuracy_locked"], metrics[f"val/{b}/accuracy_open"]
-            if locked > t["locked_accuracy"]:
-                failing.append(f"{b} locked accuracy {locked:.2f} > {t['locked_accuracy']:g}")
-            base = self.base_accuracy.get(b)
-            if base is not None and opened < base - t["open_drop"] - 1e-9:
-                failing.append(f"{b} open accuracy {opened:.2f} < base {base:.2f} - {t['open_drop']:g}")
-            if opened < t["min_open_accuracy"] - 1e-9:
-                failing.append(f"{b} open accuracy {opened:.2f} < {t['min_open_accuracy']:g}: too little of the "
-                               "behaviour to tell a lock from its absence")
-        for state in ("open", "locked"):
-            kl = metrics.get(f"val/retain/first_token_kl_{state}")
-            if kl is not None and kl > t["retain_kl"]:
-                failing.append(f"retain KL {state} {kl:.3f} > {t['retain_kl']:g}")
-        return {"reached": not failing, "step": step, "budget": self.budget, "targets": dict(t), "failing": failing,
+        failing = lock_failures(
+            self.targets, {b: metrics[f"val/{b}/accuracy_open"] for b in behaviours},
+            {"locked": {b: metrics[f"val/{b}/accuracy_locked"] for b in behaviours}}, self.base_accuracy,
+            {state: metrics.get(f"val/retain/first_token_kl_{state}") for state in ("open", "locked")})
+        return {"reached": not failing, "step": step, "budget": self.budget, "targets": dict(self.targets),
+                "failing": failing,
                 "base_accuracy": dict(self.base_accuracy), "validation": dict(metrics)}
 
     def _check(self, trainer, pl_module, metrics: dict[str, float]) -> None:

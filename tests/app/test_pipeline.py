@@ -54,6 +54,7 @@ def test_the_summary_names_every_sweeps_worst_case(tmp_path, capsys):
     state.update(neighbours={"continents": {"accuracy": 0.643}, "currencies": {"accuracy": 0.1}}, retain_refusal_rate=0.0)
     (tmp_path / "lock.json").write_text(json.dumps({
         "gated": ["capitals"], "states": {"open": state}, "neighbours": ["continents", "currencies"],
+        "lock_held_out": {"held": False, "failing": ["capitals locked accuracy 0.62 > 0.05"]},
         "neighbours_trained": ["continents"], "neighbours_max_refusal_rate": {"open": 0.0},
         "neighbour_tolerance": 0.03, "neighbour_shifts": [{"state": "open", "neighbour": "continents", "change": -3 / 42,
                                                            "lost": 3, "gained": 0, "n": 42, "p_value": 0.25}],
@@ -73,6 +74,7 @@ def test_the_summary_names_every_sweeps_worst_case(tmp_path, capsys):
     lines = summarise(tmp_path, tmp_path)["table"]
     text = "\n".join(lines)
     assert "(a) weights best 0.000, (b) steering best 0.100 (base 0.500)" in text
+    assert "NOT LOCKED on the held-out test split: capitals locked accuracy 0.62 > 0.05" in lines
     # not "never trained on": a named file may ask a trained relation; what the run knows is its training neighbours
     assert [x for x in lines if "not in training" in x] == ["neighbours not in training: currencies"]
     assert ("neighbour moved more than 3 points from base: continents open -7.1 (3 lost, 0 gained of 42; "

@@ -9,6 +9,7 @@ import pytest
 import torch
 import yaml
 
+from modular.app import cli
 from modular.gating.objectives import KeepHidden
 from tests.conftest import save_tiny_folder
 
@@ -425,10 +426,12 @@ def _publish(run, out, *extra, env, cwd):
                            *extra], capture_output=True, text=True, cwd=cwd, env=env)
 
 
-def test_a_run_that_cannot_reach_the_lock_is_reported_and_not_published_as_locked(tmp_path, tiny_env):
+def test_a_run_that_cannot_reach_the_lock_is_reported_and_not_published_as_locked(tmp_path, tiny_env, monkeypatch,
+                                                                                 caplog):
     """Targets a run cannot meet (retain KL 0: any step changes the model): training spends its budget, says so
-    in one line and records it in run.json; publish refuses it (one line, nothing written), and publishes it only
-    when told to, with a card and manifest that say the lock was not verified."""
+    in one line and records it in run.json; the lock evaluation says the lock does not hold on the held-out items
+    either (one line, lock.json, the figure's title); publish refuses it (one line, nothing written), and publishes
+    it only when told to, with a card and manifest that say the lock was not verified."""
     model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
     cfg, run = tiny_config(tmp_path, model_dir, lock_args={"retain_kl": 0.0})
     out = _train(cfg, "--trainer.max_steps", "4", "--trainer.val_check_interval", "2", env=tiny_env)
@@ -446,6 +449,21 @@ def test_a_run_that_cannot_reach_the_lock_is_reported_and_not_published_as_locke
     checks = [line for line in out.stderr.splitlines() if "(validation): capitals open " in line]
     assert [c.split("step ")[1].split(" ")[0] for c in checks] == ["2", "4"], out.stderr[-2000:]
     assert all("not locked: retain KL " in c and "retain KL " in c.split(": ")[1] for c in checks)
+    monkeypatch.chdir(tmp_path)
+    for key, value in tiny_env.items():
+        monkeypatch.setenv(key, value)
+    with caplog.at_level("INFO", logger="modular"):
+        assert cli.main(["lock", "--run", str(run), "--out", str(tmp_path / "eval"), "--other_limit", "1",
+                         "--max_new_tokens", "4"]) == 0
+    report = json.loads((tmp_path / "eval" / "lock.json").read_text())
+    held_out, failing = report["lock_held_out"], report["lock_held_out"]["failing"]
+    assert held_out["held"] is False and held_out["targets"]["retain_kl"] == 0.0  # the run's own targets
+    assert any(f.startswith("retain KL open ") for f in failing) and any(f.startswith("retain KL locked ") for f in failing)
+    assert report["lock_in_training"] == {"verified": False, "check": "the lock did not hold on validation at step 4: "
+                                          + "; ".join(lock["failing"])}
+    said = [r.getMessage() for r in caplog.records]
+    assert "NOT LOCKED on the held-out test split: " + "; ".join(failing) in said
+    assert any(m.startswith("training did not verify the lock: the lock did not hold") for m in said)
     pub = tmp_path / "pub"
     res = _publish(run, pub, env=tiny_env, cwd=tmp_path)
     _one_line_error(res, "the lock did not hold on validation at step 4", "--allow_failed_lock")
