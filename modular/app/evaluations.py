@@ -109,7 +109,8 @@ def lock(run: str, out: str | None = None, other_limit: int = 64, harden: bool =
          batch_size: int = 16, device: str = "auto", dtype: DTypeName = "auto") -> dict:
     """Lock evaluation of a gated run: accuracy and retain measures for base, open, locked (hooks),
     published_locked (weights) and unlocked (keys applied), for the gated behaviours, their neighbours (with the
-    share of answers that are the locked response) and far built-in behaviours; writes lock.json and lock.png.
+    share of answers that are the locked response) and far built-in behaviours, and whether the lock holds on these
+    held-out items by the targets training checked on validation (said in one line); writes lock.json and lock.png.
 
     Args:
         run: lock.json records the checkpoint's step.
