@@ -259,9 +259,10 @@ def held_out_verdict(report: dict, targets: dict | None = None) -> dict:
     states, gated = report["states"], report["gated"]
     accuracy = lambda s: {b: states[s]["behaviours"][b]["accuracy"] for b in gated}  # noqa: E731
     locked = [s for s in ("locked", "published_locked") if s in states]
-    failing = lock_failures(targets or {}, accuracy("open"), {s: accuracy(s) for s in locked}, accuracy("base"),
+    targets = {**TARGETS, **(targets or {})}
+    failing = lock_failures(targets, accuracy("open"), {s: accuracy(s) for s in locked}, accuracy("base"),
                             {s: states[s]["retain_first_token_kl"] for s in ("open", *locked)})
-    return {"held": not failing, "failing": failing, "targets": {**TARGETS, **(targets or {})}}
+    return {"held": not failing, "failing": failing, "targets": targets}
 
 
 def verdict_text(verdict: dict) -> str:
