@@ -159,6 +159,8 @@ def _write_folders(writers: dict[Path, callable]) -> None:
 def model_card(behaviours: list[str], base: str, measured: dict | None, hardened: bool,
                step: int | None = None, lock_check: dict | None = None, dtype: str | None = None) -> str:
     failed = lock_check is not None and not lock_check.get("verified", False)
+    held_out = (measured or {}).get("lock_held_out")  # the lock evaluation's verdict on the test split
+    not_held = held_out is not None and not held_out["held"]
     lines = [
         "---", "library_name: transformers", "tags: [modular, locked-behaviour]", "---", "",
         f"# Locked model (base: {base})", "",
@@ -167,6 +169,10 @@ def model_card(behaviours: list[str], base: str, measured: dict | None, hardened
         lines += ["> **Warning: the lock was not verified.** Training did not reach the lock on held-out",
                   f"> validation data ({lock_check.get('detail', 'unknown')}). The behaviours below were projected",
                   "> out of the weights, but the model may still show them.", ""]
+    if not_held:
+        lines += ["> **Warning: the lock did not hold on the held-out test split** (the lock evaluation, below):",
+                  f"> {'; '.join(held_out['failing'])}. The behaviours below were projected out of the weights,",
+                  "> but the model may still show them on inputs it was not trained or validated on.", ""]
     lines += [
         "These weights load with plain `transformers` (`AutoModelForCausalLM.from_pretrained`).",
         "The following behaviours are **locked**: each lives in one residual-stream direction that was",
@@ -174,7 +180,8 @@ def model_card(behaviours: list[str], base: str, measured: dict | None, hardened
         + (" (and out of every reader, so adding it back does nothing)." if hardened else "."), "",
         "| behaviour | locked | key file |", "|---|---|---|",
     ]
-    lines += [f"| {b} | {'not verified' if failed else 'yes'} | `{b}{KEY_SUFFIX}` |" for b in behaviours]
+    locked = "not verified" if failed else "not on the held-out test split" if not_held else "yes"
+    lines += [f"| {b} | {locked} | `{b}{KEY_SUFFIX}` |" for b in behaviours]
     lines += ["", "**The keys are not part of this folder.** They are distributed apart from these weights, by the",
               "publisher, to whoever may unlock a behaviour. With a key:",
               "`modular unlock --model <this folder> --key <key file> --out <folder>`.", ""]
@@ -193,6 +200,13 @@ def model_card(behaviours: list[str], base: str, measured: dict | None, hardened
             accs = " | ".join(f"{row['behaviours'][b]['accuracy']:.3f}" for b in behaviours)
             lines.append(f"| {state} | {accs} | {row['retain_first_token_kl']:.4f} | {row['perplexity_ratio']:.3f} |")
         lines.append("")
+        if held_out is not None:
+            t = held_out["targets"]
+            lines += [f"{'The lock does not hold' if not_held else 'The lock holds'} on these items by the targets "
+                      f"training checked on validation: locked accuracy at most {t['locked_accuracy']:g} in both "
+                      f"locked states, open accuracy at least base's less {t['open_drop']:g} and at least "
+                      f"{t['min_open_accuracy']:g}, retain first-token KL at most {t['retain_kl']:g}"
+                      + (f" (failing: {'; '.join(held_out['failing'])})." if not_held else "."), ""]
         neighbours = measured.get("neighbours", [])
         if neighbours:
             lines += ["Neighbour behaviours (close to the locked ones; they should work as in the base model in every "
@@ -252,6 +266,8 @@ def publish_model(open_model, tokenizer, directions: dict, out: str | Path, base
             manifest["lock_check"] = lock_check.get("detail")
         if locked_responses:
             manifest["locked_responses"] = {b: locked_responses[b] for b in behaviours if b in locked_responses}
+        if measured and "lock_held_out" in measured:
+            manifest["lock_held_out"] = measured["lock_held_out"]
         if measured:
             manifest["measured_accuracy"] = {
                 state: {b: row["behaviours"][b]["accuracy"] for b in directions}

@@ -241,3 +241,34 @@ def test_the_card_names_neighbours_that_moved_from_base():
     assert "- continents, open: -7.1 points (4 lost, 1 gained of 42; p = 0.38)" in card
     assert "Moved more than" not in model_card(["capitals"], "base", {**measured, "neighbour_shifts": []},
                                                hardened=True)
+
+
+def test_the_card_and_manifest_say_whether_the_lock_held_on_the_test_split(tmp_path, tok):
+    """A run that training verified but whose lock evaluation failed on the held-out items is published with a
+    warning, the behaviour not called locked, and the verdict in modular.json; one whose lock held says so."""
+    from modular.publish import model_card
+
+    row = lambda acc: {"behaviours": {"capitals": {"accuracy": acc}}, "retain_first_token_kl": 0.02,  # noqa: E731
+                       "perplexity_ratio": 1.0}
+    targets = {"locked_accuracy": 0.05, "open_drop": 0.0, "retain_kl": 0.05, "min_open_accuracy": 0.2}
+    failing = ["capitals locked accuracy 0.10 > 0.05", "capitals published_locked accuracy 0.10 > 0.05"]
+    measured = {"states": {"base": row(0.476), "open": row(0.524), "locked": row(0.1), "published_locked": row(0.1)},
+                "lock_held_out": {"held": False, "failing": failing, "targets": targets}}
+    verified = {"verified": True, "detail": "the lock held on validation at step 75"}
+    card = model_card(["capitals"], "base", measured, hardened=True, lock_check=verified)
+    assert "**Warning: the lock did not hold on the held-out test split**" in card
+    assert "> " + "; ".join(failing) + ". The behaviours below" in card
+    assert "| capitals | not on the held-out test split |" in card and "| capitals | yes |" not in card
+    assert "The lock does not hold on these items" in card and "(failing: " + "; ".join(failing) + ")." in card
+    held = {**measured, "lock_held_out": {"held": True, "failing": [], "targets": targets}}
+    card = model_card(["capitals"], "base", held, hardened=True, lock_check=verified)
+    assert "Warning" not in card and "| capitals | yes |" in card
+    assert "The lock holds on these items by the targets training checked on validation: locked accuracy at most " \
+           "0.05 in both locked states, open accuracy at least base's less 0 and at least 0.2, retain first-token " \
+           "KL at most 0.05." in card
+    assert "lock hold" not in model_card(["capitals"], "base", {"states": measured["states"]}, hardened=True)
+    out, _ = publish_model(make_tiny_model("llama"), tok, {"capitals": _dirs()["b0"]}, tmp_path / "pub", "tiny",
+                           measured=measured, lock_check=verified)
+    manifest = json.loads((out / "modular.json").read_text())
+    assert manifest["lock_verified"] is True and manifest["lock_held_out"] == measured["lock_held_out"]
+    assert "**Warning: the lock did not hold on the held-out test split**" in (out / "README.md").read_text()

@@ -27,6 +27,7 @@ def publish(run: str, out: str, keys: str | None = None, harden: bool = True, ov
         overwrite: The keys folder too.
         allow_failed_lock: Publish a run whose training did not verify the lock (run.json ``lock``); its model
             card and modular.json then say that the behaviours may not be locked. Without it such a run is refused.
+            (A run's lock.json of the same step goes into the card, with whether the lock held on its held-out items.)
         dtype: Here: the precision the published weights are written in; auto: the one the run was trained in (a
             bf16 run publishes bf16). A narrower one than the trained one is reached by seeded stochastic rounding,
             the weights `modular lock --dtype` scores. The lock is computed in float64 and rounded once to it, on the
@@ -68,6 +69,10 @@ def publish(run: str, out: str, keys: str | None = None, harden: bool = True, ov
                     "numbers (run modular lock --run %s --dtype %s)", lock_path, measured.get("dtype", "float32"),
                     published, run, published)
         measured = None
+    held_out = (measured or {}).get("lock_held_out")
+    if held_out is not None and not held_out["held"]:
+        log.warning("%s: the lock did not hold on the held-out test split (%s); the model card says so",
+                    lock_path, "; ".join(held_out["failing"]))
     folder, keys_dir = publish_model(open_model, load_tokenizer(r.model_name), r.directions, out,
                                      r.model_name, measured, harden=harden, overwrite=overwrite, keys_out=keys,
                                      step=step, locked_responses=r.record.get("locked_responses"), inputs=[run],

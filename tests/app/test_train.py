@@ -431,7 +431,8 @@ def test_a_run_that_cannot_reach_the_lock_is_reported_and_not_published_as_locke
     """Targets a run cannot meet (retain KL 0: any step changes the model): training spends its budget, says so
     in one line and records it in run.json; the lock evaluation says the lock does not hold on the held-out items
     either (one line, lock.json, the figure's title); publish refuses it (one line, nothing written), and publishes
-    it only when told to, with a card and manifest that say the lock was not verified."""
+    it only when told to, with a card and manifest that say the lock was not verified, in training and on the
+    held-out items."""
     model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
     cfg, run = tiny_config(tmp_path, model_dir, lock_args={"retain_kl": 0.0})
     out = _train(cfg, "--trainer.max_steps", "4", "--trainer.val_check_interval", "2", env=tiny_env)
@@ -453,9 +454,8 @@ def test_a_run_that_cannot_reach_the_lock_is_reported_and_not_published_as_locke
     for key, value in tiny_env.items():
         monkeypatch.setenv(key, value)
     with caplog.at_level("INFO", logger="modular"):
-        assert cli.main(["lock", "--run", str(run), "--out", str(tmp_path / "eval"), "--other_limit", "1",
-                         "--max_new_tokens", "4"]) == 0
-    report = json.loads((tmp_path / "eval" / "lock.json").read_text())
+        assert cli.main(["lock", "--run", str(run), "--other_limit", "1", "--max_new_tokens", "4"]) == 0
+    report = json.loads((run / "lock.json").read_text())  # in the run folder, where publish reads it
     held_out, failing = report["lock_held_out"], report["lock_held_out"]["failing"]
     assert held_out["held"] is False and held_out["targets"]["retain_kl"] == 0.0  # the run's own targets
     assert any(f.startswith("retain KL open ") for f in failing) and any(f.startswith("retain KL locked ") for f in failing)
@@ -472,8 +472,11 @@ def test_a_run_that_cannot_reach_the_lock_is_reported_and_not_published_as_locke
     assert res.returncode == 0, res.stderr[-3000:]
     card = (pub / "README.md").read_text()
     assert "the lock was not verified" in card and "| capitals | not verified |" in card
+    assert "the lock did not hold on the held-out test split" in card and "; ".join(failing) in card
+    assert "the lock did not hold on the held-out test split (" + "; ".join(failing) + ")" in res.stderr
     manifest = json.loads((pub / "modular.json").read_text())
     assert manifest["lock_verified"] is False and "retain KL " in manifest["lock_check"]
+    assert manifest["lock_held_out"] == held_out
 
 
 def test_training_stops_once_the_lock_holds(tmp_path, tiny_env):
