@@ -206,7 +206,7 @@ def model_card(behaviours: list[str], base: str, measured: dict | None, hardened
                       f"training checked on validation: locked accuracy at most {t['locked_accuracy']:g} in both "
                       f"locked states, open accuracy at least base's less {t['open_drop']:g} and at least "
                       f"{t['min_open_accuracy']:g}, retain first-token KL at most {t['retain_kl']:g}"
-                      + (f" (failing: {'; '.join(held_out['failing'])})." if not_held else "."), ""]
+                      + (" (what fails: the warning above)." if not_held else "."), ""]
         neighbours = measured.get("neighbours", [])
         if neighbours:
             lines += ["Neighbour behaviours (close to the locked ones; they should work as in the base model in every "

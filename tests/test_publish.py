@@ -259,7 +259,7 @@ def test_the_card_and_manifest_say_whether_the_lock_held_on_the_test_split(tmp_p
     assert "**Warning: the lock did not hold on the held-out test split**" in card
     assert "> " + "; ".join(failing) + ". The behaviours below" in card
     assert "| capitals | not on the held-out test split |" in card and "| capitals | yes |" not in card
-    assert "The lock does not hold on these items" in card and "(failing: " + "; ".join(failing) + ")." in card
+    assert "The lock does not hold on these items" in card and card.count("; ".join(failing)) == 1
     held = {**measured, "lock_held_out": {"held": True, "failing": [], "targets": targets}}
     card = model_card(["capitals"], "base", held, hardened=True, lock_check=verified)
     assert "Warning" not in card and "| capitals | yes |" in card
