@@ -60,10 +60,10 @@ def main() -> None:
     ap.add_argument("--draws", type=int, default=4, help="independent noise draws")
     ap.add_argument("--seed", type=int, default=0, help="the data's seed (modular lock's: the run's, 0) and the "
                     "first draw's; draw i uses seed + i")
-    ap.add_argument("--tolerance", type=float, default=0.03, help="a move beyond it is counted (issue target: 3 points)")
+    ap.add_argument("--tolerance", type=float, default=0.03, help="a move beyond it is counted (the neighbour target: 3 points)")
     ap.add_argument("--batch_size", type=int, default=48, help="prompts per generation batch")
     ap.add_argument("--device", default="auto", help="cpu, cuda, ... (auto: a GPU when present)")
-    ap.add_argument("--dtype", default="float32", help="the model's precision")
+    ap.add_argument("--dtype", default="auto", help="the model's precision (auto: float32 on a CPU, the model's own on a GPU)")
     ap.add_argument("--run", help="a training run of --model: its block weights' change, for comparison")
     ap.add_argument("--out", default="outputs/benchmarks", help="output folder")
     args = ap.parse_args()
