@@ -266,9 +266,9 @@ def publish_model(open_model, tokenizer, directions: dict, out: str | Path, base
             manifest["lock_check"] = lock_check.get("detail")
         if locked_responses:
             manifest["locked_responses"] = {b: locked_responses[b] for b in behaviours if b in locked_responses}
-        if measured and "lock_held_out" in measured:
-            manifest["lock_held_out"] = measured["lock_held_out"]
         if measured:
+            if "lock_held_out" in measured:
+                manifest["lock_held_out"] = measured["lock_held_out"]
             manifest["measured_accuracy"] = {
                 state: {b: row["behaviours"][b]["accuracy"] for b in directions}
                 for state, row in measured.get("states", {}).items()
