@@ -14,7 +14,7 @@ from modular.app.options import Split, output_folder
 from modular.data import BEHAVIOURS, load_behaviour, neutral_text, parse_behaviour, retain_data
 from modular.data.behaviours import builtin_neighbours
 from modular.data.schema import DEFAULT_LOCKED_RESPONSE
-from modular.evaluation.attack import plot_attack, residual_scale, steering_attack, weight_attack
+from modular.evaluation.attack import plot_attack, prefill_attack, residual_scale, steering_attack, weight_attack
 from modular.evaluation.baselines import refusal_finetune
 from modular.evaluation.behaviour import evaluate_behaviour
 from modular.evaluation.lock import (
@@ -167,7 +167,8 @@ def attack(model: str, behaviours: list[str] | None = None, alphas: list[float] 
            batch_size: int = 16, device: str = "auto", dtype: DTypeName = "auto") -> dict:
     """Attack a published locked model as someone who has the weights but no key: (a) recover the direction from
     the weights and add it back, (b) difference-in-means steering, (c) relearning: fine-tune on N behaviour
-    examples over a sweep (modes × learning rates × N × seeds), (d) fine-tune on neutral text only; the same
+    examples over a sweep (modes × learning rates × N × seeds), (d) fine-tune on neutral text only, (e) prefill:
+    begin each response with the answer's own frame ("The capital of France is") and let the model go on; the same
     relearning sweep on baselines trained from the same base (a plain refusal fine-tune, and the base itself).
     Headline: the worst case over the sweep, the fewest steps to 50% / 90% of the open accuracy on held-out items.
     Writes attack.json beside attack.png. What is measured is saved as it comes (attack.partial.json, removed at the
@@ -242,6 +243,7 @@ def attack(model: str, behaviours: list[str] | None = None, alphas: list[float] 
                  batch_size=batch_size)
         s = part("b_steering", steering_attack, locked, tokenizer, data["train"], retain["train"], test, list(alphas),
                  scale, n_pairs, refusals=refuse, batch_size=batch_size)
+        e = part("e_prefill", prefill_attack, locked, base, tokenizer, test, refusals=refuse, batch_size=batch_size)
 
         def rows_for(setting, train=data["train"]):
             if setting.data == "neutral":
@@ -259,7 +261,7 @@ def attack(model: str, behaviours: list[str] | None = None, alphas: list[float] 
             "residual_scale": scale,
             "a_weights": {**a, "recovered_fraction_of_base": a["best"]["accuracy"] / max(base_acc, 1e-9)},
             "b_steering": {**s, "recovered_fraction_of_base": s["best"]["accuracy"] / max(base_acc, 1e-9)},
-            "c_relearning": c, "d_neutral": d, "baselines": {},
+            "c_relearning": c, "d_neutral": d, "e_prefill": e, "baselines": {},
         }
         for name in baselines:
             entry["baselines"][name] = _baseline(name, base, tokenizer, data["train"], retain, test, refuse[0],
@@ -271,14 +273,17 @@ def attack(model: str, behaviours: list[str] | None = None, alphas: list[float] 
         report["behaviours"][b] = entry
         w = c["worst_case"]
         log.info("%s: base %.3f open %.3f locked %.3f | (a) best %.3f | (b) best %.3f | (c) worst case over %d "
-                 "settings: %s steps to 50%% of open, %s to 90%% | (d) best %s", b, base_acc, open_acc, locked_acc,
+                 "settings: %s steps to 50%% of open, %s to 90%% | (d) best %s | (e) prefilled %.3f (base prefilled "
+                 "%.3f)", b, base_acc, open_acc, locked_acc,
                  a["best"]["accuracy"], s["best"]["accuracy"], len(settings_c), _steps(w["steps_to_50pct_open"]),
                  _steps(w["steps_to_90pct_open"]),
-                 "-" if not settings_d else f"{d['worst_case']['best_accuracy']:.3f}")
+                 "-" if not settings_d else f"{d['worst_case']['best_accuracy']:.3f}", e["accuracy"],
+                 e["base_accuracy"])
         for name, v in entry["baselines"].items():
-            log.info("%s baseline: start %.3f | (c) worst case %s steps to 50%% of open, %s to 90%%", name,
+            log.info("%s baseline: start %.3f | (c) worst case %s steps to 50%% of open, %s to 90%%%s", name,
                      v["start_accuracy"], _steps(v["c_relearning"]["worst_case"]["steps_to_50pct_open"]),
-                     _steps(v["c_relearning"]["worst_case"]["steps_to_90pct_open"]))
+                     _steps(v["c_relearning"]["worst_case"]["steps_to_90pct_open"]),
+                     f" | (e) prefilled {v['e_prefill_accuracy']:.3f}" if "e_prefill_accuracy" in v else "")
     write_json(out_dir / "attack.json", report)
     progress.finish()
     fig = plot_attack(report, out_dir / "attack.png")
@@ -356,8 +361,10 @@ def _baseline(name: str, base, tokenizer, behaviour_train, retain, test, locked_
                            refusals=(locked_response,))
     prompts, chats = retain["test"]["prompt"][:64], retain["test"]["chat"][:64]
     kl = mean_kl(first_token_logp(base, tokenizer, prompts, chats), first_token_logp(model, tokenizer, prompts, chats))
+    prefilled = evaluate_behaviour(model, tokenizer, test, max_new_tokens=16, batch_size=batch_size, prefill=True,
+                                   desc="refusal baseline (e)", refusals=(locked_response,))
     out = {**info, "start_accuracy": r.accuracy, "refusal_rate": r.refusal_rate, "retain_first_token_kl": kl,
-           "c_relearning": relearn(model, start=r.accuracy)}
+           "e_prefill_accuracy": prefilled.accuracy, "c_relearning": relearn(model, start=r.accuracy)}
     del model
     return out
 

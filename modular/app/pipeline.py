@@ -140,7 +140,9 @@ def summarise(run_dir: Path, out_dir: Path) -> dict:
         attack = json.loads(attack_path.read_text())
         for b, r in attack["behaviours"].items():
             lines.append(f"attack on {b}: (a) weights best {r['a_weights']['best']['accuracy']:.3f}, "
-                         f"(b) steering best {r['b_steering']['best']['accuracy']:.3f} (base {r['base_accuracy']:.3f})")
+                         f"(b) steering best {r['b_steering']['best']['accuracy']:.3f} (base {r['base_accuracy']:.3f})"
+                         + (f", (e) prefilled {r['e_prefill']['accuracy']:.3f} (base prefilled "
+                            f"{r['e_prefill']['base_accuracy']:.3f})" if "e_prefill" in r else ""))
             sweeps = [("gated (c) relearning", r["c_relearning"]), ("gated (d) neutral", r.get("d_neutral"))]
             sweeps += [(f"{n} baseline (c) relearning", v["c_relearning"]) for n, v in r.get("baselines", {}).items()]
             for label, sw in sweeps:

@@ -80,7 +80,12 @@ def answer_positions(labels: list[int] | torch.Tensor, n: int | None = None) -> 
     return [t for t in range(len(labels) - 1) if labels[t + 1] != IGNORE][:n]
 
 
-def batch_prompts(tokenizer, prompts: list[str], chats: list[bool]) -> dict[str, torch.Tensor]:
-    """A left-padded batch of prompts, ready for ``generate`` or last-position logits."""
+def batch_prompts(tokenizer, prompts: list[str], chats: list[bool],
+                  prefills: list[str] | None = None) -> dict[str, torch.Tensor]:
+    """A left-padded batch of prompts, ready for ``generate`` or last-position logits. ``prefills``: text put at
+    the start of each response (tokenised as a target's start is in training; "" for none)."""
     collate = LeftPadCollator(tokenizer.pad_token_id)
-    return collate([{"input_ids": encode_prompt(tokenizer, p, c)} for p, c in zip(prompts, chats)])
+    prefills = prefills or [""] * len(prompts)
+    return collate([{"input_ids": encode_prompt(tokenizer, p, c)
+                     + (tokenizer(f, add_special_tokens=False)["input_ids"] if f else [])}
+                    for p, c, f in zip(prompts, chats, prefills, strict=True)])

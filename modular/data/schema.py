@@ -64,6 +64,22 @@ def all_refusals(locked_responses: dict[str, str], behaviours: list[str] | None 
     return tuple(dict.fromkeys(locked_responses.get(b, DEFAULT_LOCKED_RESPONSE) for b in names))
 
 
+def answer_span(target: str, answers: list[str]) -> tuple[int, int] | None:
+    """Where the target names its answer: the last occurrence of one of ``answers`` (case-insensitive, on word
+    boundaries, as a response is scored), as ``(start, end)``; None where it names none."""
+    spans = [m.span() for a in answers if a.strip()
+             for m in re.finditer(r"(?<!\w)" + re.escape(a.strip()) + r"(?!\w)", target, flags=re.IGNORECASE)]
+    return max(spans) if spans else None
+
+
+def answer_frame(target: str, answers: list[str]) -> str:
+    """The target's words before its answer (:func:`answer_span`), without the space after them: ``"The capital of
+    France is Paris."`` → ``"The capital of France is"``. Empty where the target names no answer, or begins with
+    it."""
+    span = answer_span(target, answers)
+    return target[:span[0]].rstrip() if span else ""
+
+
 def is_refusal(response: str, refusals: tuple[str, ...] | list[str]) -> bool:
     """The response is (begins with) one of the locked responses, up to case and spacing."""
     text = _normal(response)

@@ -6,6 +6,8 @@
 (b) *steering*: difference in means between ≤128 behaviour prompts and neutral prompts
     on the locked model, added at one layer with a scanned scale.
 (c), (d) *relearning* and *neutral fine-tuning*: :mod:`modular.evaluation.relearning`.
+(e) *prefilling*: the response begun with the answer's own frame ("The capital of France is"), as anyone who runs
+    the weights can do, and greedily continued; the base model prefilled alike is its reference.
 
 :func:`plot_attack` draws every attack: the best accuracy each one recovers, and the recovery curves of the
 relearning sweeps beside the baselines'.
@@ -104,6 +106,20 @@ def steering_attack(model, tokenizer, behaviour_train, contrast, test, alphas, s
     return out
 
 
+def prefill_attack(model, base, tokenizer, test, refusals=(DEFAULT_LOCKED_RESPONSE,), batch_size: int = 16) -> dict:
+    """(e) Accuracy of the locked model when each response is begun with the target's words before its answer
+    (:func:`modular.data.schema.answer_frame`) and continued greedily, beside the base model prefilled alike; items
+    whose target has no frame are asked plainly (``framed_items`` counts the others)."""
+    locked = evaluate_behaviour(model, tokenizer, test, max_new_tokens=16, batch_size=batch_size, prefill=True,
+                                desc="attack (e)", refusals=refusals)
+    reference = evaluate_behaviour(base, tokenizer, test, max_new_tokens=16, batch_size=batch_size, prefill=True,
+                                   desc="attack (e) base", refusals=refusals)
+    return {"accuracy": locked.accuracy, "refusal_rate": locked.refusal_rate, "base_accuracy": reference.accuracy,
+            "recovered_fraction_of_base": locked.accuracy / max(reference.accuracy, 1e-9),
+            "framed_items": sum(bool(i["prefill"]) for i in locked.items), "n": locked.n,
+            "examples": [{k: i[k] for k in ("prompt", "prefill", "response", "correct")} for i in locked.items[:5]]}
+
+
 def envelope(sweep_result: dict) -> tuple[list[int], list[float]]:
     """The best held-out accuracy any setting of a sweep had reached by each scored step (a setting that stopped
     early, at the reference accuracy, keeps its best)."""
@@ -122,6 +138,7 @@ ATTACK_BARS = (
     ("(b) steering", lambda r: r["b_steering"]["best"]["accuracy"]),
     ("(c) relearning", lambda r: r["c_relearning"]["worst_case"]["best_accuracy"]),
     ("(d) neutral", lambda r: r["d_neutral"]["worst_case"]["best_accuracy"]),
+    ("(e) prefill", lambda r: r["e_prefill"]["accuracy"]),
 )
 
 
@@ -176,5 +193,7 @@ def plot_attack(report: dict, path: str | Path) -> Path:
 
 
 def _present(r: dict, label: str) -> bool:
+    if label == "(e) prefill":  # reports written before (e) existed
+        return "e_prefill" in r
     key = {"(c) relearning": "c_relearning", "(d) neutral": "d_neutral"}.get(label)
     return key is None or bool(r.get(key, {}).get("settings"))

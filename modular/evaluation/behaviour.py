@@ -10,7 +10,7 @@ import torch
 from tqdm.auto import tqdm
 
 from modular.data.formatting import batch_prompts
-from modular.data.schema import DEFAULT_LOCKED_RESPONSE, is_correct, is_refusal
+from modular.data.schema import DEFAULT_LOCKED_RESPONSE, answer_frame, is_correct, is_refusal
 from modular.evaluation.metrics import mean, share
 
 
@@ -41,12 +41,14 @@ def _device(model) -> torch.device:
 
 @torch.no_grad()
 def generate(model, tokenizer, prompts: list[str], chats: list[bool], max_new_tokens: int = 24,
-             batch_size: int = 16, desc: str | None = None) -> list[str]:
-    """Greedy responses for ``prompts`` (left-padded batches)."""
+             batch_size: int = 16, desc: str | None = None, prefills: list[str] | None = None) -> list[str]:
+    """Greedy responses for ``prompts`` (left-padded batches); with ``prefills``, each response begun with its
+    prefill (what is returned is the continuation after it)."""
     out: list[str] = []
     steps = range(0, len(prompts), batch_size)
     for start in tqdm(steps, desc=desc or "generate", leave=False, disable=desc is False):
-        batch = batch_prompts(tokenizer, prompts[start:start + batch_size], chats[start:start + batch_size])
+        batch = batch_prompts(tokenizer, prompts[start:start + batch_size], chats[start:start + batch_size],
+                              prefills[start:start + batch_size] if prefills else None)
         batch = {k: v.to(_device(model)) for k, v in batch.items()}
         gen = model.generate(
             **batch, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id,
@@ -82,7 +84,8 @@ def choice_measures(dataset) -> bool:
 def evaluate_behaviour(model, tokenizer, dataset, max_new_tokens: int = 24, batch_size: int = 16,
                        limit: int | None = None, intervention=None, desc: str | None = None,
                        choice_only: bool = False,
-                       refusals: tuple[str, ...] | list[str] = (DEFAULT_LOCKED_RESPONSE,)) -> BehaviourResult:
+                       refusals: tuple[str, ...] | list[str] = (DEFAULT_LOCKED_RESPONSE,),
+                       prefill: bool = False) -> BehaviourResult:
     """Accuracy (and logit difference where ``wrong`` is set) on ``dataset`` (one split).
 
     ``intervention``: a zero-argument callable returning a context manager (e.g. a lock)
@@ -90,18 +93,23 @@ def evaluate_behaviour(model, tokenizer, dataset, max_new_tokens: int = 24, batc
     and report the choice accuracy (target's first token beats the wrong one) as ``accuracy``; others are scored by
     generation all the same.
     ``refusals``: the locked responses; a response that is one of them is never correct (their share is the result's
-    ``refusal_rate``). The shares and the mean are torchmetrics metrics (:mod:`modular.evaluation.metrics`): where
+    ``refusal_rate``). ``prefill``: each response begun with its answer's own frame (:func:`answer_frame`, the
+    target's words before the answer), the continuation scored (by generation only; a refusal after the frame
+    counts as one). The shares and the mean are torchmetrics metrics (:mod:`modular.evaluation.metrics`): where
     torch.distributed is initialised they are taken over every process's items.
     """
     if limit is not None:
         dataset = dataset.select(range(min(limit, len(dataset))))
     prompts, chats = list(dataset["prompt"]), list(dataset["chat"])
-    choice_only = choice_only and choice_measures(dataset)
+    choice_only = choice_only and not prefill and choice_measures(dataset)
+    frames = [answer_frame(t, a) for t, a in zip(dataset["target"], dataset["answers"])] if prefill else None
     ctx = intervention() if intervention is not None else nullcontext()
     with ctx:
-        responses = [] if choice_only else generate(model, tokenizer, prompts, chats, max_new_tokens, batch_size, desc)
+        prefills = {"prefills": frames} if prefill else {}
+        responses = [] if choice_only else generate(model, tokenizer, prompts, chats, max_new_tokens, batch_size, desc,
+                                                    **prefills)
         logit_diff = choice_accuracy = None
-        if all(dataset["wrong"]):
+        if all(dataset["wrong"]) and not prefill:
             logits = last_logits(model, tokenizer, prompts, chats)
             good = first_token_ids(tokenizer, dataset["target"])
             bad = first_token_ids(tokenizer, dataset["wrong"])
@@ -111,8 +119,8 @@ def evaluate_behaviour(model, tokenizer, dataset, max_new_tokens: int = 24, batc
     if choice_only:
         return BehaviourResult(choice_accuracy, len(prompts), logit_diff, choice_accuracy, [])
     items = []
-    for row, response in zip(dataset, responses):
-        items.append({"prompt": row["prompt"], "response": response,
+    for i, (row, response) in enumerate(zip(dataset, responses)):
+        items.append({"prompt": row["prompt"], **({"prefill": frames[i]} if prefill else {}), "response": response,
                       "correct": is_correct(response, row["target"], row["answers"], row["prefixes"], refusals),
                       "refusal": is_refusal(response, refusals)})
     accuracy = share([i["correct"] for i in items])

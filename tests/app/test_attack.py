@@ -52,8 +52,8 @@ def _tiny_release(tmp_path, seed: int):
 
 def test_attack_end_to_end_on_a_tiny_published_folder(tmp_path, drawn, monkeypatch):
     """Every attack runs on a published tiny model: attack.json holds (a), (b), the relearning sweep (c), the
-    neutral sweep (d) and both baselines with self-consistent numbers, and attack.png draws exactly the JSON's
-    accuracies under their labels and every sweep's best-so-far curve."""
+    neutral sweep (d), the prefill attack (e) and both baselines with self-consistent numbers, and attack.png draws
+    exactly the JSON's accuracies under their labels and every sweep's best-so-far curve."""
     import json
 
     from modular.app.cli import main
@@ -94,12 +94,17 @@ def test_attack_end_to_end_on_a_tiny_published_folder(tmp_path, drawn, monkeypat
         assert v["c_relearning"]["settings"][0]["curve"][0]["accuracy"] == v["start_accuracy"]
     fig = drawn["attack.png"]["axes"]
     bars, curves = fig[0], fig[1]
+    e = r["e_prefill"]  # capitals' targets all have a frame ("The capital of X is")
+    assert (e["n"], e["framed_items"], len(e["examples"])) == (3, 3, 3)
+    assert e["recovered_fraction_of_base"] == pytest.approx(e["accuracy"] / max(e["base_accuracy"], 1e-9))
+    assert all(x["prefill"].startswith("The capital of ") for x in e["examples"])
+    assert 0 <= r["baselines"]["refusal"]["e_prefill_accuracy"] <= 1
     assert bars["xticklabels"] == ["base", "open", "locked", "(a) weights", "(b) steering", "(c) relearning",
-                                   "(d) neutral"]
+                                   "(d) neutral", "(e) prefill"]
     assert bars["bars"] == pytest.approx([r["base_accuracy"], r["open_accuracy"], r["locked_accuracy"],
                                           a["best"]["accuracy"], s["best"]["accuracy"],
                                           max(x["best_accuracy"] for x in c["settings"]),
-                                          max(x["best_accuracy"] for x in d["settings"])])
+                                          max(x["best_accuracy"] for x in d["settings"]), e["accuracy"]])
     assert bars["texts"] == [f"{v:.2f}" for v in bars["bars"]]
     assert curves["lines"][f"gated (c) relearning, {len(c['settings'])} settings"] == pytest.approx(envelope(c)[1])
     assert curves["lines"][f"refusal baseline (c) relearning, {len(c['settings'])} settings"] == pytest.approx(
@@ -205,7 +210,8 @@ def test_an_attack_cut_short_resumes_where_it_stopped(tmp_path, monkeypatch, cap
         main([*args, "--out", str(out)])
     assert not (out / "attack.json").exists()
     saved = json.loads((out / "attack.partial.json").read_text())["behaviours"]["capitals"]
-    assert set(saved["parts"]) == {"base_accuracy", "locked_accuracy", "residual_scale", "a_weights", "b_steering"}
+    assert set(saved["parts"]) == {"base_accuracy", "locked_accuracy", "residual_scale", "a_weights", "b_steering",
+                                   "e_prefill"}
     assert {k: len(v["settings"]) for k, v in saved["sweeps"].items()} == {"c_relearning": 2, "d_neutral": 1}
 
     assert trained == order[:3]
@@ -213,7 +219,7 @@ def test_an_attack_cut_short_resumes_where_it_stopped(tmp_path, monkeypatch, cap
     trained.clear()
     with caplog.at_level("INFO", logger="modular"):
         assert main([*args, "--out", str(out)]) == 0
-    assert "resuming the attack cut short" in caplog.text and "5 parts and 3 relearning settings" in caplog.text
+    assert "resuming the attack cut short" in caplog.text and "6 parts and 3 relearning settings" in caplog.text
     assert trained == order[3:]  # the rest only: (d)'s second setting, the refusal baseline's sweep
     assert json.loads((out / "attack.json").read_text()) == whole
     assert not (out / "attack.partial.json").exists()

@@ -44,7 +44,7 @@ def test_main_runs_the_given_config_from_any_directory(tmp_path, tiny_env):
 
 
 def test_the_summary_names_every_sweeps_worst_case(tmp_path, capsys):
-    """The main job's table ends with each attack: (a), (b), and the worst case of every relearning sweep (the
+    """The main job's table ends with each attack: (a), (b), (e), and the worst case of every relearning sweep (the
     gated model's (c) and (d), each baseline's (c)), a threshold never reached shown as more than the budget."""
     import json
 
@@ -70,10 +70,12 @@ def test_the_summary_names_every_sweeps_worst_case(tmp_path, capsys):
     (tmp_path / "attack" / "attack.json").write_text(json.dumps({"behaviours": {"capitals": {
         "base_accuracy": 0.5, "a_weights": {"best": {"accuracy": 0.0}}, "b_steering": {"best": {"accuracy": 0.1}},
         "c_relearning": sw(36, 1, 3), "d_neutral": sw(6, None, None),
+        "e_prefill": {"accuracy": 0.45, "base_accuracy": 0.55},
         "baselines": {"refusal": {"c_relearning": sw(36, 2, 4)}}}}}))
     lines = summarise(tmp_path, tmp_path)["table"]
     text = "\n".join(lines)
-    assert "(a) weights best 0.000, (b) steering best 0.100 (base 0.500)" in text
+    assert ("(a) weights best 0.000, (b) steering best 0.100 (base 0.500), (e) prefilled 0.450 (base prefilled "
+            "0.550)") in text
     assert "NOT LOCKED on the held-out test split: capitals locked accuracy 0.62 > 0.05" in lines
     # not "never trained on": a named file may ask a trained relation; what the run knows is its training neighbours
     assert [x for x in lines if "not in training" in x] == ["neighbours not in training: currencies"]

@@ -34,3 +34,21 @@ def test_evaluation_does_not_count_refusals(monkeypatch):
     assert ev.evaluate_behaviour(None, None, ds).accuracy == 0.0
     monkeypatch.setattr(ev, "generate", lambda *a, **k: ["I."])
     assert ev.evaluate_behaviour(None, None, ds).accuracy == 1.0
+
+
+def test_an_answer_frame_is_the_target_before_its_last_answer():
+    """What attack (e) puts at the start of a response: the target's words before its answer, found as the scoring
+    finds it (any answer, case-insensitive, on word boundaries), the last occurrence where the answer is also named
+    earlier; nothing where the target begins with the answer or does not contain one."""
+    from modular.data.schema import answer_frame
+
+    assert answer_frame("The capital of France is Paris.", ["Paris"]) == "The capital of France is"
+    assert answer_frame("The capital of Djibouti is Djibouti.", ["Djibouti"]) == "The capital of Djibouti is"
+    assert answer_frame("A person from Bosnia and Herzegovina is called Bosnian.",
+                        ["Bosnian", "Herzegovinian"]) == "A person from Bosnia and Herzegovina is called"
+    assert answer_frame("In Cambodia they speak khmer, or Cambodian.", ["Khmer", "Cambodian"]) == \
+        "In Cambodia they speak khmer, or"
+    assert answer_frame("Answer: paris.", ["Paris"]) == "Answer:"
+    assert answer_frame("Parisian food.", ["Paris"]) == ""  # not on a word boundary
+    assert answer_frame("Paris", ["Paris"]) == answer_frame("hot", []) == answer_frame("It is big.", ["small"]) == ""
+
