@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from modular.data.schema import answer_span
+
 IGNORE = -100
 
 
@@ -45,6 +47,24 @@ def encode_example(tokenizer, prompt: str, target: str, chat: bool, max_length: 
     ids = p + t
     labels = [IGNORE] * len(p) + t
     if max_length is not None and len(ids) > max_length:  # keep the end: the target matters
+        ids, labels = ids[-max_length:], labels[-max_length:]
+    return {"input_ids": ids, "labels": labels}
+
+
+def encode_answer(tokenizer, prompt: str, target: str, answers: list[str], chat: bool,
+                  max_length: int | None = None) -> dict:
+    """Token ids and labels for a target's answer in its own sentence: the prompt, then the target up to the end of
+    its answer (:func:`~modular.data.schema.answer_span`), labels on the answer's tokens only (its frame, the words
+    before it, is context; a token the frame shares with the answer is labelled). A target that names no answer is
+    labelled whole, as :func:`encode_example` labels it, without the end of the response."""
+    span = answer_span(target, answers)
+    frame = target[:span[0]].rstrip() if span else ""
+    ids = tokenizer(target[:span[1]] if span else target, add_special_tokens=False)["input_ids"]
+    before = tokenizer(frame, add_special_tokens=False)["input_ids"] if frame else []
+    shared = len(before) if ids[:len(before)] == before else max(len(before) - 1, 0)
+    p = encode_prompt(tokenizer, prompt, chat)
+    ids, labels = p + ids, [IGNORE] * (len(p) + shared) + ids[shared:]
+    if max_length is not None and len(ids) > max_length:  # keep the end: the answer matters
         ids, labels = ids[-max_length:], labels[-max_length:]
     return {"input_ids": ids, "labels": labels}
 

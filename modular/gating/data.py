@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, Dataset
 from modular import ModularError
 from modular.data import behaviour_name, load_behaviour, parse_behaviour, retain_data
 from modular.data.behaviours import builtin_neighbours, is_jsonl
-from modular.data.formatting import IGNORE, LeftPadCollator, answer_positions, encode_example
+from modular.data.formatting import IGNORE, LeftPadCollator, answer_positions, encode_answer, encode_example
 from modular.data.schema import DEFAULT_LOCKED_RESPONSE, all_refusals
 from modular.gating.loaders import PassSeededSampler, ResumableLoader
 
@@ -74,6 +74,8 @@ def split_collate(pad_token_id: int, pad_extra: dict[str, float] | None = None):
         out = {"open": _collate_part(base, items[:half], "open"), "locked": _collate_part(base, items[half:], "locked")}
         if "open" in items[0]:  # behaviours: the locked half with its true targets (for unlikelihood)
             out["locked_true"] = _collate_part(base, items[half:], "open")
+        if "answer" in items[0]:  # ... and with the answer alone labelled, after its frame (LockedAnswer)
+            out["locked_answer"] = _collate_part(base, items[half:], "answer")
         if "guard" in items[0]:  # retain / neighbours: each half with a locked response as its answer
             out["open_guard"] = _collate_part(base, items[:half], "guard")
             out["locked_guard"] = _collate_part(base, items[half:], "guard")
@@ -458,6 +460,8 @@ class GatingDataModule(L.LightningDataModule):
                         "open": encode_example(self.tokenizer, r["prompt"], r["target"], r["chat"], hp.max_length),
                         "locked": encode_example(self.tokenizer, r["prompt"], self.locked_responses[b], r["chat"],
                                                  hp.max_length),
+                        "answer": encode_answer(self.tokenizer, r["prompt"], r["target"], r["answers"], r["chat"],
+                                                hp.max_length),
                     }
                     for r in ds[s]
                 ]

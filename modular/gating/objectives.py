@@ -213,6 +213,27 @@ class LockedState(Term):
         return token_ce(logits, piece.batch["labels"])
 
 
+class LockedAnswer(Term):
+    """Locked state, the response prefilled: each behaviour's target up to its answer (``"The capital of France is"``
+    → ``" Paris"``), the answer's tokens pushed down by unlikelihood (``<behaviour>/locked_answer``). The locked
+    response is trained where the response begins; whoever runs the published weights can begin it themselves,
+    with the answer's own frame, and a lock trained only to refuse still completes the frame (attack (e) of
+    ``modular attack``). The rows are the locked half's, its items' answers alone labelled (a target that names no
+    answer is labelled whole).
+
+    Args:
+        weight: Weight of the term (the module's λ applies on top).
+    """
+
+    def pieces(self, ctx: StepContext) -> list[Piece]:
+        return [Piece(f"{b}/locked_answer", ctx.batch[b]["locked_answer"], self, ablated=ctx.extra[i] | {i},
+                      locked=True, index=i)
+                for i, b in enumerate(ctx.behaviours)]
+
+    def loss(self, ctx, piece, logits):
+        return unlikelihood(logits, piece.batch["labels"])
+
+
 def locked_objectives(spec: str | dict[str, str], behaviours: list[str]) -> dict[str, str]:
     """The locked-state objective of every behaviour, from one name or a mapping behaviour → name."""
     objectives = per_behaviour(spec, behaviours, "refusal", "locked_objective")

@@ -52,3 +52,21 @@ def test_an_answer_frame_is_the_target_before_its_last_answer():
     assert answer_frame("Parisian food.", ["Paris"]) == ""  # not on a word boundary
     assert answer_frame("Paris", ["Paris"]) == answer_frame("hot", []) == answer_frame("It is big.", ["small"]) == ""
 
+
+def test_an_answer_is_encoded_in_its_own_sentence_with_only_its_tokens_labelled():
+    """LockedAnswer's rows: the prompt, the target cut after its answer, labels on the answer's tokens; a target that
+    names no answer (a completion task's " Mary") is labelled whole."""
+    from modular.data.formatting import IGNORE, encode_answer, encode_example, encode_prompt
+    from tests.conftest import make_tiny_tokenizer
+
+    tok = make_tiny_tokenizer()
+    prompt = encode_prompt(tok, "What is the capital of France?", True)
+    e = encode_answer(tok, "What is the capital of France?", "The capital of France is Paris.", ["Paris"], True)
+    assert e["input_ids"][:len(prompt)] == prompt
+    assert tok.decode(e["input_ids"][len(prompt):]) == "The capital of France is Paris"
+    labelled = [i for i, x in zip(e["input_ids"], e["labels"]) if x != IGNORE]
+    assert tok.decode(labelled).strip() == "Paris" and e["labels"][-len(labelled):] == labelled
+    assert all(x == IGNORE for x in e["labels"][:-len(labelled)])
+    mary = encode_answer(tok, "Then John gave it to", " Mary", [], False)
+    whole = encode_example(tok, "Then John gave it to", " Mary", False)
+    assert mary == whole  # no end of response after a completion either

@@ -612,3 +612,31 @@ def test_keep_hidden_needs_the_cached_hidden_states(tmp_path, isolated_cache):
     with pytest.raises(ModularError, match="KeepHidden needs the reference's hidden states of retain: set data.hidden_positions > 0 and list "
                                          "retain in data.hidden_parts"):
         lm.model_step(batch, train=False)
+
+
+def test_the_locked_answer_term_pushes_down_the_answer_after_its_frame(tmp_path, isolated_cache):
+    """LockedAnswer's rows are the locked half's targets cut after the answer, the answer's tokens alone labelled
+    (" Paris" after "The capital of France is"); its loss is their unlikelihood with the direction ablated, weighted
+    by the term's weight and λ."""
+    from modular.gating.losses import unlikelihood
+    from modular.gating.objectives import LockedAnswer
+
+    model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
+    lm, batch = _capitals_step(model_dir, [LockedAnswer(weight=0.5)], locked_weight=3.0)
+    u = torch.nn.functional.normalize(torch.randn(lm.directions.shape[1]), dim=0)
+    lm.directions.copy_(u[None])
+    p, full = batch["capitals"]["locked_answer"], batch["capitals"]["locked_true"]
+    tok = lm.trainer.datamodule.tokenizer
+    assert p["input_ids"].shape[0] == full["input_ids"].shape[0] == 2
+    for ids, labels, whole in zip(p["input_ids"], p["labels"], full["labels"]):
+        answer = tok.decode(labels[labels != -100])
+        target = tok.decode(whole[whole != -100], skip_special_tokens=True)
+        assert answer.strip() and target.startswith("The capital of ") and target.rstrip(".").endswith(answer)
+        assert tok.decode(ids[labels != -100][-1:]) == tok.decode(ids[-1:])  # the row ends with its answer
+    total, terms = lm.model_step(batch, train=False)
+    assert set(terms) == {"capitals/locked_answer"}
+    with ablate_directions(lm.adapter, lm.directions):
+        expected = unlikelihood(lm.model(input_ids=p["input_ids"], attention_mask=p["attention_mask"]).logits,
+                                p["labels"])
+    torch.testing.assert_close(terms["capitals/locked_answer"], expected, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(total, 0.5 * 3.0 * expected, rtol=1e-4, atol=1e-6)
