@@ -32,6 +32,7 @@ from modular.data import load_jsonl, parse_behaviour
 from modular.data.behaviours import is_jsonl
 from modular.gating.data import GatingDataModule, check_data_options, training_data
 from modular.gating.module import GatedLM, check_model_options
+from modular.gating.objectives import answer_rows as objective_answer_rows
 from modular.gating.objectives import build_objectives, default_objectives
 from modular.gating.objectives import hidden_parts as objective_hidden_parts
 from modular.runs import LAST_CHECKPOINT, WANDB_RUN_ID, read_checkpoint
@@ -45,6 +46,13 @@ def hidden_parts(objectives) -> list[str]:
     return objective_hidden_parts(default_objectives() if objectives is None else build_objectives(objectives))
 
 
+def answer_rows(objectives) -> bool:
+    """Whether ``model.objectives`` (as parsed; ``None``: the defaults) read the behaviours' answer rows
+    (:func:`~modular.gating.objectives.answer_rows`): the data module builds them for these alone
+    (``data.answer_rows``)."""
+    return objective_answer_rows(default_objectives() if objectives is None else build_objectives(objectives))
+
+
 class GatingCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         parser.link_arguments("model.model_name", "data.model_name")
@@ -52,6 +60,7 @@ class GatingCLI(LightningCLI):
         parser.link_arguments("model.seed", "data.seed")
         parser.link_arguments("model.gate_scope", "data.task_counterfactuals", compute_fn=lambda s: s == "tasks")
         parser.link_arguments("model.objectives", "data.hidden_parts", compute_fn=hidden_parts)
+        parser.link_arguments("model.objectives", "data.answer_rows", compute_fn=answer_rows)
 
     def before_instantiate_classes(self) -> None:
         if self.subcommand != "fit":

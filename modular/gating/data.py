@@ -232,6 +232,9 @@ class GatingDataModule(L.LightningDataModule):
         hidden_stride: Those hidden states are kept at every this many-th block output.
         hidden_parts: Which items carry them (``retain``, ``neighbours``); ``modular train`` links it from
             ``model.objectives``: the parts its KeepHidden terms read, none without one.
+        answer_rows: Behaviour batches also carry their locked half with each target cut after its answer, the
+            answer alone labelled (``locked_answer``), for :class:`~modular.gating.objectives.LockedAnswer`;
+            ``modular train`` links it from ``model.objectives`` (on with a LockedAnswer term, off without one).
         num_workers: DataLoader workers.
         seed: Seed of the data generators and splits.
         task_counterfactuals: Task batches also carry each item's counterfactual prompt with the same target
@@ -257,6 +260,7 @@ class GatingDataModule(L.LightningDataModule):
         hidden_positions: int = 0,
         hidden_stride: int = 4,
         hidden_parts: list[str] = ("retain", NEIGHBOURS_KEY),
+        answer_rows: bool = False,
         num_workers: int = 0,
         seed: int = 0,
         task_counterfactuals: bool = False,
@@ -456,13 +460,7 @@ class GatingDataModule(L.LightningDataModule):
         self.behaviour_rows = {
             b: {
                 s: [
-                    {
-                        "open": encode_example(self.tokenizer, r["prompt"], r["target"], r["chat"], hp.max_length),
-                        "locked": encode_example(self.tokenizer, r["prompt"], self.locked_responses[b], r["chat"],
-                                                 hp.max_length),
-                        "answer": encode_answer(self.tokenizer, r["prompt"], r["target"], r["answers"], r["chat"],
-                                                hp.max_length),
-                    }
+                    self._behaviour_item(r, self.locked_responses[b])
                     for r in ds[s]
                 ]
                 for s in ("train", "validation")
@@ -500,6 +498,17 @@ class GatingDataModule(L.LightningDataModule):
         labels[0] = IGNORE  # the first token is predicted by nothing
         return {"input_ids": ids, "labels": labels, "topk_ids": rec["topk_ids"].long(),
                 "topk_logp": rec["topk_logp"].float()}
+
+    def _behaviour_item(self, row: dict, locked_response: str) -> dict:
+        """A behaviour item: its target (``open``), the locked response (``locked``) and, with ``answer_rows``, the
+        target cut after its answer with the answer alone labelled (``answer``)."""
+        hp, tok = self.hparams, self.tokenizer
+        item = {"open": encode_example(tok, row["prompt"], row["target"], row["chat"], hp.max_length),
+                "locked": encode_example(tok, row["prompt"], locked_response, row["chat"], hp.max_length)}
+        if hp.answer_rows:
+            item["answer"] = encode_answer(tok, row["prompt"], row["target"], row["answers"], row["chat"],
+                                           hp.max_length)
+        return item
 
     def _retain_item(self, rec: dict, row: dict, i: int) -> dict:
         """A retain (or neighbour) item: the reference's answer with its top-k and first-token distributions, and

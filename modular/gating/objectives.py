@@ -226,6 +226,9 @@ class LockedAnswer(Term):
     """
 
     def pieces(self, ctx: StepContext) -> list[Piece]:
+        for b in ctx.behaviours:
+            if "locked_answer" not in ctx.batch[b]:
+                raise ModularError(f"LockedAnswer needs the answer rows of {b}: set data.answer_rows true")
         return [Piece(f"{b}/locked_answer", ctx.batch[b]["locked_answer"], self, ablated=ctx.extra[i] | {i},
                       locked=True, index=i)
                 for i, b in enumerate(ctx.behaviours)]
@@ -731,6 +734,11 @@ def hidden_parts(terms: list[Term]) -> list[str]:
     """The batch parts whose reference hidden states ``terms`` read: every :class:`KeepHidden` term's ``parts``, in
     their order, once each."""
     return list(dict.fromkeys(p for t in terms if isinstance(t, KeepHidden) for p in t.parts))
+
+
+def answer_rows(terms: list[Term]) -> bool:
+    """Whether ``terms`` read the behaviours' answer rows (``locked_answer``): any :class:`LockedAnswer` term."""
+    return any(isinstance(t, LockedAnswer) for t in terms)
 
 
 def default_objectives() -> list[Term]:

@@ -10,7 +10,7 @@ import torch
 import yaml
 
 from modular.app import cli
-from modular.gating.objectives import KeepHidden
+from modular.gating.objectives import KeepHidden, LockedAnswer
 from tests.conftest import save_tiny_folder
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -345,7 +345,8 @@ def test_two_behaviours_with_lora(tmp_path, tiny_env, arch):
                             "objectives": [{"class_path": f"modular.gating.objectives.{c}", "init_args": a}
                                            for c, a in (("BehaviourAnswer", {}),
                                                         ("LockedState", {"objective": {"arithmetic": "unlikelihood"}}),
-                                                        ("KeepReference", {}), ("LMText", {}))],
+                                                        ("KeepReference", {}), ("LMText", {}),
+                                                        ("LockedAnswer", {"weight": 0.5}))],
                             "locked_steering": 0.5, "steering_refresh": 2})
     out = _train(cfg, "--data.locked_response", '{"arithmetic": " unknown."}', env=tiny_env)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -353,6 +354,8 @@ def test_two_behaviours_with_lora(tmp_path, tiny_env, arch):
     assert {"val/capitals/accuracy_open", "val/arithmetic/accuracy_locked"} <= set(record["metrics"])
     # one objective per behaviour: refusal CE for capitals (the default), unlikelihood for arithmetic
     assert {"train/capitals/locked_refusal", "train/arithmetic/locked_unlikelihood"} <= set(record["metrics"])
+    # LockedAnswer's rows, built because the config names the term (data.answer_rows is linked from it)
+    assert {"train/capitals/locked_answer", "train/arithmetic/locked_answer"} <= set(record["metrics"])
 
 
 def test_avoided_directions_and_lm_text_in_both_states(tmp_path, tiny_env):
@@ -566,6 +569,27 @@ def test_the_data_caches_hidden_states_for_the_parts_keep_hidden_terms_read():
     assert hidden_parts([spec("KeepReference", parts=["retain"]), spec("KeepHidden", weight=1.0, parts=["neighbours"]),
                          spec(f"{__name__}.MyHidden", weight=2.0, parts=["retain", "neighbours"])]) \
         == ["neighbours", "retain"]
+
+
+def test_the_data_builds_answer_rows_for_a_locked_answer_term():
+    """``data.answer_rows`` is linked from ``model.objectives``: on with a LockedAnswer term (a subclass's too), off
+    without one (the default objectives have none)."""
+    from jsonargparse import Namespace
+
+    from modular.app.train import answer_rows
+
+    def spec(name, **args):
+        return Namespace(class_path=name if "." in name else f"modular.gating.objectives.{name}",
+                         init_args=Namespace(**args))
+
+    assert answer_rows(None) is False
+    assert answer_rows([spec("KeepReference", parts=["retain"]), spec("LockedState")]) is False
+    assert answer_rows([spec("LockedState"), spec("LockedAnswer", weight=0.5)]) is True
+    assert answer_rows([spec(f"{__name__}.MyAnswer")]) is True
+
+
+class MyAnswer(LockedAnswer):
+    """A user's own term built on LockedAnswer."""
 
 
 class MyHidden(KeepHidden):

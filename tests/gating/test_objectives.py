@@ -622,7 +622,7 @@ def test_the_locked_answer_term_pushes_down_the_answer_after_its_frame(tmp_path,
     from modular.gating.objectives import LockedAnswer
 
     model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
-    lm, batch = _capitals_step(model_dir, [LockedAnswer(weight=0.5)], locked_weight=3.0)
+    lm, batch = _capitals_step(model_dir, [LockedAnswer(weight=0.5)], locked_weight=3.0, data=dict(answer_rows=True))
     u = torch.nn.functional.normalize(torch.randn(lm.directions.shape[1]), dim=0)
     lm.directions.copy_(u[None])
     p, full = batch["capitals"]["locked_answer"], batch["capitals"]["locked_true"]
@@ -640,3 +640,15 @@ def test_the_locked_answer_term_pushes_down_the_answer_after_its_frame(tmp_path,
                                 p["labels"])
     torch.testing.assert_close(terms["capitals/locked_answer"], expected, rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(total, 0.5 * 3.0 * expected, rtol=1e-4, atol=1e-6)
+
+
+def test_the_answer_rows_are_built_only_when_asked_and_locked_answer_says_so(tmp_path, isolated_cache):
+    """Without ``data.answer_rows`` the behaviour batches carry no ``locked_answer`` rows, and a LockedAnswer term
+    given such a batch says in one line what to set."""
+    from modular.gating.objectives import LockedAnswer
+
+    model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
+    lm, batch = _capitals_step(model_dir, [LockedAnswer()])
+    assert "locked_answer" not in batch["capitals"] and "locked_true" in batch["capitals"]
+    with pytest.raises(ModularError, match="LockedAnswer needs the answer rows of capitals: set data.answer_rows true"):
+        lm.model_step(batch, train=False)
