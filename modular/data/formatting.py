@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from modular.data.schema import answer_span
+from modular.data.schema import answer_frame, answer_span
 
 IGNORE = -100
 
@@ -58,7 +58,7 @@ def encode_answer(tokenizer, prompt: str, target: str, answers: list[str], chat:
     before it, is context; a token the frame shares with the answer is labelled). A target that names no answer is
     labelled whole, as :func:`encode_example` labels it, without the end of the response."""
     span = answer_span(target, answers)
-    frame = target[:span[0]].rstrip() if span else ""
+    frame = answer_frame(target, answers)  # the words before the answer: context, unlabelled
     ids = tokenizer(target[:span[1]] if span else target, add_special_tokens=False)["input_ids"]
     before = tokenizer(frame, add_special_tokens=False)["input_ids"] if frame else []
     shared = len(before) if ids[:len(before)] == before else max(len(before) - 1, 0)
