@@ -170,7 +170,9 @@ def attack(model: str, behaviours: list[str] | None = None, alphas: list[float] 
     examples over a sweep (modes × learning rates × N × seeds), (d) fine-tune on neutral text only, (e) prefill:
     begin each response with the answer's own frame ("The capital of France is") and let the model go on; the same
     relearning sweep on baselines trained from the same base (a plain refusal fine-tune, and the base itself).
-    Headline: the worst case over the sweep, the fewest steps to 50% / 90% of the open accuracy on held-out items.
+    Headline: the worst case over the sweep, the fewest steps to 50% / 90% of the open accuracy on held-out items
+    (the open accuracy the published folder records from ``modular lock``; without one, the base's, said in a
+    warning and in ``open_accuracy_from``).
     Writes attack.json beside attack.png. What is measured is saved as it comes (attack.partial.json, removed at the
     end): an attack cut short and started again with the same options on the same weights measures only the rest.
 
@@ -236,7 +238,12 @@ def attack(model: str, behaviours: list[str] | None = None, alphas: list[float] 
                         refusals=refuse)
         locked_acc = part("locked_accuracy", _accuracy, locked, tokenizer, test, batch_size=batch_size, desc="locked",
                           refusals=refuse)
-        open_acc = manifest.get("measured_accuracy", {}).get("open", {}).get(b, base_acc)
+        open_acc = manifest.get("measured_accuracy", {}).get("open", {}).get(b)
+        open_from = "published folder"
+        if open_acc is None:  # published before `modular lock`: the base's accuracy is the relearning target
+            open_acc, open_from = base_acc, "base model"
+            log.warning("%s records no measured open accuracy for %s (published before `modular lock`): the base "
+                        "model's %.3f stands in for it, in the bars and as the relearning target", folder, b, base_acc)
         scale = part("residual_scale", residual_scale, locked, tokenizer, retain["train"]["prompt"],
                      retain["train"]["chat"])
         a = part("a_weights", weight_attack, locked, tokenizer, test, list(alphas), scale, refusals=refuse,
@@ -257,7 +264,8 @@ def attack(model: str, behaviours: list[str] | None = None, alphas: list[float] 
         c = relearn("c_relearning", locked, start=locked_acc)
         d = relearn("d_neutral", locked, start=locked_acc, settings=settings_d)
         entry = {
-            "base_accuracy": base_acc, "open_accuracy": open_acc, "locked_accuracy": locked_acc,
+            "base_accuracy": base_acc, "open_accuracy": open_acc, "open_accuracy_from": open_from,
+            "locked_accuracy": locked_acc,
             "residual_scale": scale,
             "a_weights": {**a, "recovered_fraction_of_base": a["best"]["accuracy"] / max(base_acc, 1e-9)},
             "b_steering": {**s, "recovered_fraction_of_base": s["best"]["accuracy"] / max(base_acc, 1e-9)},

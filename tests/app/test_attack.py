@@ -99,7 +99,9 @@ def test_attack_end_to_end_on_a_tiny_published_folder(tmp_path, drawn, monkeypat
     assert e["recovered_fraction_of_base"] == pytest.approx(e["accuracy"] / max(e["base_accuracy"], 1e-9))
     assert all(x["prefill"].startswith("The capital of ") for x in e["examples"])
     assert 0 <= r["baselines"]["refusal"]["e_prefill_accuracy"] <= 1
-    assert bars["xticklabels"] == ["base", "open", "locked", "(a) weights", "(b) steering", "(c) relearning",
+    # published without `modular lock`: no open accuracy recorded, the base's stands in, and the figure says so
+    assert r["open_accuracy_from"] == "base model" and r["open_accuracy"] == r["base_accuracy"]
+    assert bars["xticklabels"] == ["base", "open (base)", "locked", "(a) weights", "(b) steering", "(c) relearning",
                                    "(d) neutral", "(e) prefill"]
     assert bars["bars"] == pytest.approx([r["base_accuracy"], r["open_accuracy"], r["locked_accuracy"],
                                           a["best"]["accuracy"], s["best"]["accuracy"],

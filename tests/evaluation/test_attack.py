@@ -2,6 +2,8 @@
 
 import math
 
+import pytest
+
 from modular.directions import last_position_states, robust_norm
 from modular.evaluation.attack import residual_scale
 from tests.conftest import make_tiny_model, make_tiny_tokenizer
@@ -75,3 +77,23 @@ def test_the_prefill_attack_scores_the_continuation_of_locked_and_base_alike(mon
     assert r["recovered_fraction_of_base"] == 1.0
     assert r["examples"][0] == {"prompt": "Question 0?", "prefill": "The capital of France is", "response": " Paris.",
                                 "correct": True}
+
+
+def test_the_figure_names_the_open_bar_after_where_its_accuracy_came_from(tmp_path, drawn):
+    """A published folder's measured open accuracy is drawn as "open"; the base's standing in for a missing one as
+    "open (base)", with the 50% / 90% lines named alike."""
+    from modular.evaluation.attack import plot_attack
+
+    def report(source):
+        sweep = {"settings": [], "max_steps": 4, "worst_case": {"best_accuracy": 0.0}}
+        entry = {"base_accuracy": 0.4, "open_accuracy": 0.6, "locked_accuracy": 0.0,
+                 "a_weights": {"best": {"accuracy": 0.1}}, "b_steering": {"best": {"accuracy": 0.2}},
+                 "c_relearning": sweep, "d_neutral": sweep, "e_prefill": {"accuracy": 0.3}, "baselines": {}}
+        return {"behaviours": {"capitals": {**entry, **({"open_accuracy_from": source} if source else {})}}}
+
+    for i, (source, label) in enumerate((("published folder", "open"), (None, "open"), ("base model", "open (base)"))):
+        plot_attack(report(source), tmp_path / f"a{i}.png")
+        bars, curves = drawn[f"a{i}.png"]["axes"]
+        assert bars["xticklabels"] == ["base", label, "locked", "(a) weights", "(b) steering", "(e) prefill"]
+        assert bars["bars"] == pytest.approx([0.4, 0.6, 0.0, 0.1, 0.2, 0.3])
+        assert {f"50% of {label}", f"90% of {label}"} <= set(curves["lines"])
