@@ -54,6 +54,9 @@ def publish(run: str, out: str, keys: str | None = None, harden: bool = True, ov
             log.warning(
                 "%s describes step %s, the checkpoint holds step %s: the model card gets no measured numbers "
                 "(run modular lock --run %s again)", lock_path, report.get("step"), step, run)
+    else:
+        log.warning("%s has no %s: the model card gets no measured numbers, and `modular attack` no open accuracy "
+                    "(run modular lock --run %s first)", run, LOCK_REPORT, run)
     open_model = load_open_model(r, None, device="cpu")  # in the precision it was trained in
     trained = model_dtype(open_model)
     if dtype != "auto" and DTYPES[dtype] != trained:

@@ -60,6 +60,9 @@ def test_bf16_training_publish_and_keys(tmp_path, tiny_env, monkeypatch, caplog)
                          "--dtype", "float32"]) == 0
     assert any("run trained in bfloat16: its lock was verified in bfloat16 only" in r.getMessage()
                for r in caplog.records)
+    # the lock evaluation above wrote elsewhere (--out): the run has no lock.json, and publish says what that costs
+    assert any(f"{run} has no lock.json: the model card gets no measured numbers" in r.getMessage()
+               for r in caplog.records)
     with safe_open(str(pub32 / "model.safetensors"), "pt") as f:
         assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F32"}
     # float32 evaluation of the same run still works (auto on a CPU)
