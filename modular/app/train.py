@@ -39,18 +39,23 @@ from modular.runs import LAST_CHECKPOINT, WANDB_RUN_ID, read_checkpoint
 from modular.tracking import write_text
 
 
+def _terms(objectives) -> list:
+    """The terms of ``model.objectives`` as parsed (``None``: the defaults)."""
+    return default_objectives() if objectives is None else build_objectives(objectives)
+
+
 def hidden_parts(objectives) -> list[str]:
     """The batch parts whose reference hidden states ``model.objectives`` (as parsed; ``None``: the defaults) read
     (:func:`~modular.gating.objectives.hidden_parts`): the data module caches hidden states for these alone
     (``data.hidden_parts``)."""
-    return objective_hidden_parts(default_objectives() if objectives is None else build_objectives(objectives))
+    return objective_hidden_parts(_terms(objectives))
 
 
 def answer_rows(objectives) -> bool:
     """Whether ``model.objectives`` (as parsed; ``None``: the defaults) read the behaviours' answer rows
     (:func:`~modular.gating.objectives.answer_rows`): the data module builds them for these alone
     (``data.answer_rows``)."""
-    return objective_answer_rows(default_objectives() if objectives is None else build_objectives(objectives))
+    return objective_answer_rows(_terms(objectives))
 
 
 class GatingCLI(LightningCLI):

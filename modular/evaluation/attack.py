@@ -157,8 +157,8 @@ def plot_attack(report: dict, path: str | Path) -> Path:
     for row, b in zip(axes, names):
         r = report["behaviours"][b]
         # a published folder without a measured open accuracy: the base's stands in for it (the label says so)
-        bars = [("base", r["base_accuracy"]),
-                ("open (base)" if r.get("open_accuracy_from") == "base model" else "open", r["open_accuracy"])]
+        open_label = "open (base)" if r.get("open_accuracy_from") == "base model" else "open"
+        bars = [("base", r["base_accuracy"]), (open_label, r["open_accuracy"])]
         bars += [(label, read(r)) for label, read in ATTACK_BARS if _present(r, label)]
         ax = row[0]
         drawn = ax.bar([lab for lab, _ in bars], [v for _, v in bars],
@@ -183,7 +183,7 @@ def plot_attack(report: dict, path: str | Path) -> Path:
                 ax.plot(x, y, marker=".", label=f"{label}, {len(sweep_result['settings'])} settings")
         for frac, style in ((0.5, ":"), (0.9, "--")):
             ax.axhline(frac * r["open_accuracy"], color="k", linestyle=style, linewidth=0.8,
-                       label=f"{frac:.0%} of {bars[1][0]}")
+                       label=f"{frac:.0%} of {open_label}")
         ax.set_xscale("symlog", linthresh=1)
         ax.set_xlim(left=0)
         ax.set_xlabel("fine-tuning steps")
