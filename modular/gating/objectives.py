@@ -113,6 +113,8 @@ class Term:
     locked = False
     #: needs the task rows' counterfactual run at every position (not only the last)
     needs_cf_logits = False
+    #: reads the behaviours' answer rows (``locked_answer``; built only when ``data.answer_rows`` is set)
+    answer_rows = False
 
     def __init__(self, weight: float = 1.0):
         _check_weight(type(self).__name__, "weight", weight)
@@ -225,16 +227,22 @@ class LockedAnswer(Term):
         weight: Weight of the term (the module's λ applies on top).
     """
 
+    answer_rows = True
+
     def pieces(self, ctx: StepContext) -> list[Piece]:
-        for b in ctx.behaviours:
-            if "locked_answer" not in ctx.batch[b]:
-                raise ModularError(f"LockedAnswer needs the answer rows of {b}: set data.answer_rows true")
-        return [Piece(f"{b}/locked_answer", ctx.batch[b]["locked_answer"], self, ablated=ctx.extra[i] | {i},
+        return [Piece(f"{b}/locked_answer", answer_batch(ctx, b, self), self, ablated=ctx.extra[i] | {i},
                       locked=True, index=i)
                 for i, b in enumerate(ctx.behaviours)]
 
     def loss(self, ctx, piece, logits):
         return unlikelihood(logits, piece.batch["labels"])
+
+
+def answer_batch(ctx: StepContext, behaviour: str, term: Term) -> dict:
+    """Behaviour ``behaviour``'s answer rows in this step, or a one-line error naming what to set."""
+    if "locked_answer" not in ctx.batch[behaviour]:
+        raise ModularError(f"{type(term).__name__} needs the answer rows of {behaviour}: set data.answer_rows true")
+    return ctx.batch[behaviour]["locked_answer"]
 
 
 def locked_objectives(spec: str | dict[str, str], behaviours: list[str]) -> dict[str, str]:
@@ -299,19 +307,41 @@ class DirectionWrite(Term):
 
 
 # --- what stays as it was --------------------------------------------------------------------------------------
-class _PerturbedLock(Term):
-    """The locked state must hold after the weights move: the locked response's cross-entropy, on the locked rows
-    with every direction ablated (the published model), at ``θ + δ`` for a perturbation ``δ`` the subclass makes
-    (``<behaviour>/<log_name>``). ``δ`` is a constant (no gradient flows through it), so the term's gradient is the
-    locked-state gradient at the moved weights (first order, as in first-order meta-learning).
+PERTURBED_HOLDS = ("refusal", "answer")
 
-    It costs a forward and backward pass of the locked rows per behaviour, plus the subclass's own, and holds a copy
+
+class _PerturbedLock(Term):
+    """The locked state must hold after the weights move: with every direction ablated (the published model), at
+    ``θ + δ`` for a perturbation ``δ`` the subclass makes, ``hold`` says what holds (``<behaviour>/<kind>_<hold>``):
+
+    - ``refusal``: the locked response, its cross-entropy on the locked rows;
+    - ``answer``: the answer stays down where the response is prefilled up to it, its unlikelihood on
+      :class:`LockedAnswer`'s rows (``data.answer_rows``, which ``modular train`` sets for such a term).
+
+    ``δ`` is a constant (no gradient flows through it), so the term's gradient is the locked-state gradient at the
+    moved weights (first order, as in first-order meta-learning).
+
+    It costs a forward and backward pass of those rows per behaviour, plus the subclass's own, and holds a copy
     of the trainable weights while it runs (use LoRA for big models). It runs in training steps only, and not
     under FSDP (the weights are sharded there).
     """
 
-    log_name = "perturbed_refusal"
+    kind = "perturbed"
     locked = True
+
+    def __init__(self, weight: float = 1.0, hold: str = "refusal"):
+        super().__init__(weight)
+        if hold not in PERTURBED_HOLDS:
+            raise ModularError(f"{type(self).__name__} hold must be 'refusal' or 'answer', got '{hold}'")
+        self.hold = hold
+
+    @property
+    def answer_rows(self) -> bool:
+        return self.hold == "answer"
+
+    @property
+    def log_name(self) -> str:
+        return f"{self.kind}_{self.hold}"
 
     def perturbation(self, ctx: StepContext, i: int, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``δ`` for behaviour ``i``: detached tensors shaped like some of ``params`` (the others stay)."""
@@ -328,7 +358,7 @@ class _PerturbedLock(Term):
         params = {n: p for n, p in lm.model.named_parameters() if p.requires_grad and "head_gate." not in n}
         out = {}
         for i, b in enumerate(ctx.behaviours):
-            rows = ctx.batch[b]["locked"]
+            rows = answer_batch(ctx, b, self) if self.answer_rows else ctx.batch[b]["locked"]
             if rows["input_ids"].shape[0] == 0:
                 continue
             with ablate_directions(lm.adapter, lm.directions):  # the published model: every behaviour locked
@@ -337,7 +367,8 @@ class _PerturbedLock(Term):
                 logits = torch.func.functional_call(lm.model, moved, args=(), kwargs={
                     "input_ids": rows["input_ids"], "attention_mask": rows["attention_mask"], "use_cache": False},
                     strict=False).logits
-            out[f"{b}/{self.log_name}"] = token_ce(logits, rows["labels"])
+            held = unlikelihood if self.answer_rows else token_ce
+            out[f"{b}/{self.log_name}"] = held(logits, rows["labels"])
         return out
 
 
@@ -348,10 +379,12 @@ class _AttackerSizedLock(_PerturbedLock):
         lrs: The step sizes ``η`` the perturbation is drawn with, one per step, log-uniformly between the
             smallest and the largest (an Adam attacker's first steps move each weight by about its learning rate).
         weight: Weight of the term (the module's λ applies on top: it is a locked-state term).
+        hold: What must hold at the moved weights: ``refusal`` (the locked response) or ``answer`` (the answer
+            pushed down after its frame, as :class:`LockedAnswer` does).
     """
 
-    def __init__(self, lrs: list[float] = (1e-5, 1e-4), weight: float = 1.0):
-        super().__init__(weight)
+    def __init__(self, lrs: list[float] = (1e-5, 1e-4), weight: float = 1.0, hold: str = "refusal"):
+        super().__init__(weight, hold)
         if not lrs or min(lrs) <= 0:
             raise ModularError(f"{type(self).__name__} lrs must be > 0, got {list(lrs)}")
         self.lrs = [float(x) for x in lrs]
@@ -371,17 +404,18 @@ class _AttackerSizedLock(_PerturbedLock):
 class RelearningAdversary(_AttackerSizedLock):
     """Tamper resistance against relearning: a simulated attacker fine-tunes the locked model on the behaviour's
     answers for ``steps`` sign-gradient steps (what Adam's first steps are) of a drawn size ``η``; the locked state
-    must still hold at the weights it reaches (``<behaviour>/relearned_refusal``). Its gradient steps see the
+    must still hold at the weights it reaches (``<behaviour>/relearned_<hold>``). Its gradient steps see the
     behaviour's open rows (prompt and true answer) with every direction ablated.
 
     Args:
         steps: The attacker's steps per training step (each one more forward and backward pass).
     """
 
-    log_name = "relearned_refusal"
+    kind = "relearned"
 
-    def __init__(self, lrs: list[float] = (1e-5, 1e-4), steps: int = 1, weight: float = 1.0):
-        super().__init__(lrs, weight)
+    def __init__(self, lrs: list[float] = (1e-5, 1e-4), steps: int = 1, weight: float = 1.0,
+                 hold: str = "refusal"):
+        super().__init__(lrs, weight, hold)
         if steps < 1:
             raise ModularError(f"RelearningAdversary steps must be >= 1, got {steps}")
         self.steps = steps
@@ -406,10 +440,10 @@ class RelearningAdversary(_AttackerSizedLock):
 
 class WeightNoiseLock(_AttackerSizedLock):
     """The locked state must hold under random moves of the attacker's size: ``δ = η · s`` with ``s`` a random sign
-    per weight (``<behaviour>/noised_refusal``), a lock flat in weight space around the published weights. Cheaper
+    per weight (``<behaviour>/noised_<hold>``), a lock flat in weight space around the published weights. Cheaper
     than :class:`RelearningAdversary` (no attacker pass), and blind to the attacker's direction."""
 
-    log_name = "noised_refusal"
+    kind = "noised"
 
     def perturbation(self, ctx, i, params):
         eta = self.draw_lr()
@@ -421,7 +455,7 @@ class QuantizedLock(_PerturbedLock):
     """The locked state must hold in the weights a user's quantiser makes of the model (quantisation-aware
     training): the locked rows run, every direction ablated, on every linear layer's weights as ``scheme`` rounds
     them (the optimum-quanto quantiser of ``modular quantized``; the unembedding kept), and the locked response's
-    CE there is the loss (``<behaviour>/quantized_refusal``). Its gradient passes the rounding unchanged to the
+    CE there is the loss (``<behaviour>/quantized_<hold>``). Its gradient passes the rounding unchanged to the
     weights (straight-through), so training moves weights across rounding boundaries where that locks; the rounded
     weights with the directions ablated by hooks stand in for the rounded published weights (orthogonalised first).
 
@@ -435,12 +469,14 @@ class QuantizedLock(_PerturbedLock):
         group_size: int4's inputs per group (None: optimum-quanto's choice, 128 or the nearest multiple of 32 that
             divides the inputs; 32 is a GGUF Q4 base's own grid).
         weight: Weight of the term (the module's λ applies on top: it is a locked-state term).
+        hold: What must hold in the rounded weights: ``refusal`` or ``answer`` (as :class:`_PerturbedLock`).
     """
 
-    log_name = "quantized_refusal"
+    kind = "quantized"
 
-    def __init__(self, scheme: str = "int4", group_size: int | None = None, weight: float = 1.0):
-        super().__init__(weight)
+    def __init__(self, scheme: str = "int4", group_size: int | None = None, weight: float = 1.0,
+                 hold: str = "refusal"):
+        super().__init__(weight, hold)
         if scheme not in ("int8", "int4"):
             raise ModularError(f"QuantizedLock scheme must be int8 or int4, got '{scheme}'")
         if group_size is not None and scheme != "int4":
@@ -737,8 +773,9 @@ def hidden_parts(terms: list[Term]) -> list[str]:
 
 
 def answer_rows(terms: list[Term]) -> bool:
-    """Whether ``terms`` read the behaviours' answer rows (``locked_answer``): any :class:`LockedAnswer` term."""
-    return any(isinstance(t, LockedAnswer) for t in terms)
+    """Whether ``terms`` read the behaviours' answer rows (``locked_answer``): a :class:`LockedAnswer` term, or a
+    perturbed lock that holds the answer down."""
+    return any(t.answer_rows for t in terms)
 
 
 def default_objectives() -> list[Term]:

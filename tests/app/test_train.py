@@ -572,8 +572,8 @@ def test_the_data_caches_hidden_states_for_the_parts_keep_hidden_terms_read():
 
 
 def test_the_data_builds_answer_rows_for_a_locked_answer_term():
-    """``data.answer_rows`` is linked from ``model.objectives``: on with a LockedAnswer term (a subclass's too), off
-    without one (the default objectives have none)."""
+    """``data.answer_rows`` is linked from ``model.objectives``: on with a LockedAnswer term (a subclass's too) or a
+    perturbed lock that holds the answer, off without one (the default objectives have none)."""
     from jsonargparse import Namespace
 
     from modular.app.train import answer_rows
@@ -586,6 +586,8 @@ def test_the_data_builds_answer_rows_for_a_locked_answer_term():
     assert answer_rows([spec("KeepReference", parts=["retain"]), spec("LockedState")]) is False
     assert answer_rows([spec("LockedState"), spec("LockedAnswer", weight=0.5)]) is True
     assert answer_rows([spec(f"{__name__}.MyAnswer")]) is True
+    assert answer_rows([spec("RelearningAdversary", lrs=[1e-4], hold="answer")]) is True  # holds the answer down
+    assert answer_rows([spec("RelearningAdversary", lrs=[1e-4]), spec("WeightNoiseLock")]) is False
 
 
 class MyAnswer(LockedAnswer):

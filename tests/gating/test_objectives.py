@@ -421,6 +421,46 @@ def test_the_relearning_adversary_holds_the_lock_where_an_attackers_step_lands(t
         torch.testing.assert_close(got[f"model.{n}"], w, rtol=1e-3, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
 
 
+def test_the_relearning_adversary_can_hold_the_answer_down_where_the_attacker_lands(tmp_path, isolated_cache):
+    """With ``hold: answer`` the loss at the attacker's weights is the answer's unlikelihood on LockedAnswer's rows
+    (the response prefilled up to the answer), every direction ablated, weighted by λ; the data must build those
+    rows, and a hold that is neither is refused."""
+    from modular.gating.losses import unlikelihood
+    from modular.gating.objectives import RelearningAdversary, answer_rows
+
+    model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
+    term = RelearningAdversary(lrs=[0.02], hold="answer")
+    assert answer_rows([term]) and not answer_rows([RelearningAdversary()])
+    lm, batch = _capitals_step(model_dir, [term], locked_weight=2.0, data=dict(answer_rows=True))
+    lm.directions.copy_(torch.nn.functional.normalize(torch.randn(lm.directions.shape), dim=-1))
+    total, terms = lm.model_step(batch, train=True)
+    assert set(terms) == {"capitals/relearned_answer"}
+
+    params = {n: p for n, p in lm.model.named_parameters() if p.requires_grad}
+    o, a = batch["capitals"]["open"], batch["capitals"]["locked_answer"]
+    with ablate_directions(lm.adapter, lm.directions):
+        g = torch.autograd.grad(token_ce(lm.model(input_ids=o["input_ids"], attention_mask=o["attention_mask"]).logits,
+                                         o["labels"]), list(params.values()))
+        moved = {n: (p - 0.02 * gi.sign()).detach() for (n, p), gi in zip(params.items(), g)}
+
+        def held(weights):
+            return unlikelihood(torch.func.functional_call(lm.model, weights, args=(), kwargs={
+                "input_ids": a["input_ids"], "attention_mask": a["attention_mask"]}, strict=False).logits, a["labels"])
+
+        expected, before = held(moved), held(params)
+    torch.testing.assert_close(total, 2.0 * expected, rtol=1e-4, atol=1e-5)
+    assert abs(expected.item() - before.item()) > 1e-4  # the step matters
+
+    lm, batch = _capitals_step(model_dir, [RelearningAdversary(lrs=[0.02], hold="answer")])
+    with pytest.raises(ModularError, match="RelearningAdversary needs the answer rows of capitals: set "
+                                         "data.answer_rows true"):
+        lm.model_step(batch, train=True)
+    with pytest.raises(ModularError, match="WeightNoiseLock hold must be 'refusal' or 'answer', got 'answers'"):
+        from modular.gating.objectives import WeightNoiseLock
+
+        WeightNoiseLock(hold="answers")
+
+
 def test_weight_noise_lock_moves_every_weight_by_eta(tmp_path, isolated_cache):
     from modular.gating.objectives import RelearningAdversary, WeightNoiseLock
 
