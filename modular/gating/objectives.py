@@ -356,6 +356,7 @@ class _PerturbedLock(Term):
         if getattr(lm, "_sharded", False):
             raise ModularError(f"{type(self).__name__} does not run under FSDP (sharded weights): use DDP")
         params = {n: p for n, p in lm.model.named_parameters() if p.requires_grad and "head_gate." not in n}
+        held = unlikelihood if self.answer_rows else token_ce
         out = {}
         for i, b in enumerate(ctx.behaviours):
             rows = answer_batch(ctx, b, self) if self.answer_rows else ctx.batch[b]["locked"]
@@ -367,7 +368,6 @@ class _PerturbedLock(Term):
                 logits = torch.func.functional_call(lm.model, moved, args=(), kwargs={
                     "input_ids": rows["input_ids"], "attention_mask": rows["attention_mask"], "use_cache": False},
                     strict=False).logits
-            held = unlikelihood if self.answer_rows else token_ce
             out[f"{b}/{self.log_name}"] = held(logits, rows["labels"])
         return out
 

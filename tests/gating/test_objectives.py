@@ -426,7 +426,7 @@ def test_the_relearning_adversary_can_hold_the_answer_down_where_the_attacker_la
     (the response prefilled up to the answer), every direction ablated, weighted by λ; the data must build those
     rows, and a hold that is neither is refused."""
     from modular.gating.losses import unlikelihood
-    from modular.gating.objectives import RelearningAdversary, answer_rows
+    from modular.gating.objectives import RelearningAdversary, WeightNoiseLock, answer_rows
 
     model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
     term = RelearningAdversary(lrs=[0.02], hold="answer")
@@ -456,8 +456,6 @@ def test_the_relearning_adversary_can_hold_the_answer_down_where_the_attacker_la
                                          "data.answer_rows true"):
         lm.model_step(batch, train=True)
     with pytest.raises(ModularError, match="WeightNoiseLock hold must be 'refusal' or 'answer', got 'answers'"):
-        from modular.gating.objectives import WeightNoiseLock
-
         WeightNoiseLock(hold="answers")
 
 
