@@ -322,18 +322,24 @@ class _PerturbedLock(Term):
     moved weights (first order, as in first-order meta-learning).
 
     It costs a forward and backward pass of those rows per behaviour, plus the subclass's own, and holds a copy
-    of the trainable weights while it runs (use LoRA for big models). It runs in training steps only, and not
-    under FSDP (the weights are sharded there).
+    of the trainable weights while it runs (use LoRA for big models). It runs in training steps only, from
+    ``start_step`` on, and not under FSDP (the weights are sharded there). Before the direction carries the
+    behaviour, the locked state at moved weights is near the open state: holding the answer down there from the
+    first step held the open state's capitals at 0.08 through step 75 (the config without the term: 0.38), so
+    ``hold: answer`` wants a start once the lock has formed (docs/tamper.md).
     """
 
     kind = "perturbed"
     locked = True
 
-    def __init__(self, weight: float = 1.0, hold: str = "refusal"):
+    def __init__(self, weight: float = 1.0, hold: str = "refusal", start_step: int = 0):
         super().__init__(weight)
         if hold not in PERTURBED_HOLDS:
             raise ModularError(f"{type(self).__name__} hold must be 'refusal' or 'answer', got '{hold}'")
+        if start_step < 0:
+            raise ModularError(f"{type(self).__name__} start_step must be >= 0, got {start_step}")
         self.hold = hold
+        self.start_step = start_step
 
     @property
     def answer_rows(self) -> bool:
@@ -348,7 +354,7 @@ class _PerturbedLock(Term):
         raise NotImplementedError
 
     def own_losses(self, ctx: StepContext) -> dict[str, torch.Tensor]:
-        if not ctx.train:
+        if not ctx.train or ctx.lm.global_step < self.start_step:
             return {}
         from modular.hooks import ablate_directions
 
@@ -381,10 +387,12 @@ class _AttackerSizedLock(_PerturbedLock):
         weight: Weight of the term (the module's λ applies on top: it is a locked-state term).
         hold: What must hold at the moved weights: ``refusal`` (the locked response) or ``answer`` (the answer
             pushed down after its frame, as :class:`LockedAnswer` does).
+        start_step: The training step from which the term acts (0: from the first).
     """
 
-    def __init__(self, lrs: list[float] = (1e-5, 1e-4), weight: float = 1.0, hold: str = "refusal"):
-        super().__init__(weight, hold)
+    def __init__(self, lrs: list[float] = (1e-5, 1e-4), weight: float = 1.0, hold: str = "refusal",
+                 start_step: int = 0):
+        super().__init__(weight, hold, start_step)
         if not lrs or min(lrs) <= 0:
             raise ModularError(f"{type(self).__name__} lrs must be > 0, got {list(lrs)}")
         self.lrs = [float(x) for x in lrs]
@@ -414,8 +422,8 @@ class RelearningAdversary(_AttackerSizedLock):
     kind = "relearned"
 
     def __init__(self, lrs: list[float] = (1e-5, 1e-4), steps: int = 1, weight: float = 1.0,
-                 hold: str = "refusal"):
-        super().__init__(lrs, weight, hold)
+                 hold: str = "refusal", start_step: int = 0):
+        super().__init__(lrs, weight, hold, start_step)
         if steps < 1:
             raise ModularError(f"RelearningAdversary steps must be >= 1, got {steps}")
         self.steps = steps
@@ -470,13 +478,14 @@ class QuantizedLock(_PerturbedLock):
             divides the inputs; 32 is a GGUF Q4 base's own grid).
         weight: Weight of the term (the module's λ applies on top: it is a locked-state term).
         hold: What must hold in the rounded weights: ``refusal`` or ``answer`` (as :class:`_PerturbedLock`).
+        start_step: The training step from which the term acts (0: from the first).
     """
 
     kind = "quantized"
 
     def __init__(self, scheme: str = "int4", group_size: int | None = None, weight: float = 1.0,
-                 hold: str = "refusal"):
-        super().__init__(weight, hold)
+                 hold: str = "refusal", start_step: int = 0):
+        super().__init__(weight, hold, start_step)
         if scheme not in ("int8", "int4"):
             raise ModularError(f"QuantizedLock scheme must be int8 or int4, got '{scheme}'")
         if group_size is not None and scheme != "int4":

@@ -351,6 +351,7 @@ def _capitals_step(model_dir, objectives: list[Term] | None = None, data: dict |
 
     class _Trainer:  # model_step reads the tokenizer's pad id from the trainer's data module
         datamodule = dm
+        global_step = 0
 
     lm._trainer = _Trainer()
     batch = next(iter(dm.train_dataloader()))
@@ -457,6 +458,28 @@ def test_the_relearning_adversary_can_hold_the_answer_down_where_the_attacker_la
         lm.model_step(batch, train=True)
     with pytest.raises(ModularError, match="WeightNoiseLock hold must be 'refusal' or 'answer', got 'answers'"):
         WeightNoiseLock(hold="answers")
+
+
+@pytest.mark.parametrize("term", ["RelearningAdversary", "WeightNoiseLock", "QuantizedLock"])
+def test_a_perturbed_lock_acts_from_its_start_step(tmp_path, isolated_cache, term):
+    """Before ``start_step`` the term adds nothing to a training step (and draws nothing: the draws after it are
+    those of a term that started there); from it on, its loss."""
+    from modular.gating import objectives
+
+    options = {"group_size": 8} if term == "QuantizedLock" else {"lrs": [1e-3]}
+    model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
+    lm, batch = _capitals_step(model_dir, [getattr(objectives, term)(start_step=3, **options)])
+    state = lm.objectives[0].state_dict()
+    for step, acts in ((0, False), (2, False), (3, True), (7, True)):
+        lm._trainer.global_step = step
+        assert bool(lm.model_step(batch, train=True)[1]) == acts, step
+    if state:
+        lm.objectives[0].load_state_dict(state)
+        lm._trainer.global_step = 2
+        lm.model_step(batch, train=True)
+        assert torch.equal(lm.objectives[0].state_dict()["rng"], state["rng"])  # nothing drawn before the start
+    with pytest.raises(ModularError, match=f"{term} start_step must be >= 0, got -1"):
+        getattr(objectives, term)(start_step=-1)
 
 
 def test_weight_noise_lock_moves_every_weight_by_eta(tmp_path, isolated_cache):
