@@ -44,8 +44,8 @@ class LockMetricsCallback(Callback):
     * the retain first-token KL is at most ``retain_kl`` in both states.
 
     With ``stop`` training ends at the first validation (at or after ``min_steps``, or after ``min_passes`` passes
-    over the train items in the locked state if that comes first) where the lock holds; otherwise it runs to its step
-    budget. ``min_passes`` keeps a small behaviour from being trained past its lock: 100 steps are 1.3 passes over
+    over the train items in the locked state if that comes first, and after the latest ``start_step`` of the
+    objective's terms) where the lock holds; otherwise it runs to its step budget. ``min_passes`` keeps a small behaviour from being trained past its lock: 100 steps are 1.3 passes over
     capitals' 306 train items but 14 passes over 28 items, on which the open state overfits. The budget scales with the data: enough steps for ``max_passes`` passes over the largest
     gated behaviour's train split in the locked state (half of each batch), at most ``trainer.max_steps`` (and at
     least ``min_steps``); ``max_passes: null`` leaves ``trainer.max_steps`` as the budget. Either way :attr:`status`
@@ -155,12 +155,14 @@ class LockMetricsCallback(Callback):
         steps = max(steps, self.min_steps, 1)
         return steps if max_steps == -1 else min(steps, max_steps)
 
-    def stop_step(self, train_items: int, batch_size: int) -> int:
+    def stop_step(self, train_items: int, batch_size: int, start: int = 0) -> int:
         """The first step at which the lock may stop training: ``min_steps``, or ``min_passes`` passes over
-        ``train_items`` in the locked state (half of each batch) if fewer."""
-        if self.min_passes is None:
-            return self.min_steps
-        return min(self.min_steps, math.ceil(self.min_passes * train_items / max(1, batch_size // 2)))
+        ``train_items`` in the locked state (half of each batch) if fewer; but after ``start``, the latest step
+        from which a term of the objective acts (its ``start_step``), so that such a term acts before a stop."""
+        first = self.min_steps
+        if self.min_passes is not None:
+            first = min(first, math.ceil(self.min_passes * train_items / max(1, batch_size // 2)))
+        return max(first, start + 1) if start > 0 else first
 
     def _set_budget(self, trainer, pl_module) -> None:
         if not pl_module.behaviours:
@@ -173,10 +175,11 @@ class LockMetricsCallback(Callback):
                             "a verdict on so few can pass where held-out items fail; give it %d or more", b, n,
                             100 / n, FEW_VALIDATION_ITEMS)
         items = max(len(dm.behaviour_data[b]["train"]) for b in pl_module.behaviours)
-        self.stop_from = self.stop_step(items, dm.hparams.batch_size)
+        start = max((getattr(t, "start_step", 0) for t in getattr(pl_module, "objectives", ())), default=0)
+        self.stop_from = self.stop_step(items, dm.hparams.batch_size, start)
         if self.stop_from != self.min_steps:
-            log.info("the lock may stop training from step %d (%g passes over %d train items; min_steps %d)",
-                     self.stop_from, self.min_passes, items, self.min_steps)
+            log.info("the lock may stop training from step %d (min_steps %d, min_passes %s over %d train items, a term "
+                     "starting at step %d)", self.stop_from, self.min_steps, self.min_passes, items, start)
         if self.max_passes is None:
             return
         cap = trainer.max_steps

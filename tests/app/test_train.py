@@ -508,13 +508,16 @@ def test_training_stops_once_the_lock_holds(tmp_path, tiny_env):
 
 def test_min_passes_lets_a_small_behaviour_stop_before_min_steps(tmp_path, tiny_env):
     """With min_steps 6 the lock (met at once by a tiny model) stops training at step 6; with min_passes giving
-    step 2 (0.01 passes over the 306 capitals train items, 2 locked per step) it stops at the step-2 validation."""
+    step 2 (0.01 passes over the 306 capitals train items, 2 locked per step) it stops at the step-2 validation;
+    with a term that starts at step 3 as well, not before that term has acted (the step-4 validation)."""
     model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
-    for min_passes, stop in ((None, 6), (0.01, 2)):
+    late = ["--model.objectives+", json.dumps({"class_path": "modular.gating.objectives.WeightNoiseLock",
+                                                "init_args": {"lrs": [1e-4], "start_step": 3}})]
+    for min_passes, extra, stop in ((None, [], 6), (0.01, [], 2), (0.01, late, 4)):
         (tmp_path / str(stop)).mkdir()
         cfg, run = tiny_config(tmp_path / str(stop), model_dir,
                                lock_args={"retain_kl": 10.0, "min_steps": 6, "min_passes": min_passes})
-        out = _train(cfg, "--trainer.max_steps", "8", "--trainer.val_check_interval", "2", env=tiny_env)
+        out = _train(cfg, "--trainer.max_steps", "8", "--trainer.val_check_interval", "2", *extra, env=tiny_env)
         assert out.returncode == 0, out.stderr[-3000:]
         record = json.loads((run / "run.json").read_text())
         assert record["lock"]["reached"] is True and record["global_step"] == stop == record["lock"]["step"]

@@ -279,6 +279,9 @@ def test_a_small_behaviour_may_stop_after_min_passes():
     assert cb.stop_step(28, batch_size=8) == 35
     assert cb.stop_step(306, batch_size=8) == 100
     assert LockMetricsCallback(min_steps=100).stop_step(28, batch_size=8) == 100
+    # a term that starts late (start_step) acts before the lock may stop, whatever min_passes allows
+    assert cb.stop_step(28, batch_size=8, start=100) == 101
+    assert cb.stop_step(306, batch_size=8, start=50) == 100
     with pytest.raises(ModularError, match="min_passes must be > 0"):
         LockMetricsCallback(min_passes=0)
 
