@@ -45,10 +45,11 @@ class LockMetricsCallback(Callback):
 
     With ``stop`` training ends at the first validation (at or after ``min_steps``, or after ``min_passes`` passes
     over the train items in the locked state if that comes first, and after the latest ``start_step`` of the
-    objective's terms) where the lock holds; otherwise it runs to its step budget. ``min_passes`` keeps a small behaviour from being trained past its lock: 100 steps are 1.3 passes over
-    capitals' 306 train items but 14 passes over 28 items, on which the open state overfits. The budget scales with the data: enough steps for ``max_passes`` passes over the largest
-    gated behaviour's train split in the locked state (half of each batch), at most ``trainer.max_steps`` (and at
-    least ``min_steps``); ``max_passes: null`` leaves ``trainer.max_steps`` as the budget. Either way :attr:`status`
+    objective's terms) where the lock holds; otherwise it runs to its step budget. ``min_passes`` keeps a small
+    behaviour from being trained past its lock: 100 steps are 1.3 passes over capitals' 306 train items but 14
+    passes over 28 items, on which the open state overfits. The budget scales with the data: enough steps for
+    ``max_passes`` passes over the largest gated behaviour's train split in the locked state (half of each batch),
+    at most ``trainer.max_steps`` (and at least ``min_steps``); ``max_passes: null`` leaves ``trainer.max_steps`` as the budget. Either way :attr:`status`
     (written to ``run.json`` as ``lock``) says whether the final step holds the lock, and its ``history`` lists every
     check (step, verdict, what failed, the validation metrics); each check is logged in one line (the gated
     behaviours' open, base and locked accuracy, the retain KL, what failed), a budget spent without the lock as a
