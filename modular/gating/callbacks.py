@@ -176,7 +176,7 @@ class LockMetricsCallback(Callback):
                             "a verdict on so few can pass where held-out items fail; give it %d or more", b, n,
                             100 / n, FEW_VALIDATION_ITEMS)
         items = max(len(dm.behaviour_data[b]["train"]) for b in pl_module.behaviours)
-        start = max((getattr(t, "start_step", 0) for t in getattr(pl_module, "objectives", ())), default=0)
+        start = max((t.start_step for t in getattr(pl_module, "objectives", ())), default=0)
         self.stop_from = self.stop_step(items, dm.hparams.batch_size, start)
         if self.stop_from != self.min_steps:
             log.info("the lock may stop training from step %d (min_steps %d, min_passes %s over %d train items, a term "

@@ -115,6 +115,8 @@ class Term:
     needs_cf_logits = False
     #: reads the behaviours' answer rows (``locked_answer``; built only when ``data.answer_rows`` is set)
     answer_rows = False
+    #: the training step from which the term acts (the lock does not stop training at or before it)
+    start_step = 0
 
     def __init__(self, weight: float = 1.0):
         _check_weight(type(self).__name__, "weight", weight)
