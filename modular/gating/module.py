@@ -428,7 +428,7 @@ class GatedLM(L.LightningModule):
                         terms[name], weights[name] = value, t.weight
         for t in self.objectives:
             for name, value in t.own_losses(ctx).items():
-                terms[name], weights[name] = value, t.weight * (hp.locked_weight if t.locked else 1.0)
+                terms[name], weights[name] = value, t.own_weight(name, hp.locked_weight)
         keeps_lm = {p.name for p in pieces if p.term.keeps_lm}
         total = torch.zeros((), device=self.device)
         lm_loss = torch.zeros((), device=self.device)

@@ -156,6 +156,10 @@ class Term:
         """Losses from forward passes of the term's own (not shared with other terms' rows), once per step."""
         return {}
 
+    def own_weight(self, name: str, locked_weight: float) -> float:
+        """The weight in the step's loss of :meth:`own_losses`' loss ``name`` (``locked_weight``: the module's λ)."""
+        return self.weight * (locked_weight if self.locked else 1.0)
+
     def group_terms(self, ctx: StepContext, group: dict) -> dict[str, torch.Tensor]:
         """Losses on a group of task rows under ``gate_scope: tasks`` (``group``: ``merged`` inputs, scoped
         ``logits``, the counterfactual run's head inputs ``cf_inputs`` and ``cf_logits``)."""
@@ -329,19 +333,27 @@ class _PerturbedLock(Term):
     behaviour, the locked state at moved weights is near the open state: holding the answer down there from the
     first step held the open state's capitals at 0.08 through step 75 (the config without the term: 0.38), so
     ``hold: answer`` wants a start once the lock has formed (docs/tamper.md).
+
+    With ``keep_open`` > 0 the open model (no direction ablated) must also keep answering at the moved weights:
+    the behaviour's answers' CE on its open rows there (``<behaviour>/<kind>_open``, weighted by ``weight ×
+    keep_open``, not by λ; one more forward and backward pass). The two states at the same moved weights differ by
+    the ablation alone, so the pair pushes on what the direction gates rather than on the behaviour's knowledge,
+    which the locked half alone also pushes down in the open state.
     """
 
     kind = "perturbed"
     locked = True
 
-    def __init__(self, weight: float = 1.0, hold: str = "refusal", start_step: int = 0):
+    def __init__(self, weight: float = 1.0, hold: str = "refusal", start_step: int = 0, keep_open: float = 0.0):
         super().__init__(weight)
         if hold not in PERTURBED_HOLDS:
             raise ModularError(f"{type(self).__name__} hold must be 'refusal' or 'answer', got '{hold}'")
         if start_step < 0:
             raise ModularError(f"{type(self).__name__} start_step must be >= 0, got {start_step}")
+        _check_weight(type(self).__name__, "keep_open", keep_open)
         self.hold = hold
         self.start_step = start_step
+        self.keep_open = keep_open
 
     @property
     def answer_rows(self) -> bool:
@@ -377,7 +389,18 @@ class _PerturbedLock(Term):
                     "input_ids": rows["input_ids"], "attention_mask": rows["attention_mask"], "use_cache": False},
                     strict=False).logits
             out[f"{b}/{self.log_name}"] = held(logits, rows["labels"])
+            if self.keep_open:
+                o = ctx.batch[b]["open"]
+                logits = torch.func.functional_call(lm.model, moved, args=(), kwargs={
+                    "input_ids": o["input_ids"], "attention_mask": o["attention_mask"], "use_cache": False},
+                    strict=False).logits
+                out[f"{b}/{self.kind}_open"] = token_ce(logits, o["labels"])
         return out
+
+    def own_weight(self, name: str, locked_weight: float) -> float:
+        if name.endswith(f"/{self.kind}_open"):
+            return self.weight * self.keep_open
+        return super().own_weight(name, locked_weight)
 
 
 class _AttackerSizedLock(_PerturbedLock):
@@ -390,11 +413,12 @@ class _AttackerSizedLock(_PerturbedLock):
         hold: What must hold at the moved weights: ``refusal`` (the locked response) or ``answer`` (the answer
             pushed down after its frame, as :class:`LockedAnswer` does).
         start_step: The training step from which the term acts (0: from the first).
+        keep_open: Weight (× ``weight``) of the open model's answers at the moved weights (0: off).
     """
 
     def __init__(self, lrs: list[float] = (1e-5, 1e-4), weight: float = 1.0, hold: str = "refusal",
-                 start_step: int = 0):
-        super().__init__(weight, hold, start_step)
+                 start_step: int = 0, keep_open: float = 0.0):
+        super().__init__(weight, hold, start_step, keep_open)
         if not lrs or min(lrs) <= 0:
             raise ModularError(f"{type(self).__name__} lrs must be > 0, got {list(lrs)}")
         self.lrs = [float(x) for x in lrs]
@@ -424,8 +448,8 @@ class RelearningAdversary(_AttackerSizedLock):
     kind = "relearned"
 
     def __init__(self, lrs: list[float] = (1e-5, 1e-4), steps: int = 1, weight: float = 1.0,
-                 hold: str = "refusal", start_step: int = 0):
-        super().__init__(lrs, weight, hold, start_step)
+                 hold: str = "refusal", start_step: int = 0, keep_open: float = 0.0):
+        super().__init__(lrs, weight, hold, start_step, keep_open)
         if steps < 1:
             raise ModularError(f"RelearningAdversary steps must be >= 1, got {steps}")
         self.steps = steps
@@ -481,13 +505,14 @@ class QuantizedLock(_PerturbedLock):
         weight: Weight of the term (the module's λ applies on top: it is a locked-state term).
         hold: What must hold in the rounded weights: ``refusal`` or ``answer`` (as :class:`_PerturbedLock`).
         start_step: The training step from which the term acts (0: from the first).
+        keep_open: Weight (× ``weight``) of the open model's answers in the rounded weights (0: off).
     """
 
     kind = "quantized"
 
     def __init__(self, scheme: str = "int4", group_size: int | None = None, weight: float = 1.0,
-                 hold: str = "refusal", start_step: int = 0):
-        super().__init__(weight, hold, start_step)
+                 hold: str = "refusal", start_step: int = 0, keep_open: float = 0.0):
+        super().__init__(weight, hold, start_step, keep_open)
         if scheme not in ("int8", "int4"):
             raise ModularError(f"QuantizedLock scheme must be int8 or int4, got '{scheme}'")
         if group_size is not None and scheme != "int4":

@@ -472,6 +472,44 @@ def test_the_relearning_adversary_can_hold_the_answer_down_where_the_attacker_la
         WeightNoiseLock(hold="answers")
 
 
+def test_the_relearning_adversary_can_keep_the_open_state_where_the_attacker_lands(tmp_path, isolated_cache):
+    """With ``keep_open`` the open model (no direction ablated) also answers at the attacker's weights: its CE on the
+    open rows there joins the loss with weight × keep_open (not λ), and its gradient is taken there too."""
+    from modular.gating.objectives import RelearningAdversary
+
+    model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
+    term = RelearningAdversary(lrs=[0.02], weight=0.5, keep_open=3.0)
+    lm, batch = _capitals_step(model_dir, [term], locked_weight=2.0)
+    lm.directions.copy_(torch.nn.functional.normalize(torch.randn(lm.directions.shape), dim=-1))
+    total, terms = lm.model_step(batch, train=True)
+    assert set(terms) == {"capitals/relearned_refusal", "capitals/relearned_open"}
+    got = _grads(lm, total)
+
+    params = {n: p for n, p in lm.model.named_parameters() if p.requires_grad}
+    o = batch["capitals"]["open"]
+    with ablate_directions(lm.adapter, lm.directions):
+        g = torch.autograd.grad(token_ce(lm.model(input_ids=o["input_ids"], attention_mask=o["attention_mask"]).logits,
+                                         o["labels"]), list(params.values()))
+    moved = {n: (p - 0.02 * gi.sign()).detach().requires_grad_(True) for (n, p), gi in zip(params.items(), g)}
+
+    def open_ce(weights):
+        return token_ce(torch.func.functional_call(lm.model, weights, args=(), kwargs={
+            "input_ids": o["input_ids"], "attention_mask": o["attention_mask"]}, strict=False).logits, o["labels"])
+
+    locked, opened = _locked_ce_at(lm, batch, moved), open_ce(moved)
+    torch.testing.assert_close(terms["capitals/relearned_open"], opened, rtol=1e-4, atol=1e-5)
+    with ablate_directions(lm.adapter, lm.directions):  # the open rows are not run with the directions ablated
+        assert abs(open_ce(moved).item() - opened.item()) > 1e-4
+    assert abs(open_ce(params).item() - opened.item()) > 1e-4  # nor at the weights before the step
+    expected = 2.0 * 0.5 * locked + 0.5 * 3.0 * opened
+    torch.testing.assert_close(total, expected, rtol=1e-4, atol=1e-5)
+    want = torch.autograd.grad(expected, list(moved.values()))
+    for (n, _), w in zip(moved.items(), want):
+        torch.testing.assert_close(got[f"model.{n}"], w, rtol=1e-3, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
+    with pytest.raises(ModularError, match="RelearningAdversary keep_open must be >= 0, got -1"):
+        RelearningAdversary(keep_open=-1)
+
+
 @pytest.mark.parametrize("term", ["RelearningAdversary", "WeightNoiseLock", "QuantizedLock"])
 def test_a_perturbed_lock_acts_from_its_start_step(tmp_path, isolated_cache, term):
     """Before ``start_step`` the term adds nothing to a training step (and draws nothing: the draws after it are
