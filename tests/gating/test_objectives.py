@@ -406,6 +406,17 @@ def _locked_ce_at(lm, batch, moved: dict) -> torch.Tensor:
     return token_ce(logits, p["labels"])
 
 
+def _attackers_step(lm, batch, eta: float) -> tuple[dict, dict]:
+    """The trainable weights, and where one sign-gradient step of size ``eta`` on the capitals open rows (every
+    direction ablated, the published model) takes them (leaves that take gradients)."""
+    params = {n: p for n, p in lm.model.named_parameters() if p.requires_grad}
+    o = batch["capitals"]["open"]
+    with ablate_directions(lm.adapter, lm.directions):
+        g = torch.autograd.grad(token_ce(lm.model(input_ids=o["input_ids"], attention_mask=o["attention_mask"]).logits,
+                                         o["labels"]), list(params.values()))
+    return params, {n: (p - eta * gi.sign()).detach().requires_grad_(True) for (n, p), gi in zip(params.items(), g)}
+
+
 def test_the_relearning_adversary_holds_the_lock_where_an_attackers_step_lands(tmp_path, isolated_cache):
     """RelearningAdversary's loss is the locked-state CE after one sign-gradient step of size η on the behaviour's
     answers (directions ablated), weighted by λ; its gradient is the locked-state gradient there (first order)."""
@@ -420,12 +431,7 @@ def test_the_relearning_adversary_holds_the_lock_where_an_attackers_step_lands(t
     assert set(terms) == {"capitals/relearned_refusal"}
     got = _grads(lm, total)
 
-    params = {n: p for n, p in lm.model.named_parameters() if p.requires_grad}
-    o = batch["capitals"]["open"]
-    with ablate_directions(lm.adapter, lm.directions):
-        g = torch.autograd.grad(token_ce(lm.model(input_ids=o["input_ids"], attention_mask=o["attention_mask"]).logits,
-                                         o["labels"]), list(params.values()))
-    moved = {n: (p - 0.02 * gi.sign()).detach().requires_grad_(True) for (n, p), gi in zip(params.items(), g)}
+    params, moved = _attackers_step(lm, batch, 0.02)
     expected = _locked_ce_at(lm, batch, moved)
     torch.testing.assert_close(total, 2.0 * 0.5 * expected, rtol=1e-4, atol=1e-5)
     assert abs(expected.item() - _locked_ce_at(lm, batch, params).item()) > 1e-3  # the step matters
@@ -449,13 +455,9 @@ def test_the_relearning_adversary_can_hold_the_answer_down_where_the_attacker_la
     total, terms = lm.model_step(batch, train=True)
     assert set(terms) == {"capitals/relearned_answer"}
 
-    params = {n: p for n, p in lm.model.named_parameters() if p.requires_grad}
-    o, a = batch["capitals"]["open"], batch["capitals"]["locked_answer"]
+    params, moved = _attackers_step(lm, batch, 0.02)
+    a = batch["capitals"]["locked_answer"]
     with ablate_directions(lm.adapter, lm.directions):
-        g = torch.autograd.grad(token_ce(lm.model(input_ids=o["input_ids"], attention_mask=o["attention_mask"]).logits,
-                                         o["labels"]), list(params.values()))
-        moved = {n: (p - 0.02 * gi.sign()).detach() for (n, p), gi in zip(params.items(), g)}
-
         def held(weights):
             return unlikelihood(torch.func.functional_call(lm.model, weights, args=(), kwargs={
                 "input_ids": a["input_ids"], "attention_mask": a["attention_mask"]}, strict=False).logits, a["labels"])
@@ -485,12 +487,8 @@ def test_the_relearning_adversary_can_keep_the_open_state_where_the_attacker_lan
     assert set(terms) == {"capitals/relearned_refusal", "capitals/relearned_open"}
     got = _grads(lm, total)
 
-    params = {n: p for n, p in lm.model.named_parameters() if p.requires_grad}
+    params, moved = _attackers_step(lm, batch, 0.02)
     o = batch["capitals"]["open"]
-    with ablate_directions(lm.adapter, lm.directions):
-        g = torch.autograd.grad(token_ce(lm.model(input_ids=o["input_ids"], attention_mask=o["attention_mask"]).logits,
-                                         o["labels"]), list(params.values()))
-    moved = {n: (p - 0.02 * gi.sign()).detach().requires_grad_(True) for (n, p), gi in zip(params.items(), g)}
 
     def open_ce(weights):
         return token_ce(torch.func.functional_call(lm.model, weights, args=(), kwargs={
