@@ -49,11 +49,11 @@ class LockMetricsCallback(Callback):
     behaviour from being trained past its lock: 100 steps are 1.3 passes over capitals' 306 train items but 14
     passes over 28 items, on which the open state overfits. The budget scales with the data: enough steps for
     ``max_passes`` passes over the largest gated behaviour's train split in the locked state (half of each batch),
-    at most ``trainer.max_steps`` (and at least ``min_steps``); ``max_passes: null`` leaves ``trainer.max_steps`` as the budget. Either way :attr:`status`
-    (written to ``run.json`` as ``lock``) says whether the final step holds the lock, and its ``history`` lists every
-    check (step, verdict, what failed, the validation metrics); each check is logged in one line (the gated
-    behaviours' open, base and locked accuracy, the retain KL, what failed), a budget spent without the lock as a
-    warning.
+    at most ``trainer.max_steps`` (and at least ``min_steps``); ``max_passes: null`` leaves ``trainer.max_steps``
+    as the budget. Either way :attr:`status` (written to ``run.json`` as ``lock``) says whether the final step
+    holds the lock, and its ``history`` lists every check (step, verdict, what failed, the validation metrics);
+    each check is logged in one line (the gated behaviours' open, base and locked accuracy, the retain KL, what
+    failed), a budget spent without the lock as a warning.
 
     Accuracy, refusal share and KL are torchmetrics metrics (:mod:`modular.evaluation.metrics`): with several
     processes (DDP) every process scores the same validation items and the values, synced on ``compute()``, are those

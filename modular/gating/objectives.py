@@ -316,6 +316,13 @@ class DirectionWrite(Term):
 PERTURBED_HOLDS = ("refusal", "answer")
 
 
+def logits_at(model, weights: dict[str, torch.Tensor], rows: dict) -> torch.Tensor:
+    """``model``'s logits on ``rows`` with some of its parameters replaced by ``weights`` (the others its own)."""
+    return torch.func.functional_call(model, weights, args=(), kwargs={
+        "input_ids": rows["input_ids"], "attention_mask": rows["attention_mask"], "use_cache": False},
+        strict=False).logits
+
+
 class _PerturbedLock(Term):
     """The locked state must hold after the weights move: with every direction ablated (the published model), at
     ``θ + δ`` for a perturbation ``δ`` the subclass makes, ``hold`` says what holds (``<behaviour>/<kind>_<hold>``):
@@ -385,16 +392,11 @@ class _PerturbedLock(Term):
             with ablate_directions(lm.adapter, lm.directions):  # the published model: every behaviour locked
                 delta = self.perturbation(ctx, i, params)
                 moved = {n: p + delta[n] for n, p in params.items() if n in delta}
-                logits = torch.func.functional_call(lm.model, moved, args=(), kwargs={
-                    "input_ids": rows["input_ids"], "attention_mask": rows["attention_mask"], "use_cache": False},
-                    strict=False).logits
+                logits = logits_at(lm.model, moved, rows)
             out[f"{b}/{self.log_name}"] = held(logits, rows["labels"])
             if self.keep_open:
                 o = ctx.batch[b]["open"]
-                logits = torch.func.functional_call(lm.model, moved, args=(), kwargs={
-                    "input_ids": o["input_ids"], "attention_mask": o["attention_mask"], "use_cache": False},
-                    strict=False).logits
-                out[f"{b}/{self.kind}_open"] = token_ce(logits, o["labels"])
+                out[f"{b}/{self.kind}_open"] = token_ce(logits_at(lm.model, moved, o), o["labels"])
         return out
 
     def own_weight(self, name: str, locked_weight: float) -> float:
@@ -461,9 +463,7 @@ class RelearningAdversary(_AttackerSizedLock):
         for _ in range(self.steps):
             current = {n: (p.detach() + delta[n]).requires_grad_(True) for n, p in params.items()}
             with torch.enable_grad():
-                logits = torch.func.functional_call(ctx.lm.model, current, args=(), kwargs={
-                    "input_ids": rows["input_ids"], "attention_mask": rows["attention_mask"], "use_cache": False},
-                    strict=False).logits
+                logits = logits_at(ctx.lm.model, current, rows)
                 grads = torch.autograd.grad(token_ce(logits, rows["labels"]), list(current.values()),
                                             allow_unused=True)
             for n, g in zip(current, grads):
