@@ -242,3 +242,18 @@ def test_fsdp_with_the_hidden_state_term_matches_ddp(tmp_path):
     assert list((tmp_path / "cache" / "reference").glob("hidden-*.pt"))  # the reference's residual stream, cached once
     assert losses["ddp"] == pytest.approx(losses["fsdp"], rel=SAME_STEP_REL)
     assert max((weights["ddp"][k] - weights["fsdp"][k]).abs().max().item() for k in weights["ddp"]) <= 1e-6
+
+
+def test_fsdp_with_gradient_checkpointing_takes_the_same_steps(tmp_path):
+    """Gradient checkpointing under FSDP2: every sharded block recomputed in the backward pass (its parameters
+    gathered again, the ablation and steering hooks replayed, KeepHidden's block outputs read once) takes the
+    steps FSDP2 takes without it."""
+    weights, losses = {}, {}
+    for name, extra in (("plain", []), ("checkpointed", ["--model.gradient_checkpointing", "true"])):
+        cfg, run = _config(tmp_path / name, keep_hidden=True)
+        done = _train(cfg, *STRATEGIES["fsdp"], *extra, env=_env(tmp_path / "cache"))
+        assert done.returncode == 0, done.stderr[-3000:]
+        weights[name], losses[name] = _weights(run), _records(tmp_path / name)[0]["losses"]
+        assert yaml.safe_load((run / "config.yaml").read_text())["model"]["gradient_checkpointing"] is bool(extra)
+    assert losses["checkpointed"] == pytest.approx(losses["plain"], rel=SAME_STEP_REL)
+    assert max((weights["plain"][k] - weights["checkpointed"][k]).abs().max().item() for k in weights["plain"]) <= 1e-6
