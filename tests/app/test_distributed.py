@@ -246,7 +246,7 @@ def test_fsdp_with_the_hidden_state_term_matches_ddp(tmp_path):
 
 def test_fsdp_with_gradient_checkpointing_takes_the_same_steps(tmp_path):
     """Gradient checkpointing under FSDP2: every sharded block recomputed in the backward pass (its parameters
-    gathered again, the ablation and steering hooks replayed, KeepHidden's block outputs read once) takes the
+    gathered again, the ablation and steering hooks replayed; KeepHidden's loss on the block outputs on) takes the
     steps FSDP2 takes without it."""
     weights, losses = {}, {}
     for name, extra in (("plain", []), ("checkpointed", ["--model.gradient_checkpointing", "true"])):
