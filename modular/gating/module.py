@@ -11,6 +11,7 @@ from typing import Literal
 
 import lightning as L
 import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_only
 from safetensors.torch import load_file, save_file
 
 from modular import ModularError
@@ -160,6 +161,11 @@ class GatedLM(L.LightningModule):
             memory for larger models, about a third more compute). The lock's ablation and steering hooks act
             again on the recomputed blocks (:func:`~modular.hooks.replay_interventions`), so the gradients are the
             same; not available with head gates.
+        empty_init: Under FSDP2 (``ModelParallelStrategy``): only the first process reads the weights; the others
+            build the model on the meta device, and after sharding (:meth:`configure_model`) every process
+            receives its shards of the first one's weights. Host memory for one copy of the model instead of one
+            per process, for models that do not fit several times. Refused under other strategies with several
+            processes. A single process reads the weights as without it.
     """
 
     def __init__(
@@ -195,11 +201,12 @@ class GatedLM(L.LightningModule):
         gate_scope: str = "all",
         gate_live_prob: float = 0.0,
         gradient_checkpointing: bool = False,
+        empty_init: bool = False,
     ):
         super().__init__()
         self.save_hyperparameters(ignore=["objectives"])
         from modular.heads.sparsity import make_sparsity
-        from modular.models import load_model
+        from modular.models import empty_model, load_model
 
         check_model_options(self.hparams)
         self.objectives = list(default_objectives() if objectives is None else objectives)
@@ -225,7 +232,12 @@ class GatedLM(L.LightningModule):
         self.behaviours = [behaviour_name(b) for b in behaviours]  # short names: metrics, directions, keys
         for term in self.objectives:
             term.bind(self)
-        model = load_model(model_name, load_dtype, device="cpu")  # Lightning moves it to the trainer's device
+        if empty_init and rank_zero_only.rank != 0:  # the process's rank from the launcher's environment
+            model = empty_model(model_name, load_dtype)  # its weights come from the first process (configure_model)
+            log.info("process %d: model built on the meta device; its weights come from process 0",
+                     rank_zero_only.rank)
+        else:
+            model = load_model(model_name, load_dtype, device="cpu")  # Lightning moves it to the trainer's device
         if finetuning == "lora":
             from peft import LoraConfig, get_peft_model
 
@@ -313,6 +325,9 @@ class GatedLM(L.LightningModule):
         whole on every process (they are read outside the forward pass); their gradients are averaged in
         :meth:`on_after_backward`. Other strategies (single device, DDP) leave the model as it is."""
         mesh = self.device_mesh
+        if self.hparams.empty_init and mesh is None and self.trainer.world_size > 1:
+            raise ModularError("model.empty_init needs the FSDP2 strategy (configs/strategy_fsdp.yaml) when "
+                               "several processes train")
         if mesh is None or self._sharded:
             return
         if mesh["tensor_parallel"].size() != 1:
@@ -322,10 +337,35 @@ class GatedLM(L.LightningModule):
 
         dp = mesh["data_parallel"]
         ignored = set(self._gate_parameters())
+        first = torch.distributed.get_rank() == 0
+        empty = any(p.is_meta for p in self.model.parameters())
+        if empty and first:
+            raise ModularError("the first process has no weights to send (model.empty_init): its launcher gave it "
+                               "a rank other than 0 in RANK or LOCAL_RANK")
+        # the first process's whole weights (its tensors, not a copy), to send every process its shards
+        whole = self.model.state_dict() if self.hparams.empty_init and first else {}
         for block in self.adapter.blocks():
             fully_shard(block, mesh=dp, ignored_params=ignored)
-        fully_shard(self.model, mesh=dp, ignored_params=ignored)
+        fully_shard(self.hf_model, mesh=dp, ignored_params=ignored)  # the root every call goes through (LoRA: not
+        # the peft wrapper, which generation and the evaluations bypass)
         self._sharded = True
+        if self.hparams.empty_init:
+            self._receive_weights(whole)
+
+    def _receive_weights(self, whole: dict[str, torch.Tensor]) -> None:
+        """``empty_init``: every process's shards of the first process's weights (``whole`` there, empty
+        elsewhere), then its buffers (rotary frequencies and the like, which a state dict leaves out)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        device = self.trainer.strategy.root_device
+        if any(p.is_meta for p in self.model.parameters()):
+            self.model.to_empty(device=device)
+        else:
+            self.model.to(device)
+        set_model_state_dict(self.model, whole,
+                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        for buffer in self.model.buffers():
+            torch.distributed.broadcast(buffer, src=0)
 
     def _gate_parameters(self) -> list[torch.nn.Parameter]:
         return [p for n, p in self.model.named_parameters() if p.requires_grad and "head_gate." in n]

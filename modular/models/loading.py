@@ -249,6 +249,20 @@ def load_model(ref: str | os.PathLike, dtype: str | torch.dtype | None = "auto",
     return model.to(device).eval()
 
 
+def empty_model(ref: str | os.PathLike, dtype: str | torch.dtype | None = "float32"):
+    """The model :func:`load_model` loads from ``ref``, built on the meta device: its modules, names, shapes and
+    precision, and no weights read or memory allocated (a process that receives its weights from another one)."""
+    from transformers import AutoModelForCausalLM
+
+    from modular.models.precision import own_dtype, resolve_dtype
+
+    config = _checked_config(ref, resolve_model(ref))
+    dtype = resolve_dtype(dtype, own_dtype(config), torch.device("cpu"))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
 def _checked_config(ref, source):
     """The model's config, checked to be an architecture modular supports (no weights are read)."""
     from transformers import AutoConfig

@@ -73,6 +73,12 @@ def _weights(run) -> dict:
     return read_checkpoint(run / "last.ckpt")["state_dict"]
 
 
+def _largest_difference(a: dict, b: dict) -> float:
+    """The largest |a - b| over every tensor of two state dicts with the same keys."""
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """The same 5 steps on one process (batch 4) and on two (batch 2 each), DDP and FSDP2 (its checkpoints a folder
@@ -99,8 +105,7 @@ def test_two_processes_reach_the_losses_of_one(runs, strategy):
     assert len(ref) == len(got) == STEPS
     assert max(abs(a - b) for a, b in zip(ref, got)) <= LOSS_TOL, (ref, got)
     w1, w2 = _weights(one["run"]), _weights(two["run"])
-    assert w1.keys() == w2.keys()
-    assert max((w1[k] - w2[k]).abs().max().item() for k in w1) <= WEIGHT_TOL
+    assert _largest_difference(w1, w2) <= WEIGHT_TOL
 
 
 def test_ddp_and_fsdp_compute_the_same_steps(runs):
@@ -109,7 +114,7 @@ def test_ddp_and_fsdp_compute_the_same_steps(runs):
     assert runs["ddp"]["records"][0]["losses"] == pytest.approx(runs["fsdp"]["records"][0]["losses"], rel=SAME_STEP_REL)
     assert (runs["fsdp"]["run"] / "last.ckpt").is_dir()  # a folder of shards, read whole
     w1, w2 = _weights(runs["ddp"]["run"]), _weights(runs["fsdp"]["run"])
-    assert max((w1[k] - w2[k]).abs().max().item() for k in w1) <= 1e-6
+    assert _largest_difference(w1, w2) <= 1e-6
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
@@ -191,9 +196,8 @@ def test_publish_from_a_sharded_run_equals_publish_from_one_process(tmp_path, ru
         assert out.returncode == 0, out.stderr[-3000:]
         published[name] = load_file(str(tmp_path / name / "model.safetensors"))
         assert json.loads((tmp_path / name / "config.json").read_text())["model_type"] == "llama"
-    assert published["one"].keys() == published["fsdp"].keys()
     assert all(torch.equal(published["ddp"][k], published["fsdp"][k]) for k in published["one"])
-    worst = max((published["one"][k] - published["fsdp"][k]).abs().max().item() for k in published["one"])
+    worst = _largest_difference(published["one"], published["fsdp"])
     assert worst <= WEIGHT_TOL
     from modular.app import cli
 
@@ -225,7 +229,7 @@ def test_fsdp_matches_ddp_with_post_norms_and_head_gates(tmp_path, arch, extra_m
     assert losses["ddp"] == pytest.approx(losses["fsdp"], rel=SAME_STEP_REL)
     if extra_model.get("head_gates"):
         assert any(".head_gate." in k for k in weights["fsdp"])
-    assert max((weights["ddp"][k] - weights["fsdp"][k]).abs().max().item() for k in weights["ddp"]) <= 1e-6
+    assert _largest_difference(weights["ddp"], weights["fsdp"]) <= 1e-6
 
 
 def test_fsdp_with_the_hidden_state_term_matches_ddp(tmp_path):
@@ -241,7 +245,7 @@ def test_fsdp_with_the_hidden_state_term_matches_ddp(tmp_path):
         weights[name], losses[name] = _weights(run), _records(tmp_path / name)[0]["losses"]
     assert list((tmp_path / "cache" / "reference").glob("hidden-*.pt"))  # the reference's residual stream, cached once
     assert losses["ddp"] == pytest.approx(losses["fsdp"], rel=SAME_STEP_REL)
-    assert max((weights["ddp"][k] - weights["fsdp"][k]).abs().max().item() for k in weights["ddp"]) <= 1e-6
+    assert _largest_difference(weights["ddp"], weights["fsdp"]) <= 1e-6
 
 
 def test_fsdp_with_gradient_checkpointing_takes_the_same_steps(tmp_path):
@@ -256,4 +260,35 @@ def test_fsdp_with_gradient_checkpointing_takes_the_same_steps(tmp_path):
         weights[name], losses[name] = _weights(run), _records(tmp_path / name)[0]["losses"]
         assert yaml.safe_load((run / "config.yaml").read_text())["model"]["gradient_checkpointing"] is bool(extra)
     assert losses["checkpointed"] == pytest.approx(losses["plain"], rel=SAME_STEP_REL)
-    assert max((weights["plain"][k] - weights["checkpointed"][k]).abs().max().item() for k in weights["plain"]) <= 1e-6
+    assert _largest_difference(weights["plain"], weights["checkpointed"]) <= 1e-6
+
+
+@pytest.mark.parametrize("arch, extra_model", [("llama", {"finetuning": "lora"}), ("gemma", {})],
+                         ids=["lora", "tied-embeddings"])
+def test_fsdp_with_empty_init_takes_the_steps_of_every_process_reading_the_weights(tmp_path, arch, extra_model):
+    """``model.empty_init`` (on in configs/strategy_fsdp.yaml): the second process builds the model on the meta
+    device and receives its shards and buffers from the first after sharding; the steps are those of every process
+    reading the weights itself, bit for bit (LoRA's adapters, Gemma's tied embeddings and rotary buffers included)."""
+    weights, losses, logs = {}, {}, {}
+    for name, flag in (("read", "false"), ("empty", "true")):
+        cfg, run = _config(tmp_path / name, arch, extra_model)
+        done = _train(cfg, *STRATEGIES["fsdp"], "--model.empty_init", flag, env=_env(tmp_path / "cache"))
+        assert done.returncode == 0, done.stderr[-3000:]
+        weights[name], losses[name] = _weights(run), _records(tmp_path / name)[0]["losses"]
+        logs[name] = done.stderr + done.stdout
+    built_empty = "process 1: model built on the meta device"
+    assert built_empty in logs["empty"] and built_empty not in logs["read"]
+    assert "process 0: model built" not in logs["empty"]
+    assert losses["empty"] == losses["read"]
+    assert weights["empty"].keys() == weights["read"].keys()
+    assert all(torch.equal(weights["empty"][k], weights["read"][k]) for k in weights["read"])
+
+
+def test_empty_init_is_refused_under_ddp(tmp_path):
+    """Under DDP every process needs the whole model: ``empty_init`` is one line and a failed run, not a meta-device
+    model on the second process."""
+    cfg, run = _config(tmp_path)
+    done = _train(cfg, *STRATEGIES["ddp"], "--model.empty_init", "true", env=_env(tmp_path / "cache"))
+    assert done.returncode != 0
+    assert "model.empty_init needs the FSDP2 strategy" in done.stderr
+    assert not (run / "last.ckpt").exists()

@@ -90,3 +90,26 @@ def test_load_dtype_is_the_precision_load_model_loads_in(tmp_path, dtype):
     expected = {"auto": torch.float32, None: torch.bfloat16, "float16": torch.float16}[dtype]  # on the CPU
     assert load_dtype(folder, dtype, "cpu") == expected
     assert next(load_model(folder, dtype, "cpu").parameters()).dtype == expected
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_empty_model_is_the_loaded_model_without_its_weights(tmp_path, arch, dtype):
+    """``empty_model`` (a process that receives its weights from another): the modules, names, shapes, precision
+    and tied weights of ``load_model``'s model, on the meta device, with no weight file read."""
+    from modular.models.loading import empty_model
+
+    folder = save_tiny_folder(tmp_path / "m", arch)
+    loaded = load_model(folder, dtype, "cpu")
+    for weights in folder.glob("*.safetensors"):
+        weights.unlink()  # nothing to read
+    empty = empty_model(folder, dtype)
+    assert all(p.is_meta for p in empty.parameters()) and all(b.is_meta for b in empty.buffers())
+    full, meta = loaded.state_dict(), empty.state_dict()
+    assert full.keys() == meta.keys()
+    assert all((full[k].shape, full[k].dtype) == (meta[k].shape, meta[k].dtype) for k in full)
+    assert [n for n, _ in loaded.named_buffers()] == [n for n, _ in empty.named_buffers()]
+    tied = loaded.get_output_embeddings().weight is loaded.get_input_embeddings().weight
+    assert tied == (empty.get_output_embeddings().weight is empty.get_input_embeddings().weight)
+    assert tied == (arch == "gemma")
+    assert not empty.training
