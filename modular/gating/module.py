@@ -350,15 +350,16 @@ class GatedLM(L.LightningModule):
         # the peft wrapper, which generation and the evaluations bypass)
         self._sharded = True
         if self.hparams.empty_init:
-            self._receive_weights(whole)
+            self._receive_weights(whole, empty)
 
-    def _receive_weights(self, whole: dict[str, torch.Tensor]) -> None:
+    def _receive_weights(self, whole: dict[str, torch.Tensor], empty: bool) -> None:
         """``empty_init``: every process's shards of the first process's weights (``whole`` there, empty
-        elsewhere), then its buffers (rotary frequencies and the like, which a state dict leaves out)."""
+        elsewhere; ``empty``: this process built the model on the meta device), then its buffers (rotary
+        frequencies and the like, which a state dict leaves out)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         device = self.trainer.strategy.root_device
-        if any(p.is_meta for p in self.model.parameters()):
+        if empty:
             self.model.to_empty(device=device)
         else:
             self.model.to(device)
