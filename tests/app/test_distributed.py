@@ -292,3 +292,30 @@ def test_empty_init_is_refused_under_ddp(tmp_path):
     assert done.returncode != 0
     assert "model.empty_init needs the FSDP2 strategy" in done.stderr
     assert not (run / "last.ckpt").exists()
+
+
+def test_the_large_model_lora_recipe_under_fsdp_publishes_its_checkpoint_in_bf16(tmp_path):
+    """configs/gate_capitals_lora_large.yaml's recipe (LoRA, weights loaded and trained in bfloat16, blocks
+    recomputed) on two processes under FSDP2 (configs/strategy_fsdp.yaml, empty_init on), in bf16-true: the
+    adapters train and stay bfloat16, and the run publishes the same bfloat16 weights, bit for bit, whether its
+    checkpoint is one file or a folder of shards."""
+    large = yaml.safe_load((ROOT / "configs" / "gate_capitals_lora_large.yaml").read_text())
+    recipe = {k: large["model"][k] for k in ("finetuning", "load_dtype", "gradient_checkpointing")}
+    assert recipe == {"finetuning": "lora", "load_dtype": "bfloat16", "gradient_checkpointing": True}
+    env, published = _env(tmp_path / "cache"), {}
+    for name, sharded in (("file", "false"), ("shards", "true")):
+        cfg, run = _config(tmp_path / name, extra_model=recipe)
+        done = _train(cfg, "--config", str(ROOT / "configs" / "strategy_fsdp.yaml"), "--data.batch_size", "2",
+                      "--trainer.precision", large["trainer"]["precision"],
+                      "--trainer.strategy.save_distributed_checkpoint", sharded, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert (run / "last.ckpt").is_dir() == (sharded == "true")
+        adapters = {k: v for k, v in _weights(run).items() if ".lora_" in k}
+        assert adapters and {v.dtype for v in adapters.values()} == {torch.bfloat16}
+        assert any(v.abs().max() > 0 for k, v in adapters.items() if ".lora_B." in k)  # B starts at zero
+        out = _publish(run, tmp_path / f"published-{name}", "--allow_failed_lock", "true", env=env, cwd=tmp_path)
+        assert out.returncode == 0, out.stderr[-3000:]
+        published[name] = load_file(str(tmp_path / f"published-{name}" / "model.safetensors"))
+    assert {v.dtype for v in published["file"].values()} == {torch.bfloat16}
+    assert published["file"].keys() == published["shards"].keys()
+    assert all(torch.equal(published["file"][k], published["shards"][k]) for k in published["file"])
