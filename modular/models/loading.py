@@ -249,17 +249,16 @@ def load_model(ref: str | os.PathLike, dtype: str | torch.dtype | None = "auto",
     return model.to(device).eval()
 
 
-def empty_model(ref: str | os.PathLike, dtype: str | torch.dtype | None = "float32"):
-    """The model :func:`load_model` loads from ``ref``, built on the meta device: its modules, names, shapes and
-    precision, and no weights read or memory allocated (a process that receives its weights from another one)."""
-    from transformers import AutoModelForCausalLM
+def empty_model(ref: str | os.PathLike, dtype: str | torch.dtype | None = "auto",
+                device: str | torch.device | None = "auto"):
+    """The model :func:`load_model` loads from ``ref`` with these arguments, built on the meta device: its modules,
+    names, shapes and precision, and no weights read or memory allocated (a process that receives its weights from
+    another one)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    from modular.models.precision import own_dtype, resolve_dtype
-
-    config = _checked_config(ref, resolve_model(ref))
-    dtype = resolve_dtype(dtype, own_dtype(config), torch.device("cpu"))
+    dtype = load_dtype(ref, dtype, device)  # checks the architecture and the device, as load_model does
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(resolve_model(ref)), dtype=dtype)
     return model.eval()
 
 

@@ -93,7 +93,7 @@ def test_load_dtype_is_the_precision_load_model_loads_in(tmp_path, dtype):
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "auto", None])
 def test_empty_model_is_the_loaded_model_without_its_weights(tmp_path, arch, dtype):
     """``empty_model`` (a process that receives its weights from another): the modules, names, shapes, precision
     and tied weights of ``load_model``'s model, on the meta device, with no weight file read."""
@@ -103,7 +103,7 @@ def test_empty_model_is_the_loaded_model_without_its_weights(tmp_path, arch, dty
     loaded = load_model(folder, dtype, "cpu")
     for weights in folder.glob("*.safetensors"):
         weights.unlink()  # nothing to read
-    empty = empty_model(folder, dtype)
+    empty = empty_model(folder, dtype, "cpu")
     assert all(p.is_meta for p in empty.parameters()) and all(b.is_meta for b in empty.buffers())
     full, meta = loaded.state_dict(), empty.state_dict()
     assert full.keys() == meta.keys()
