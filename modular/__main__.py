@@ -4,4 +4,5 @@ import sys
 
 from modular.app.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # not when imported again as a process's main module (multiprocessing's spawn)
+    sys.exit(main())

@@ -227,10 +227,15 @@ def main(argv: list[str] | None = None) -> int:
         # resume a killed run (a fresh run finds none and starts from step 0); given first, so that a config file's
         # own ckpt_path, read after it, wins
         argv[1:1] = ["--ckpt_path", "last"]
-    saved = sys.argv
+    import __main__
+
+    saved, saved_spec = sys.argv, getattr(__main__, "__spec__", None)
     # LightningCLI reads the command line (given both it and ``args``, it warns), and multi-process launchers start
-    # the other processes from it: this module as the script, whoever called it (train.py, modular main); restored below
+    # the other processes from it: this module as the script, whoever called it (train.py, modular main, python -m
+    # modular: Lightning's launcher would start a module run with -m as `python -m modular.__main__ fit ...`, which
+    # is no command, so for the launcher this process was started as a script); both restored below
     sys.argv = [__file__, *argv]
+    __main__.__spec__ = None
     try:
         GatingCLI(GatedLM, GatingDataModule, save_config_callback=RunConfigSave, save_config_kwargs={"overwrite": True},
                   parser_kwargs={"description": "modular: gate behaviours into residual directions."})
@@ -242,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 128 + signal.SIGTERM
     finally:
-        sys.argv = saved
+        sys.argv, __main__.__spec__ = saved, saved_spec
     return 0
 
 

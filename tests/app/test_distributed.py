@@ -4,6 +4,8 @@ kill and resume, and publishing from a sharded run."""
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -282,6 +284,19 @@ def test_fsdp_with_empty_init_takes_the_steps_of_every_process_reading_the_weigh
     assert losses["empty"] == losses["read"]
     assert weights["empty"].keys() == weights["read"].keys()
     assert all(torch.equal(weights["empty"][k], weights["read"][k]) for k in weights["read"])
+
+
+def test_python_dash_m_modular_starts_the_other_processes(tmp_path):
+    """``python -m modular train fit`` on two processes: Lightning's launcher starts the second one from this
+    process's command line, which for a module run with -m was ``python -m modular.__main__ fit ...`` (no command:
+    the second process exited with status 2 and the run failed); both now train."""
+    cfg, run = _config(tmp_path)
+    done = subprocess.run([sys.executable, "-m", "modular", "train", "fit", "--config", str(cfg), *STRATEGIES["ddp"],
+                           "--trainer.max_steps", "2"], capture_output=True, text=True, cwd=tmp_path,
+                          env=_env(tmp_path / "cache"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert len(_records(tmp_path)) == 2  # each process recorded its steps
+    assert json.loads((run / "run.json").read_text())["global_step"] == 2
 
 
 def test_empty_init_is_refused_under_ddp(tmp_path):
