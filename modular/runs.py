@@ -162,11 +162,10 @@ def load_open_model(run: Run, dtype: str | torch.dtype | None = "auto", device: 
     gated = any(".head_gate." in k for k in state)
     fold = gated and ckpt.get("hyper_parameters", {}).get("gate_scope", "all") != "tasks"
     if run.record.get("finetuning") == "lora":
-        from peft import LoraConfig, get_peft_model
+        from modular.models.lora import with_lora
 
         hp = ckpt.get("hyper_parameters", {})
-        model = get_peft_model(model, LoraConfig(r=hp.get("lora_rank", 16), lora_alpha=hp.get("lora_alpha", 32),
-                                                 target_modules="all-linear", lora_dropout=0.0))
+        model = with_lora(model, hp.get("lora_rank", 16), hp.get("lora_alpha", 32))
         if gated:  # the gates wrap the LoRA-wrapped projections, as in training
             from modular.heads.gates import install_head_gates
 

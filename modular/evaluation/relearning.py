@@ -82,10 +82,9 @@ def attacker_copy(model, mode: str, lora_rank: int = 8):
     """A trainable copy of ``model``: every weight (``full``) or LoRA adapters on every linear layer."""
     m = copy.deepcopy(model)
     if mode == "lora":
-        from peft import LoraConfig, get_peft_model
+        from modular.models.lora import with_lora
 
-        m = get_peft_model(m, LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, target_modules="all-linear",
-                                         lora_dropout=0.0))
+        m = with_lora(m, lora_rank, 2 * lora_rank)
     else:
         for p in m.parameters():
             p.requires_grad_(True)

@@ -239,10 +239,9 @@ class GatedLM(L.LightningModule):
         else:
             model = load_model(model_name, load_dtype, device="cpu")  # Lightning moves it to the trainer's device
         if finetuning == "lora":
-            from peft import LoraConfig, get_peft_model
+            from modular.models.lora import with_lora
 
-            model = get_peft_model(model, LoraConfig(r=lora_rank, lora_alpha=lora_alpha, target_modules="all-linear",
-                                                     lora_dropout=0.0))
+            model = with_lora(model, lora_rank, lora_alpha)
         elif finetuning == "none":
             model.requires_grad_(False)
         self.model = model.train()  # loaded in eval mode; dropout (if any) belongs to training
