@@ -233,7 +233,8 @@ class GatedLM(L.LightningModule):
         for term in self.objectives:
             term.bind(self)
         if empty_init and rank_zero_only.rank != 0:  # the process's rank from the launcher's environment
-            model = empty_model(model_name, load_dtype, device="cpu")  # its weights come from the first process (configure_model)
+            # its weights come from the first process (configure_model)
+            model = empty_model(model_name, load_dtype, device="cpu")
             log.info("process %d: model built on the meta device; its weights come from process 0",
                      rank_zero_only.rank)
         else:

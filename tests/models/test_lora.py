@@ -10,7 +10,8 @@ def test_with_lora_adapts_every_linear_layer_but_the_unembedding_and_freezes_the
     """The one LoRA layout (training, the open model's reconstruction, the attacker): adapters of the given rank
     on every linear layer of the blocks, none on the unembedding, only adapters trainable; peft's use of a
     deprecated transformers property does not reach the user as a FutureWarning."""
-    linear = {n for n, m in tiny_model.named_modules() if isinstance(m, (torch.nn.Linear, Conv1D))}  # GPT-2's are Conv1D
+    layers = (torch.nn.Linear, Conv1D)  # GPT-2's linear layers are Conv1D
+    linear = {n for n, m in tiny_model.named_modules() if isinstance(m, layers)}
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)
         model = with_lora(tiny_model, 4, 8)
