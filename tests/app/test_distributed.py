@@ -236,8 +236,10 @@ def test_fsdp_matches_ddp_with_post_norms_and_head_gates(tmp_path, arch, extra_m
 
 def test_fsdp_with_the_hidden_state_term_matches_ddp(tmp_path):
     """The default config's KeepHidden (a loss on the neighbours' block outputs, against the reference's cached
-    residual stream) under FSDP2 takes DDP's steps to float rounding (1.3e-7 measured; one step moves a weight by
-    up to 2e-5)."""
+    residual stream) under FSDP2 takes DDP's steps to float rounding: the losses to SAME_STEP_REL, the weights to
+    a quarter of one step (one step moves a weight by up to lr = 2e-5; 1.3e-7 measured with the packages of
+    2026-11, 1.05e-6 with those of 2026-12: where Adam's step of an entry is near 0, rounding moves it by a
+    fraction of a step). A broken sharding of the term changes the losses beyond SAME_STEP_REL."""
     weights, losses = {}, {}
     for name in ("ddp", "fsdp"):
         cfg, run = _config(tmp_path / name, keep_hidden=True)
@@ -247,7 +249,7 @@ def test_fsdp_with_the_hidden_state_term_matches_ddp(tmp_path):
         weights[name], losses[name] = _weights(run), _records(tmp_path / name)[0]["losses"]
     assert list((tmp_path / "cache" / "reference").glob("hidden-*.pt"))  # the reference's residual stream, cached once
     assert losses["ddp"] == pytest.approx(losses["fsdp"], rel=SAME_STEP_REL)
-    assert _largest_difference(weights["ddp"], weights["fsdp"]) <= 1e-6
+    assert _largest_difference(weights["ddp"], weights["fsdp"]) <= 5e-6
 
 
 def test_fsdp_with_gradient_checkpointing_takes_the_same_steps(tmp_path):
