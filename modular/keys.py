@@ -12,13 +12,13 @@ residual stream does nothing; on the locked model's own residual (which has no
 Every removed component is rank-1 per module and behaviour: ``W ← W − a bᵀ``.
 A key is the list of ``(module, a, b)`` for one behaviour: applying it adds
 ``a bᵀ`` back. Both are computed in float64 and rounded once to the weights'
-precision (float32, bfloat16 or float16: a model publishes in its own precision).
+precision (float64, float32, bfloat16 or float16: a model publishes in its own precision).
 The rounding of the locked weights is not undone by adding back, and where
 ``a bᵀ`` is large (hardened readers behind tiny norm gains, ``u / g``) it exceeds
 the trained weights' own precision; each component therefore also carries the
 few entries whose restored value would be off by more than the tolerance and the
 value they must take (in the weights' dtype), so one key restores the trained weights to within it:
-``exact_tol`` (absolute) in float32, ``ulp_tol`` units in the last place of each
+``exact_tol`` (absolute) in float32 and float64, ``ulp_tol`` units in the last place of each
 trained weight in bfloat16 and float16 (a bit-exact key, ``ulp_tol=0``, carries
 a correction for most entries a key touches). With several behaviours the rounding also
 depends on which keys were applied before; each component carries corrections
@@ -71,6 +71,7 @@ READABLE_FORMATS = (KEY_FORMAT, "modular-key/4", "modular-key/3", "modular-key/2
 ADDING_FORMATS = ("modular-key/3", "modular-key/2")
 #: 16-bit float dtypes: restores are corrected by a residual stream (steps of the dtype's grid)
 GRID_DTYPES = (torch.bfloat16, torch.float16)
+WIDE_DTYPES = (torch.float32, torch.float64)  # restored to within an absolute tolerance
 MAX_GAP = 2**16 - 1  # the largest gap between two corrected entries a uint16 holds; 0 marks a skip of MAX_GAP
 MANTISSA_BITS = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}
 #: corrections are recorded for every ordered prefix of the other keys up to this many behaviours (beyond it only
@@ -332,7 +333,7 @@ def _prefixes(behaviours: list[str]) -> list[tuple[str, ...]]:
 def _record_corrections(param: torch.Tensor, original: torch.Tensor, comps: list[Component], tol: float,
                         behaviours: list[str], ulp_tol: float = 0.0) -> None:
     """For each component removed from ``param``, the entries that adding it back would not restore within ``tol``
-    (float32: absolute; bfloat16 and float16: ``ulp_tol`` units in the last place of the target), for every order in
+    (float32 and float64: absolute; bfloat16 and float16: ``ulp_tol`` units in the last place of the target), for every order in
     which the other behaviours' keys may have been applied before it. In bfloat16 and float16 the entries that
     :func:`_coarser` marks get a residual stream first (their grid steps to the target; steps within ``ulp_tol``
     stored as 0), and only the entries still off after it get explicit corrections.
@@ -369,7 +370,7 @@ def _record_corrections(param: torch.Tensor, original: torch.Tensor, comps: list
                         c.residual = stream
                     _step_entries(restored, mask, steps)  # what applying the stream does, without decoding it
             err = (rounded - restored.double()).flatten()
-            allowed = tol if param.dtype == torch.float32 else ulp_tol * ulp(rounded, param.dtype).flatten()
+            allowed = tol if param.dtype in WIDE_DTYPES else ulp_tol * ulp(rounded, param.dtype).flatten()
             index = (err.abs() > allowed).nonzero().flatten()
             value = rounded.flatten()[index].to(param.dtype).cpu()  # the value the entry must take
             if prefix:
@@ -393,7 +394,7 @@ def lock_weights(model: nn.Module, directions: dict[str, torch.Tensor], harden: 
     """Orthogonalise writers (and, with ``harden``, readers) against each behaviour's direction, in place, in the
     weights' own precision and device (computed in float64, rounded once).
 
-    Returns one :class:`Key` per behaviour; applying keys restores each weight to within ``exact_tol`` (float32)
+    Returns one :class:`Key` per behaviour; applying keys restores each weight to within ``exact_tol`` (float32, float64)
     or ``ulp_tol`` units in its last place (bfloat16, float16; 0: bit-exact). The model must not be wrapped (merge
     LoRA first).
     """

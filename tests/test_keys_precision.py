@@ -151,6 +151,29 @@ def test_float32_keys_stay_exact(tokens):
     assert worst <= 1e-6
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_float64_weights_lock_like_hooks_and_their_keys_restore(tmp_path, tokens, arch):
+    model = make_tiny_model(arch).double()
+    open_state = {k: v.clone() for k, v in model.state_dict().items()}
+    dirs = _dirs(k=2)
+    with ablate_directions(ArchitectureAdapter(model), torch.stack(list(dirs.values()))):
+        hook_locked = model(tokens).logits
+    open_logits = model(tokens).logits
+    keys = lock_weights(model, dirs, harden=True)
+    assert all(p.dtype == torch.float64 for p in model.parameters())
+    weight_locked = model(tokens).logits
+    assert (weight_locked - open_logits).abs().max().item() > 1e-3
+    assert (weight_locked - hook_locked).abs().max().item() <= 1e-6  # the keys' float32 vectors, not round-off
+    h = weights_hash(model)
+    produces = produced_hashes(model, keys)
+    for i, key in enumerate(keys):
+        loaded = load_key(save_key(key, tmp_path / f"{key.behaviour}.key", h, produces[key.behaviour]))[0]
+        apply_key(model, loaded, applied=[k.behaviour for k in keys[:i]])
+    for name, value in model.state_dict().items():
+        ref = open_state.get(name, open_state.get("model.embed_tokens.weight"))
+        assert value.dtype == torch.float64 and (value - ref).abs().max().item() <= 1e-7, name
+
+
 def test_modular_key_2_files_still_unlock_the_weights_they_were_made_for():
     """Fixture: two keys written by modular-key/2 (update rounded to float32, then added) for the tiny llama of
     seed 0. Re-locking that model with their components the /2 way must give their locked hash, and applying them
