@@ -73,7 +73,7 @@ ADDING_FORMATS = ("modular-key/3", "modular-key/2")
 GRID_DTYPES = (torch.bfloat16, torch.float16)
 WIDE_DTYPES = (torch.float32, torch.float64)  # restored to within an absolute tolerance
 MAX_GAP = 2**16 - 1  # the largest gap between two corrected entries a uint16 holds; 0 marks a skip of MAX_GAP
-MANTISSA_BITS = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}
+MANTISSA_BITS = {torch.float64: 52, torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}
 #: corrections are recorded for every ordered prefix of the other keys up to this many behaviours (beyond it only
 #: for each key applied first: a 5th key would need 65 sets)
 MAX_PREFIX_BEHAVIOURS = 4

@@ -23,7 +23,7 @@ def _dirs(k=1, seed=0):
 
 def test_ulp_is_the_spacing_of_the_dtype():
     x = torch.tensor([1.0, 1.5, -3.0, 0.1, 0.0])
-    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+    for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
         y = x.to(dtype).double()  # representable values
         u = ulp(y, dtype)
         assert u[0].item() == torch.finfo(dtype).eps  # spacing just above 1
