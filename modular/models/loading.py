@@ -254,11 +254,11 @@ def empty_model(ref: str | os.PathLike, dtype: str | torch.dtype | None = "auto"
     """The model :func:`load_model` loads from ``ref`` with these arguments, built on the meta device: its modules,
     names, shapes and precision, and no weights read or memory allocated (a process that receives its weights from
     another one)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    dtype = load_dtype(ref, dtype, device)  # checks the architecture and the device, as load_model does
+    config = _checked_config(ref, resolve_model(ref))  # the architecture and the device checked as load_model does
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(resolve_model(ref)), dtype=dtype)
+        model = AutoModelForCausalLM.from_config(config, dtype=_config_dtype(config, dtype, device))
     return model.eval()
 
 
@@ -279,10 +279,13 @@ def _checked_config(ref, source):
 def load_dtype(ref: str | os.PathLike, dtype: str | torch.dtype | None = "auto",
                device: str | torch.device | None = "auto") -> torch.dtype:
     """The precision :func:`load_model` loads ``ref`` in with these arguments, read from its config only."""
+    return _config_dtype(_checked_config(ref, resolve_model(ref)), dtype, device)
+
+
+def _config_dtype(config, dtype, device) -> torch.dtype:
     from modular.models.precision import own_dtype, resolve_device, resolve_dtype
 
-    device = resolve_device(device)
-    return resolve_dtype(dtype, own_dtype(_checked_config(ref, resolve_model(ref))), device)
+    return resolve_dtype(dtype, own_dtype(config), resolve_device(device))
 
 
 def is_chat_model(tokenizer) -> bool:
