@@ -68,17 +68,21 @@ def measure(config: Path, empty_init: bool, precision: str, cache: Path, log_pat
     main = psutil.Process(proc.pid)
     peaks: dict[int, int] = {}
     node, started, at_start = 0, False, None
-    while proc.poll() is None:
-        try:
-            rss = {p.pid: p.memory_info().rss for p in (main, *main.children(recursive=True))}
-        except psutil.Error:  # a process ended between listing and reading
-            continue
-        for pid, r in rss.items():
-            peaks[pid] = max(peaks.get(pid, 0), r)
-        node = max(node, sum(rss.values()))
-        if not started and "Trainable params" in log_path.read_text(errors="replace"):
-            started, at_start = True, (dict(peaks), node)
-        time.sleep(0.02)
+    marker, seen = "Trainable params", ""
+    with open(log_path, errors="replace") as reader:  # read on as the log grows (not the whole log every sample)
+        while proc.poll() is None:
+            try:
+                rss = {p.pid: p.memory_info().rss for p in (main, *main.children(recursive=True))}
+            except psutil.Error:  # a process ended between listing and reading
+                continue
+            for pid, r in rss.items():
+                peaks[pid] = max(peaks.get(pid, 0), r)
+            node = max(node, sum(rss.values()))
+            if not started:
+                seen = seen[-len(marker):] + reader.read()  # a marker split across two reads is still found
+                if marker in seen:
+                    started, at_start = True, (dict(peaks), node)
+            time.sleep(0.02)
     text = log_path.read_text(errors="replace")
     if proc.returncode != 0:
         raise SystemExit(f"the run with empty_init={empty_init} failed (exit {proc.returncode}):\n{text[-3000:]}")
