@@ -333,8 +333,8 @@ def _prefixes(behaviours: list[str]) -> list[tuple[str, ...]]:
 def _record_corrections(param: torch.Tensor, original: torch.Tensor, comps: list[Component], tol: float,
                         behaviours: list[str], ulp_tol: float = 0.0) -> None:
     """For each component removed from ``param``, the entries that adding it back would not restore within ``tol``
-    (float32 and float64: absolute; bfloat16 and float16: ``ulp_tol`` units in the last place of the target), for every order in
-    which the other behaviours' keys may have been applied before it. In bfloat16 and float16 the entries that
+    (float32 and float64: absolute; bfloat16 and float16: ``ulp_tol`` units in the last place of the target), for
+    every order in which the other behaviours' keys may have been applied before it. In bfloat16 and float16 the entries that
     :func:`_coarser` marks get a residual stream first (their grid steps to the target; steps within ``ulp_tol``
     stored as 0), and only the entries still off after it get explicit corrections.
 
@@ -394,9 +394,9 @@ def lock_weights(model: nn.Module, directions: dict[str, torch.Tensor], harden: 
     """Orthogonalise writers (and, with ``harden``, readers) against each behaviour's direction, in place, in the
     weights' own precision and device (computed in float64, rounded once).
 
-    Returns one :class:`Key` per behaviour; applying keys restores each weight to within ``exact_tol`` (float32, float64)
-    or ``ulp_tol`` units in its last place (bfloat16, float16; 0: bit-exact). The model must not be wrapped (merge
-    LoRA first).
+    Returns one :class:`Key` per behaviour; applying keys restores each weight to within ``exact_tol`` (float32,
+    float64) or ``ulp_tol`` units in its last place (bfloat16, float16; 0: bit-exact). The model must not be wrapped
+    (merge LoRA first).
     """
     untie_embeddings(model)
     adapter = ArchitectureAdapter(model)

@@ -257,8 +257,9 @@ def empty_model(ref: str | os.PathLike, dtype: str | torch.dtype | None = "auto"
     from transformers import AutoModelForCausalLM
 
     config = _checked_config(ref, resolve_model(ref))  # the architecture and the device checked as load_model does
+    dtype = _config_dtype(config, dtype, device)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=_config_dtype(config, dtype, device))
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model.eval()
 
 
