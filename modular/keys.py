@@ -334,9 +334,9 @@ def _record_corrections(param: torch.Tensor, original: torch.Tensor, comps: list
                         behaviours: list[str], ulp_tol: float = 0.0) -> None:
     """For each component removed from ``param``, the entries that adding it back would not restore within ``tol``
     (float32 and float64: absolute; bfloat16 and float16: ``ulp_tol`` units in the last place of the target), for
-    every order in which the other behaviours' keys may have been applied before it. In bfloat16 and float16 the entries that
-    :func:`_coarser` marks get a residual stream first (their grid steps to the target; steps within ``ulp_tol``
-    stored as 0), and only the entries still off after it get explicit corrections.
+    every order in which the other behaviours' keys may have been applied before it. In bfloat16 and float16 the
+    entries that :func:`_coarser` marks get a residual stream first (their grid steps to the target; steps within
+    ``ulp_tol`` stored as 0), and only the entries still off after it get explicit corrections.
 
     After the keys of ``prefix``, the target of component ``c`` is ``original`` minus every component whose
     behaviour is still locked, rounded to the parameter's dtype; the start is the locked ``param`` with the
