@@ -71,7 +71,6 @@ READABLE_FORMATS = (KEY_FORMAT, "modular-key/4", "modular-key/3", "modular-key/2
 ADDING_FORMATS = ("modular-key/3", "modular-key/2")
 #: 16-bit float dtypes: restores are corrected by a residual stream (steps of the dtype's grid)
 GRID_DTYPES = (torch.bfloat16, torch.float16)
-WIDE_DTYPES = (torch.float32, torch.float64)  # restored to within an absolute tolerance
 MAX_GAP = 2**16 - 1  # the largest gap between two corrected entries a uint16 holds; 0 marks a skip of MAX_GAP
 MANTISSA_BITS = {torch.float64: 52, torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}
 #: corrections are recorded for every ordered prefix of the other keys up to this many behaviours (beyond it only
@@ -370,7 +369,7 @@ def _record_corrections(param: torch.Tensor, original: torch.Tensor, comps: list
                         c.residual = stream
                     _step_entries(restored, mask, steps)  # what applying the stream does, without decoding it
             err = (rounded - restored.double()).flatten()
-            allowed = tol if param.dtype in WIDE_DTYPES else ulp_tol * ulp(rounded, param.dtype).flatten()
+            allowed = tol if param.dtype not in GRID_DTYPES else ulp_tol * ulp(rounded, param.dtype).flatten()
             index = (err.abs() > allowed).nonzero().flatten()
             value = rounded.flatten()[index].to(param.dtype).cpu()  # the value the entry must take
             if prefix:
