@@ -37,9 +37,16 @@ def run_folder_of(config: Path) -> Path:
     directory)."""
     try:
         cfg = yaml.safe_load(config.read_text())
+    except OSError as err:
+        raise ModularError(f"{config} cannot be read ({err.strerror or err})") from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ModularError(f"{config} is not valid YAML: {getattr(err, 'problem', None) or err}{where}") from None
+    try:
         root = cfg["trainer"]["default_root_dir"]
-    except (OSError, yaml.YAMLError, KeyError, TypeError) as err:
-        raise ModularError(f"{config} is not a training config with trainer.default_root_dir ({err})") from None
+    except (KeyError, TypeError):
+        raise ModularError(f"{config} is not a training config: it sets no trainer.default_root_dir") from None
     if not root:
         raise ModularError(f"{config} sets no trainer.default_root_dir (the run folder)")
     return Path(root)

@@ -3,7 +3,9 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
+import pytest
 import yaml
 
 from tests.app.test_train import tiny_config
@@ -84,3 +86,22 @@ def test_the_summary_names_every_sweeps_worst_case(tmp_path, capsys):
     assert "gated (c) relearning: worst case over 36 settings, steps to 50% / 90% of open: 1 / 3" in text
     assert "gated (d) neutral: worst case over 6 settings, steps to 50% / 90% of open: >16 / >16" in text
     assert "refusal baseline (c) relearning: worst case over 36 settings, steps to 50% / 90% of open: 2 / 4" in text
+
+
+
+def test_a_config_that_is_not_one_is_one_line_naming_what_is_wrong(tmp_path):
+    """Broken YAML names the place; valid YAML that sets no run folder says so; a good one gives its folder."""
+    from modular import ModularError
+    from modular.app.pipeline import run_folder_of
+
+    cases = {"broken.yaml": ("model:\n  behaviours: [capitals\n",
+                             "is not valid YAML: expected ',' or ']', but got '<stream end>' at line 3, column 1"),
+             "nofolder.yaml": ("model:\n  behaviours: [capitals]\n", "sets no trainer.default_root_dir"),
+             "list.yaml": ("[1, 2]\n", "sets no trainer.default_root_dir")}
+    for name, (text, said) in cases.items():
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ModularError) as err:
+            run_folder_of(tmp_path / name)
+        assert said in str(err.value) and "\n" not in str(err.value), str(err.value)
+    (tmp_path / "good.yaml").write_text("trainer:\n  default_root_dir: runs/x\n")
+    assert run_folder_of(tmp_path / "good.yaml") == Path("runs/x")
