@@ -43,7 +43,8 @@ def read_run(run_dir: str | Path) -> Run:
     """Read ``run.json`` and ``directions.safetensors`` of a run folder (no weights are loaded)."""
     path = Path(run_dir)
     if not (path / RUN_RECORD).is_file():
-        raise ModularError(f"{path} is not a finished training run (no {RUN_RECORD}); train with train.py fit first")
+        raise ModularError(f"{path} is not a finished training run (no {RUN_RECORD}); train it first: modular train fit "
+                           "--config CONFIG")
     try:
         record = json.loads((path / RUN_RECORD).read_text())
         behaviours, model_name = list(record["behaviours"]), str(record["model_name"])
@@ -83,7 +84,7 @@ def checkpoint_path(run: Run) -> Path:
 
 
 def read_checkpoint(path: str | Path,
-                    remedy: str = "copy it again, or train the run again (train.py fit with its config and "
+                    remedy: str = "copy it again, or train the run again (modular train fit with its config and "
                                   "--ckpt_path null)", weights: bool = True) -> dict:
     """A checkpoint, memory-mapped (a sharded one, a folder, gathered whole on the CPU; without ``weights`` only
     its step, loops and hyperparameters); a truncated or foreign file is one line naming it and ``remedy``."""
