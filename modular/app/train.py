@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     __main__.__spec__ = None
     try:
         GatingCLI(GatedLM, GatingDataModule, save_config_callback=RunConfigSave, save_config_kwargs={"overwrite": True},
-                  parser_kwargs={"description": "modular: gate behaviours into residual directions."})
+                  parser_kwargs={"prog": "modular train", "description": "modular: gate behaviours into residual directions."})
     except ModularError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

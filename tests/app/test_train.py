@@ -302,6 +302,18 @@ def test_bad_options_fail_before_any_side_effect(tmp_path, tiny_env, args, words
     assert not run.exists() or not any(run.rglob("*"))
 
 
+def test_training_usage_names_the_installed_command(capsys):
+    """`modular train` (not the module's file name) in the usage and in the tip after an unknown option."""
+    with pytest.raises(SystemExit) as err:
+        cli.main(["train", "fit", "--help"])
+    assert err.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: modular train [options] fit ")
+    with pytest.raises(SystemExit) as err:
+        cli.main(["train", "fit", "--no_such_option", "1"])
+    assert err.value.code == 2
+    assert "run: modular train fit --help" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("lines, words", [
     ([{"prompt": "Say one.", "target": "one", "split": "test"}], ["neighbour 'near' has no train items"]),
     (["{not json"], ["near.jsonl", "line 1"]),
