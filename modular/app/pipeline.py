@@ -43,12 +43,10 @@ def run_folder_of(config: Path) -> Path:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         raise ModularError(f"{config} is not valid YAML: {getattr(err, 'problem', None) or err}{where}") from None
-    try:
-        root = cfg["trainer"]["default_root_dir"]
-    except (KeyError, TypeError):
-        raise ModularError(f"{config} is not a training config: it sets no trainer.default_root_dir") from None
+    trainer = cfg.get("trainer") if isinstance(cfg, dict) else None
+    root = trainer.get("default_root_dir") if isinstance(trainer, dict) else None
     if not root:
-        raise ModularError(f"{config} sets no trainer.default_root_dir (the run folder)")
+        raise ModularError(f"{config} is not a training config: it sets no trainer.default_root_dir (the run folder)")
     return Path(root)
 
 
