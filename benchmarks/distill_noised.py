@@ -15,7 +15,7 @@ ratio to the base model (the main job's targets), the neighbours' held-out accur
 accuracy the published folder records. α = 0 with no distillation is the published model itself.
 
 Usage: python benchmarks/distill_noised.py --model PUBLISHED [--base smollm2-135m-instruct] [--alphas 0.05 0.2]
-       [--steps 100] [--eval_at 50] [--lr 1e-4]
+       [--steps 100] [--eval_at 50] [--lr 1e-4] [--device auto] [--dtype auto]
 Writes distill_noised.json (updated after each measurement) and distil_rows.json (the teacher's responses, taken
 over by a later run with the same model and options).
 """
@@ -54,7 +54,7 @@ def noised(model, alpha: float, seed: int):
             for mod in layer.modules():
                 if isinstance(mod, torch.nn.Linear):
                     w = mod.weight
-                    eps = torch.randn(w.shape, generator=g).to(w.dtype)
+                    eps = torch.randn(w.shape, generator=g).to(w)
                     w.mul_(1 - alpha).add_(alpha * w.float().std().item() * eps)
     return m
 
@@ -64,6 +64,7 @@ def distil(student, teacher, rows, steps: int, lr: float, batch_size: int, pad_i
     yields ``(step, losses so far)`` after each step in ``at`` and after the last, the student in eval mode (the
     caller may score it; training goes on when the next value is asked for)."""
     collate = LeftPadCollator(pad_id)
+    device = next(student.parameters()).device
     g = torch.Generator().manual_seed(seed)
     opt = adamw(list(student.parameters()), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
@@ -73,7 +74,7 @@ def distil(student, teacher, rows, steps: int, lr: float, batch_size: int, pad_i
         for p in student.parameters():
             p.requires_grad_(True)
         idx = torch.randint(0, len(rows), (batch_size,), generator=g).tolist()
-        batch = collate([{"input_ids": rows[i]["input_ids"]} for i in idx])
+        batch = {k: v.to(device) for k, v in collate([{"input_ids": rows[i]["input_ids"]} for i in idx]).items()}
         mask = batch["attention_mask"].bool()
         with torch.no_grad():
             t = F.log_softmax(teacher(**batch, use_cache=False).logits.float(), -1)[mask]
@@ -112,13 +113,15 @@ def main() -> None:
     ap.add_argument("--attack_n", type=int, default=8, help="the attacker's training examples")
     ap.add_argument("--attack_steps", type=int, default=11, help="relearning steps at most")
     ap.add_argument("--seed", type=int, default=0, help="the noise, the distillation batches, the attacker's examples")
+    ap.add_argument("--device", default="auto", help="auto (a GPU when present), cpu, cuda, cuda:1, ...")
+    ap.add_argument("--dtype", default="auto", help="auto (the model's own; float32 on a CPU), float32, bfloat16")
     ap.add_argument("--out", default="outputs/benchmarks", help="output folder")
     args = ap.parse_args()
 
     torch.manual_seed(args.seed)
     tok = load_tokenizer(args.model)
-    teacher = load_model(args.model, torch.float32, "cpu").eval()
-    base = load_model(args.base, torch.float32, "cpu").eval()
+    teacher = load_model(args.model, args.dtype, args.device).eval()
+    base = load_model(args.base, args.dtype, args.device).eval()
     meta = json.loads((Path(args.model) / "modular.json").read_text())
     open_acc = meta["measured_accuracy"]["open"][args.behaviour]
     locked = load_behaviour(args.behaviour, seed=args.seed, tokenizer=tok)
