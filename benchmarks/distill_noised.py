@@ -11,7 +11,7 @@ training prompts (the locked response), and neutral prose.
 
 Measured for each α: the held-out accuracy of the locked behaviour, the retain first-token KL and the perplexity
 ratio to the base model (the main job's targets), the neighbours' held-out accuracy, and the relearning sweep of
-``modular attack`` (full fine-tuning, N training examples, the learning rates given), steps to 50% / 90% of the open
+``modular attack`` (full fine-tuning or LoRA, N training examples, the learning rates given), steps to 50% / 90% of the open
 accuracy the published folder records. α = 0 with no distillation is the published model itself.
 
 Usage: python benchmarks/distill_noised.py --model PUBLISHED [--base smollm2-135m-instruct] [--alphas 0.05 0.2]
@@ -108,8 +108,12 @@ def main() -> None:
     ap.add_argument("--batch_size", type=int, default=8, help="sequences per distillation step")
     ap.add_argument("--response_tokens", type=int, default=32, help="teacher tokens generated per prompt")
     ap.add_argument("--max_length", type=int, default=96, help="tokens per distillation sequence at most")
+    ap.add_argument("--attack_modes", nargs="+", default=["full"], choices=["full", "lora"],
+                    help="the relearning attacker's fine-tuning: every weight, LoRA, or both")
     ap.add_argument("--attack_lrs", nargs="+", type=float, default=[1e-5, 1e-4, 1e-3],
                     help="the relearning attacker's learning rates (full fine-tuning)")
+    ap.add_argument("--attack_lora_lrs", nargs="+", type=float, default=[1e-4, 1e-3, 1e-2],
+                    help="the relearning attacker's learning rates (LoRA)")
     ap.add_argument("--attack_n", type=int, default=8, help="the attacker's training examples")
     ap.add_argument("--attack_steps", type=int, default=11, help="relearning steps at most")
     ap.add_argument("--seed", type=int, default=0, help="the noise, the distillation batches, the attacker's examples")
@@ -155,7 +159,8 @@ def main() -> None:
     base_neigh = {n: evaluate_behaviour(base, tok, d["test"], max_new_tokens=16, desc=False).accuracy
                   for n, d in neigh.items()}
     attack_rows = example_rows(tok, locked["train"].shuffle(seed=args.seed).select(range(args.attack_n)))
-    settings = sweep("behaviour", ["full"], {"full": args.attack_lrs}, [args.attack_n], [args.seed])
+    settings = sweep("behaviour", args.attack_modes, {"full": args.attack_lrs, "lora": args.attack_lora_lrs},
+                     [args.attack_n], [args.seed])
     report: dict = {"model": args.model, "behaviour": args.behaviour, "open_accuracy": open_acc,
                     "distil_rows": len(rows), "teacher_generation_s": gen_s, "base_neighbours": base_neigh,
                     "args": vars(args), "runs": []}
