@@ -17,7 +17,7 @@ accuracy the published folder records. α = 0 with no distillation is the publis
 Usage: python benchmarks/distill_noised.py --model PUBLISHED [--base smollm2-135m-instruct] [--alphas 0.05 0.2]
        [--steps 100] [--eval_at 50] [--lr 1e-4] [--device auto] [--dtype auto]
 Writes distill_noised.json (updated after each measurement) and distil_rows.json (the teacher's responses, taken
-over by a later run with the same model and options).
+over by a later run with the same model, precision, prompts and response length).
 """
 
 from __future__ import annotations
@@ -140,15 +140,15 @@ def main() -> None:
         prompts += [(r["prompt"], r["chat"]) for r in d["train"]]
     t0 = time.time()
     cache = Path(args.out) / "distil_rows.json"
-    key = {"model": str(Path(args.model).resolve()), "response_tokens": args.response_tokens,
-           "max_length": args.max_length, "seed": args.seed, "neighbours": args.neighbours}
+    key = {"model": str(Path(args.model).resolve()), "dtype": str(next(teacher.parameters()).dtype),
+           "response_tokens": args.response_tokens, "prompts": [list(p) for p in prompts]}
     cached = json.loads(cache.read_text()) if cache.exists() else {}
     if cached.get("key") == key:
         responses = cached["responses"]
     else:
         responses = generate(teacher, tok, [p for p, _ in prompts], [c for _, c in prompts], args.response_tokens,
                              batch_size=32, desc="teacher responses")
-    write_json(cache, {"key": key, "responses": responses})
+        write_json(cache, {"key": key, "responses": responses})
     rows = [encode_example(tok, p, r.strip(), c, args.max_length) for (p, c), r in zip(prompts, responses)]
     rows += [{"input_ids": tok(t, truncation=True, max_length=args.max_length)["input_ids"]}
              for t in texts["train"]["text"]]
