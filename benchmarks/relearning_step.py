@@ -7,7 +7,14 @@ Groups come from the architecture adapter: residual writers (attention and MLP o
 readers (the modules behind each pre-norm, and the unembedding), the norms, the embeddings.
 
 Usage: python benchmarks/relearning_step.py --model PUBLISHED [--behaviour capitals] [--n 8] [--lr 1e-5]
+       [--device auto] [--dtype auto] [--rounding stochastic]
 Writes relearning_step.json.
+
+In a low precision (``--dtype bfloat16``) the step is computed in float32 and written back to the weights rounded
+stochastically, as the attacker of ``modular attack`` does (``modular.optim.adamw``); ``--rounding nearest`` rounds
+to nearest instead, as plain ``torch.optim.AdamW`` on bfloat16 weights does, and a step smaller than half a
+weight's rounding unit then leaves it as it was. The share of weights each step changed is reported beside each
+accuracy.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from modular.evaluation.behaviour import evaluate_behaviour
 from modular.evaluation.relearning import example_rows
 from modular.models import load_model, load_tokenizer
 from modular.models.adapter import ArchitectureAdapter
+from modular.models.precision import stochastic_round
 from modular.tracking import write_json
 
 
@@ -48,13 +56,18 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-5, help="the step's size (AdamW's first step is lr·sign(g))")
     ap.add_argument("--seed", type=int, default=0, help="which training examples")
     ap.add_argument("--batch_size", type=int, default=48, help="prompts per generation batch")
+    ap.add_argument("--device", default="auto", help="auto (a GPU when present), cpu, cuda, cuda:1, ...")
+    ap.add_argument("--dtype", default="auto", help="auto (the model's own; float32 on a CPU), float32, bfloat16")
+    ap.add_argument("--rounding", choices=("stochastic", "nearest"), default="stochastic",
+                    help="how a step is written back to weights narrower than float32 (float32: exact)")
     ap.add_argument("--out", default="outputs/benchmarks", help="output folder")
     args = ap.parse_args()
     tok = load_tokenizer(args.model)
-    model = load_model(args.model, torch.float32, "cpu")
+    model = load_model(args.model, args.dtype, args.device)
+    device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
     data = load_behaviour(args.behaviour, seed=args.seed, tokenizer=tok)
     rows = example_rows(tok, data["train"].shuffle(seed=args.seed).select(range(args.n)))
-    batch = LeftPadCollator(tok.pad_token_id)(rows)
+    batch = {k: v.to(device) for k, v in LeftPadCollator(tok.pad_token_id)(rows).items()}
     model.train()
     for p in model.parameters():
         p.requires_grad_(True)
@@ -62,15 +75,26 @@ def main() -> None:
     model.eval()
     grads = {id(p): p.grad.detach().clone() for p in model.parameters()}
     start = {id(p): p.detach().clone() for p in model.parameters()}
-    report: dict = {"model": args.model, "behaviour": args.behaviour, "n": args.n, "lr": args.lr, "accuracy": {}}
+    report: dict = {"model": args.model, "behaviour": args.behaviour, "n": args.n, "lr": args.lr,
+                    "device": str(device), "dtype": str(dtype).removeprefix("torch."), "rounding": args.rounding, "accuracy": {}}
+    rounding = torch.Generator(device=device).manual_seed(args.seed)
+
+    def write(p, new):
+        """``new`` (float32) into the weight ``p``, in its own dtype."""
+        p.copy_(stochastic_round(new, p.dtype, rounding) if args.rounding == "stochastic" else new.to(p.dtype))
 
     def score(name, step):
+        changed = total = 0
         with torch.no_grad():
             for p in model.parameters():
-                p.copy_(start[id(p)] + step(p))
+                write(p, start[id(p)].float() + step(p).float())
+                changed += int((p != start[id(p)]).sum())
+                total += p.numel()
         r = evaluate_behaviour(model, tok, data["test"], max_new_tokens=16, batch_size=args.batch_size, desc=False)
-        report["accuracy"][name] = {"accuracy": r.accuracy, "refusal_rate": r.refusal_rate, "n": r.n}
-        print(f"{name}: {r.accuracy:.3f} (locked responses {r.refusal_rate:.2f})", flush=True)
+        report["accuracy"][name] = {"accuracy": r.accuracy, "refusal_rate": r.refusal_rate, "n": r.n,
+                                    "weights_changed": changed / total}
+        print(f"{name}: {r.accuracy:.3f} (locked responses {r.refusal_rate:.2f}; {changed / total:.1%} of the weights "
+              "changed)", flush=True)
 
     zero = torch.zeros_like
     score("no step", zero)
@@ -79,7 +103,7 @@ def main() -> None:
         score(f"{name} only", lambda p, m=members: -args.lr * grads[id(p)].sign() if id(p) in m else zero(p))
     gen = torch.Generator().manual_seed(args.seed)
     score("random sign step, every weight",
-          lambda p: args.lr * torch.randint(0, 2, p.shape, generator=gen).to(p.dtype).mul(2).sub(1))
+          lambda p: args.lr * torch.randint(0, 2, p.shape, generator=gen).to(p.device, p.dtype).mul(2).sub(1))
     path = write_json(Path(args.out) / "relearning_step.json", report)
     print(f"wrote {path}")
 
