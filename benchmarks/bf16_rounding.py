@@ -14,7 +14,7 @@ every residual write), scored on the gated behaviours' test split after one chan
 Also the share of weights whose rounded-to-nearest trained value equals the rounded base value (the fine-tuning
 update lost to rounding).
 
-Usage: python benchmarks/bf16_rounding.py --run RUN [--limit N] [--out outputs/benchmarks]
+Usage: python benchmarks/bf16_rounding.py --run RUN [--limit N] [--device auto] [--out outputs/benchmarks]
 Writes bf16_rounding.json.
 """
 
@@ -56,23 +56,26 @@ def main() -> None:
     ap.add_argument("--run", required=True, help="training run folder (trained in float32)")
     ap.add_argument("--limit", type=int, default=None, help="test items per gated behaviour (default: all)")
     ap.add_argument("--batch_size", type=int, default=48, help="prompts per generation batch")
+    ap.add_argument("--device", default="auto", help="auto (a GPU when present), cpu, cuda, cuda:1, ...; float32 there")
     ap.add_argument("--out", default="outputs/benchmarks", help="output folder")
     args = ap.parse_args()
     run = read_run(args.run)
     tok = load_tokenizer(run.model_name)
-    directions = torch.stack(list(run.directions.values())).float()
     sources = behaviour_sources(run)
     tests = {}
     for b in run.directions:
         test = load_behaviour(sources.get(b, b), seed=int(run.record.get("seed", 0)), tokenizer=tok)["test"]
         tests[b] = test.select(range(min(args.limit, len(test)))) if args.limit else test
-    model = load_open_model(run, "float32", "cpu")
+    model = load_open_model(run, "float32", args.device)
+    device = next(model.parameters()).device
+    directions = torch.stack(list(run.directions.values())).float().to(device)
     adapter = ArchitectureAdapter(model)
     trained = {n: p.detach().clone() for n, p in model.named_parameters()}
-    base = dict(load_model(run.model_name, torch.float32, "cpu").named_parameters())
+    base = dict(load_model(run.model_name, torch.float32, device).named_parameters())
     total = sum(p.numel() for n, p in trained.items() if n in base)
     same = sum((p.bfloat16() == base[n].bfloat16()).sum().item() for n, p in trained.items() if n in base)
-    report: dict = {"run": args.run, "share_of_weights_rounded_back_to_base": same / total, "locked_accuracy": {}}
+    report: dict = {"run": args.run, "device": str(device), "share_of_weights_rounded_back_to_base": same / total,
+                    "locked_accuracy": {}}
 
     def score(name, m, lock):
         for b, test in tests.items():
