@@ -10,7 +10,7 @@ its own grid, and the published weights' change as a fraction of the base's grid
 share beyond half a step).
 
 Usage: python benchmarks/quant_grid.py --published OUT [--base smollm2-135m-instruct] [--group 32]
-                                       [--out outputs/benchmarks]
+                                       [--device auto] [--out outputs/benchmarks]
 Writes quant_grid.json.
 """
 
@@ -34,11 +34,13 @@ def main() -> None:
     parser.add_argument("--published", required=True, help="a published folder (modular publish)")
     parser.add_argument("--base", default=None, help="default: the base its modular.json names")
     parser.add_argument("--group", type=int, default=32, help="inputs per quantisation group")
+    parser.add_argument("--device", default="auto",
+                        help="auto (a GPU when present), cpu, cuda, ...; both models are read there in float32")
     parser.add_argument("--out", default="outputs/benchmarks", help="folder for quant_grid.json")
     args = parser.parse_args()
     base_ref = args.base or json.loads((Path(args.published) / MANIFEST).read_text())["base_model"]
-    base = load_model(base_ref, "float32", "cpu")
-    pub = load_model(args.published, "float32", "cpu")
+    base = load_model(base_ref, "float32", args.device)
+    pub = load_model(args.published, "float32", base.device)
     skip = {id(base.get_input_embeddings().weight), id(base.get_output_embeddings().weight)}
     published = dict(pub.named_parameters())
     moved, off_grid, n = [], 0.0, 0
@@ -50,7 +52,7 @@ def main() -> None:
             step = step.clamp_min(torch.finfo(w.dtype).tiny)
             code = (w - low) / step
             off_grid = max(off_grid, (code - code.round()).abs().max().item())
-            moved.append(((published[name] - w).abs() / step).flatten().float().numpy())
+            moved.append(((published[name] - w).abs() / step).flatten().float().cpu().numpy())
             n += w.numel()
     moved = np.concatenate(moved)
     result = {"published": args.published, "base": base_ref, "group": args.group, "weights": n,
