@@ -76,7 +76,8 @@ def main() -> None:
     grads = {id(p): p.grad.detach().clone() for p in model.parameters()}
     start = {id(p): p.detach().clone() for p in model.parameters()}
     report: dict = {"model": args.model, "behaviour": args.behaviour, "n": args.n, "lr": args.lr,
-                    "device": str(device), "dtype": str(dtype).removeprefix("torch."), "rounding": args.rounding, "accuracy": {}}
+                    "device": str(device), "dtype": str(dtype).removeprefix("torch."), "rounding": args.rounding,
+                    "accuracy": {}}
     rounding = torch.Generator(device=device).manual_seed(args.seed)
 
     def write(p, new):
