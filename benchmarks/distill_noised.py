@@ -40,6 +40,7 @@ from modular.evaluation.retain import first_token_logp, mean_kl, perplexity
 from modular.models import load_model, load_tokenizer
 from modular.models.adapter import ArchitectureAdapter
 from modular.optim import adamw
+from modular.publish import MANIFEST
 from modular.tracking import write_json
 
 
@@ -122,12 +123,16 @@ def main() -> None:
     ap.add_argument("--out", default="outputs/benchmarks", help="output folder")
     args = ap.parse_args()
 
+    manifest = Path(args.model) / MANIFEST
+    if not manifest.is_file():
+        ap.error(f"{args.model} is not a published modular model (no {MANIFEST})")
+    open_acc = json.loads(manifest.read_text()).get("measured_accuracy", {}).get("open", {}).get(args.behaviour)
+    if open_acc is None:
+        ap.error(f"{manifest} records no open accuracy of '{args.behaviour}'")
     torch.manual_seed(args.seed)
     tok = load_tokenizer(args.model)
     teacher = load_model(args.model, args.dtype, args.device).eval()
     base = load_model(args.base, args.dtype, args.device).eval()
-    meta = json.loads((Path(args.model) / "modular.json").read_text())
-    open_acc = meta["measured_accuracy"]["open"][args.behaviour]
     locked = load_behaviour(args.behaviour, seed=args.seed, tokenizer=tok)
     neigh = {n: load_behaviour(n, seed=args.seed, tokenizer=tok) for n in args.neighbours}
     retain = retain_data(args.seed)
