@@ -61,6 +61,24 @@ def public_model_name(ref: str) -> str:
     return path.name if path.exists() or looks_like_path(str(ref)) else str(ref)
 
 
+def read_manifest(folder: str | Path, require: tuple[str, ...] = ()) -> dict | None:
+    """The manifest modular wrote in ``folder`` (None where there is none). One that does not parse, is not a JSON
+    object or lacks an entry of ``require`` raises :class:`ModularError` naming the file."""
+    path = Path(folder) / MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ModularError(f"{path} is not readable ({reason}): restore it from the published copy") from None
+    missing = [k for k in require if k not in manifest] if isinstance(manifest, dict) else []
+    if not isinstance(manifest, dict) or missing:
+        what = f"it has no '{missing[0]}' entry" if missing else "not a JSON object"
+        raise ModularError(f"{path} is not a modular manifest ({what}): restore it from the published copy")
+    return manifest
+
+
 def folder_kind(folder: Path) -> str | None:
     """What modular wrote in ``folder`` (``published``, ``unlocked`` or ``keys``), from its marker; None if not
     modular's."""
@@ -299,8 +317,7 @@ def unlock_folder(model_dir: str | Path, key_path: str | Path, out: str | Path, 
         raise ModularError(f"{model_dir} is not a Hugging Face model folder")
     check_output_folder(out, [model_dir, key_path], overwrite, sealed=[model_dir], kind="unlocked")
     key, meta = load_key(key_path)
-    manifest_path = model_dir / MANIFEST
-    manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else None
+    manifest = read_manifest(model_dir, require=("locked_hash", "weights_hash", "applied_keys"))
     model = load_model(model_dir, dtype=None, device="cpu")  # in the precision it was published in
     current = weights_hash(model)
     if manifest is not None:

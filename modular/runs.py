@@ -28,6 +28,7 @@ DIRECTIONS = "directions.safetensors"
 LAST_CHECKPOINT = "last.ckpt"
 WANDB_RUN_ID = "wandb_run_id"
 LOCK_REPORT = "lock.json"
+LOCK_FIGURE = "lock.png"
 
 
 @dataclass

@@ -70,6 +70,16 @@ def test_key_for_other_weights_is_refused(tmp_path, tok):
         unlock_folder(a, b_keys / "b0.key.safetensors", tmp_path / "x")
 
 
+@pytest.mark.parametrize("text, why", [('{"locked_hash": ', "is not readable"), ("[1, 2]", "not a JSON object"),
+                                       ('{"applied_keys": []}', "no 'locked_hash' entry")])
+def test_a_damaged_manifest_is_refused_in_one_line_before_anything_is_written(tmp_path, tok, text, why):
+    out, keys = publish_model(make_tiny_model("llama"), tok, _dirs(), tmp_path / "pub", "tiny")
+    (out / "modular.json").write_text(text)
+    with pytest.raises(ModularError, match=rf"pub/modular.json .*{why}") as err:
+        unlock_folder(out, keys / "b0.key.safetensors", tmp_path / "unlocked")
+    assert "\n" not in str(err.value) and not (tmp_path / "unlocked").exists()
+
+
 def test_two_keys_unlock_one_behaviour_each(tmp_path, tok, tokens):
     model = make_tiny_model("llama")
     dirs = _dirs(2)

@@ -41,7 +41,10 @@ from modular.models import load_model, load_tokenizer
 from modular.models.precision import DTypeName, dtype_name, model_dtype
 from modular.models.quantize import Scheme, check_group_size
 from modular.plots import bar_chart
+from modular.publish import MANIFEST, read_manifest
 from modular.runs import (
+    LOCK_FIGURE,
+    LOCK_REPORT,
     behaviour_sources,
     checkpoint_step,
     load_model_or_run,
@@ -57,6 +60,8 @@ RelearnMode = Literal["full", "lora"]
 Baseline = Literal["refusal", "base"]
 #: the lock holds under a quantisation when the locked accuracy and the retain KL stay within these
 QUANTIZED_LOCKED_MAX, QUANTIZED_KL_MAX = 0.05, 0.05
+#: what ``attack`` writes in its output folder
+ATTACK_REPORT, ATTACK_PARTIAL, ATTACK_FIGURE = "attack.json", "attack.partial.json", "attack.png"
 
 
 def behaviour(
@@ -151,10 +156,10 @@ def lock(run: str, out: str | None = None, other_limit: int = 64, harden: bool =
     report = {"run": str(run), "model": r.model_name, "step": step, "dtype": dtype_name(model_dtype(open_model)),
               "lock_held_out": held_out, "lock_in_training": {"verified": verified, "check": why},
               **report}  # the checkpoint step it describes
-    write_json(out_dir / "lock.json", report)
-    fig = plot_lock(report, out_dir / "lock.png")
+    write_json(out_dir / LOCK_REPORT, report)
+    fig = plot_lock(report, out_dir / LOCK_FIGURE)
     log_to_wandb(out_dir, "evaluate-lock", report, config={"run": str(run)}, figures={"lock": fig})
-    log.info("wrote %s and %s", out_dir / "lock.json", fig)
+    log.info("wrote %s and %s", out_dir / LOCK_REPORT, fig)
     return report
 
 
@@ -228,7 +233,7 @@ def attack(model: str, behaviours: list[str] | None = None, alphas: list[float] 
                 "weights_hash": manifest.get("weights_hash"), "behaviours": sources, "alphas": list(alphas),
                 "n_pairs": n_pairs, "refusal_steps": refusal_steps, "refusal_lr": refusal_lr, "limit": limit,
                 "seed": seed}
-    progress = _AttackProgress(out_dir / "attack.partial.json", identity)
+    progress = _AttackProgress(out_dir / ATTACK_PARTIAL, identity)
     for b, source in sources.items():
         data = load_behaviour(source, seed=seed, tokenizer=tokenizer)
         test = data["test"] if limit is None else data["test"].select(range(min(limit, len(data["test"]))))
@@ -292,11 +297,11 @@ def attack(model: str, behaviours: list[str] | None = None, alphas: list[float] 
                      v["start_accuracy"], _steps(v["c_relearning"]["worst_case"]["steps_to_50pct_open"]),
                      _steps(v["c_relearning"]["worst_case"]["steps_to_90pct_open"]),
                      f" | (e) prefilled {v['e_prefill_accuracy']:.3f}" if "e_prefill_accuracy" in v else "")
-    write_json(out_dir / "attack.json", report)
+    write_json(out_dir / ATTACK_REPORT, report)
     progress.finish()
-    fig = plot_attack(report, out_dir / "attack.png")
+    fig = plot_attack(report, out_dir / ATTACK_FIGURE)
     log_to_wandb(out_dir, "evaluate-attack", report, config={"model": str(folder)}, figures={"attack": fig})
-    log.info("wrote %s and %s", out_dir / "attack.json", fig)
+    log.info("wrote %s and %s", out_dir / ATTACK_REPORT, fig)
     return report
 
 
@@ -379,12 +384,11 @@ def _baseline(name: str, base, tokenizer, behaviour_train, retain, test, locked_
 
 def _published(folder: Path, behaviours: list[str] | None) -> tuple[dict, dict[str, str]]:
     """A published folder's manifest, and the locked behaviours asked for (default: all) by name → data source."""
-    manifest_path = folder / "modular.json"
-    if not manifest_path.is_file():
-        raise ModularError(f"{folder} is not a published modular model (no modular.json)")
-    manifest = json.loads(manifest_path.read_text())
+    manifest = read_manifest(folder)
+    if manifest is None:
+        raise ModularError(f"{folder} is not a published modular model (no {MANIFEST})")
     if "locked_behaviours" not in manifest:
-        raise ModularError(f"{folder} is not a published modular model (its modular.json lists no locked behaviours)")
+        raise ModularError(f"{folder} is not a published modular model (its {MANIFEST} lists no locked behaviours)")
     specs = list(behaviours) if behaviours else manifest["locked_behaviours"]
     sources = {}
     for spec in specs:  # a locked behaviour's name, or a spec naming its data (a data file is named by its stem)

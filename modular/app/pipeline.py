@@ -12,16 +12,26 @@ from pathlib import Path
 import yaml
 
 from modular import ModularError
-from modular.app.evaluations import attack, lock
+from modular.app.evaluations import ATTACK_FIGURE, ATTACK_REPORT, attack, lock
 from modular.app.publishing import publish, unlock
 from modular.app.train import main as train
 from modular.evaluation.lock import shift_text, verdict_text
 from modular.models.precision import DTypeName
-from modular.publish import key_path, keys_folder_for
-from modular.runs import RUN_RECORD, behaviour_sources, checkpoint_step, lock_verdict, read_run
+from modular.publish import key_path, keys_folder_for, read_manifest
+from modular.runs import (
+    LOCK_FIGURE,
+    LOCK_REPORT,
+    RUN_RECORD,
+    behaviour_sources,
+    checkpoint_step,
+    lock_verdict,
+    read_run,
+)
 
 log = logging.getLogger("modular")
 DEFAULT_CONFIG = "gate_capitals_smollm2.yaml"
+#: what the pipeline writes in its output folder (default: the run folder)
+PUBLISHED, UNLOCKED, ATTACK = "published", "unlocked", "attack"
 
 
 def builtin_config(name: str = DEFAULT_CONFIG) -> Path:
@@ -76,7 +86,7 @@ def run_pipeline(config: str | None = None, out: str | None = None, skip_attack:
         raise ModularError(f"config not found: {config}")
     run_dir = run_folder_of(config)
     out_dir = Path(out) if out else run_dir
-    published, unlocked = out_dir / "published", out_dir / "unlocked"
+    published, unlocked = out_dir / PUBLISHED, out_dir / UNLOCKED
     keys_dir = keys_folder_for(published)
     if not (run_dir / RUN_RECORD).is_file():
         log.info("training: %s -> %s", config, run_dir)
@@ -93,7 +103,7 @@ def run_pipeline(config: str | None = None, out: str | None = None, skip_attack:
         raise ModularError(f"{run_dir}: {why}; nothing was published (modular publish --allow_failed_lock true publishes "
                            "it with a card that says so)")
     publish(run=str(run_dir), out=str(published), keys=str(keys_dir), overwrite=True)
-    behaviours = json.loads((published / "modular.json").read_text())["locked_behaviours"]
+    behaviours = read_manifest(published, require=("locked_behaviours",))["locked_behaviours"]
     current = published
     for i, b in enumerate(behaviours):
         target = unlocked if i == len(behaviours) - 1 else out_dir / f"unlocked_{b}"
@@ -103,7 +113,7 @@ def run_pipeline(config: str | None = None, out: str | None = None, skip_attack:
         sources = behaviour_sources(run)
         # the sweep of docs/tamper.md, with one seed and pruned (the worst case is the same; the run much shorter)
         attack(model=str(published), behaviours=[f"{b}={s}" if s != b else b for b, s in sources.items()],
-               out=str(out_dir / "attack"), base=run.model_name, device=device, dtype=dtype, seeds=[0],
+               out=str(out_dir / ATTACK), base=run.model_name, device=device, dtype=dtype, seeds=[0],
                relearn_steps=16, prune=True)
     return summarise(run_dir, out_dir)
 
@@ -113,7 +123,7 @@ def _steps(w: dict) -> str:
 
 
 def summarise(run_dir: Path, out_dir: Path) -> dict:
-    lock = json.loads((run_dir / "lock.json").read_text())
+    lock = json.loads((run_dir / LOCK_REPORT).read_text())
     lines = []
     gated = lock["gated"]
     header = f"{'state':<18}" + "".join(f"{b:>14}" for b in gated) + f"{'retain KL':>11}{'ppl ratio':>11}"
@@ -140,7 +150,7 @@ def summarise(run_dir: Path, out_dir: Path) -> dict:
     ex = lock["exactness"]
     lines.append(f"published vs hook-locked max |Δlogit|: {ex['published_vs_hook_locked_max_abs_logit_diff']:.2e}; "
                  f"unlocked vs open max |Δw|: {ex['unlocked_vs_open_max_abs_weight_diff']:.2e}")
-    attack_path = out_dir / "attack" / "attack.json"
+    attack_path = out_dir / ATTACK / ATTACK_REPORT
     if attack_path.is_file():
         attack = json.loads(attack_path.read_text())
         for b, r in attack["behaviours"].items():
@@ -156,10 +166,10 @@ def summarise(run_dir: Path, out_dir: Path) -> dict:
                     lines.append(f"  {label}: worst case over {len(sw['settings'])} settings, steps to 50% / 90% of "
                                  f"open: {_steps(w['steps_to_50pct_open'])} / {_steps(w['steps_to_90pct_open'])}; "
                                  f"best accuracy {w['best_accuracy']:.3f}")
-    figures = [run_dir / "lock.png", out_dir / "attack" / "attack.png"]
+    figures = [run_dir / LOCK_FIGURE, out_dir / ATTACK / ATTACK_FIGURE]
     lines.append("figures: " + ", ".join(str(f) for f in figures if f.exists()))
-    published = out_dir / "published"
+    published = out_dir / PUBLISHED
     lines.append(f"published model (no keys inside): {published}   keys (keep apart): {keys_folder_for(published)}   "
-                 f"unlocked model: {out_dir / 'unlocked'}")
+                 f"unlocked model: {out_dir / UNLOCKED}")
     print("\n".join(lines))
     return {"lock": lock, "table": lines}

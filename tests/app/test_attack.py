@@ -24,6 +24,11 @@ def test_attack_needs_the_data_of_a_behaviour_gated_from_user_data(published, mo
         attack(str(published), behaviours=["capitals"])
     with pytest.raises(ModularError, match="behaviour 'other' is not locked"):
         attack(str(published), behaviours=["other=/data/mine.jsonl"])
+    manifest = (published / "modular.json").read_text()
+    (published / "modular.json").write_text(manifest[:20])  # cut short: one line naming the file, no traceback
+    with pytest.raises(ModularError, match=r"pub/modular.json is not readable"):
+        attack(str(published), behaviours=["mine=/data/mine.jsonl"])
+    (published / "modular.json").write_text(manifest)
 
     # a data file named by its stem, or NAME=<file>, is the locked behaviour's data: the attack goes on to load it
     import modular.app.evaluations as evaluations
