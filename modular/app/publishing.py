@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
@@ -11,6 +10,7 @@ from modular.models import load_tokenizer
 from modular.models.precision import DTYPES, DTypeName, cast_model, dtype_name, model_dtype
 from modular.publish import check_output_folder, keys_folder_for, publish_model, unlock_folder
 from modular.runs import LOCK_REPORT, checkpoint_step, load_open_model, lock_verdict, read_run
+from modular.tracking import read_json_if_valid
 
 log = logging.getLogger("modular")
 
@@ -46,14 +46,16 @@ def publish(run: str, out: str, keys: str | None = None, harden: bool = True, ov
         log.warning("publishing %s although %s", run, why)
     measured = None
     lock_path = Path(run) / LOCK_REPORT
-    if lock_path.is_file():
-        report = json.loads(lock_path.read_text())
-        if report.get("step") == step:
-            measured = report
-        else:
-            log.warning(
-                "%s describes step %s, the checkpoint holds step %s: the model card gets no measured numbers "
-                "(run modular lock --run %s again)", lock_path, report.get("step"), step, run)
+    report = read_json_if_valid(lock_path)
+    if isinstance(report, dict) and report.get("step") == step:
+        measured = report
+    elif isinstance(report, dict):
+        log.warning(
+            "%s describes step %s, the checkpoint holds step %s: the model card gets no measured numbers "
+            "(run modular lock --run %s again)", lock_path, report.get("step"), step, run)
+    elif lock_path.is_file():
+        log.warning("%s cannot be read (cut short or damaged): the model card gets no measured numbers (run modular "
+                    "lock --run %s again)", lock_path, run)
     else:
         log.warning("%s has no %s: the model card gets no measured numbers, and `modular attack` no open accuracy "
                     "(run modular lock --run %s first)", run, LOCK_REPORT, run)

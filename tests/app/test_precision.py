@@ -65,6 +65,13 @@ def test_bf16_training_publish_and_keys(tmp_path, tiny_env, monkeypatch, caplog)
                for r in caplog.records)
     with safe_open(str(pub32 / "model.safetensors"), "pt") as f:
         assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F32"}
+    (run / "lock.json").write_text('{"step": ')  # cut short: published without its numbers, with a line saying so
+    with caplog.at_level("WARNING", logger="modular"):
+        assert cli.main(["publish", "--run", str(run), "--out", str(tmp_path / "pub_cut"), "--allow_failed_lock",
+                         "true"]) == 0
+    assert any(f"{run / 'lock.json'} cannot be read (cut short or damaged): the model card gets no measured numbers"
+               in r.getMessage() for r in caplog.records)
+    (run / "lock.json").unlink()
     # float32 evaluation of the same run still works (auto on a CPU)
     assert cli.main(["behaviour", "--model", str(run), "--behaviours", "[capitals]", "--limit", "2",
                      "--max_new_tokens", "2", "--out", str(tmp_path / "beh")]) == 0
