@@ -145,14 +145,18 @@ def save_map(mapping: nn.Linear, path: str | Path, metadata: dict) -> Path:
 
 
 def load_map(path: str | Path, expect: dict | None = None) -> tuple[nn.Linear, dict] | None:
-    """The map saved at ``path`` and its metadata, or None if absent or if its metadata differs from ``expect``."""
+    """The map saved at ``path`` and its metadata, or None if absent, unreadable (a damaged copy: the map is fitted
+    again) or if its metadata differs from ``expect``."""
     path = Path(path)
     if not path.is_file():
         return None
-    with safe_open(str(path), framework="pt") as fh:
-        meta = {k: json.loads(v) for k, v in (fh.metadata() or {}).items()}
-        tensors = {k: fh.get_tensor(k) for k in fh.keys()}
-    if expect and any(meta.get(k) != v for k, v in expect.items()):
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            meta = {k: json.loads(v) for k, v in (fh.metadata() or {}).items()}
+            tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+    except Exception:  # noqa: BLE001 - safetensors raises its own error type for truncated or foreign files
+        return None
+    if "weight" not in tensors or (expect and any(meta.get(k) != v for k, v in expect.items())):
         return None
     weight = tensors["weight"]
     layer = nn.Linear(weight.shape[1], weight.shape[0], bias="bias" in tensors)
