@@ -83,10 +83,10 @@ def folder_kind(folder: Path) -> str | None:
     """What modular wrote in ``folder`` (``published``, ``unlocked`` or ``keys``), from its marker; None if not
     modular's."""
     try:
-        manifest = json.loads((Path(folder) / MANIFEST).read_text())
-    except (OSError, ValueError):
+        manifest = read_manifest(folder)
+    except ModularError:
         return None
-    if not isinstance(manifest, dict):
+    if manifest is None:
         return None
     if "kind" in manifest:
         return manifest["kind"]
