@@ -45,11 +45,15 @@ def parse_jsonl(path: str | Path) -> dict[str, list[dict]]:
     if not path.is_file():
         raise ModularError(f"behaviour file not found: {path}")
     rows: list[tuple[str | None, dict]] = []  # (split given in the line or None, record), in file order
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            where = f"{path}, line {lineno}"
+            try:  # the first line may open with a byte-order mark, as editors on Windows write them
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as err:
+                raise ModularError(f"{where}: not UTF-8 text (byte {err.start + 1} of the line)") from None
             if not line.strip():
                 continue
-            where = f"{path}, line {lineno}"
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as err:

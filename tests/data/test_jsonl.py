@@ -50,6 +50,17 @@ def test_malformed_line_names_its_number(tmp_path, bad, message):
         load_jsonl(p)
 
 
+def test_text_that_is_not_utf8_names_its_line_and_a_byte_order_mark_is_read(tmp_path):
+    p = tmp_path / "b.jsonl"
+    p.write_bytes(b'{"prompt": "ok", "target": "fine"}\n{"prompt": "caf\xe9", "target": "t"}\n')  # Latin-1
+    with pytest.raises(ModularError, match=r"b.jsonl, line 2: not UTF-8 text \(byte 16 of the line\)"):
+        load_jsonl(p)
+    p.write_bytes("\ufeff".encode() + "".join(json.dumps({"prompt": f"caf\u00e9 {i}", "target": "t"}) + "\n"
+                                             for i in range(5)).encode())
+    ds = load_jsonl(p)
+    assert sorted(q for s in ds for q in ds[s]["prompt"]) == [f"caf\u00e9 {i}" for i in range(5)]
+
+
 def test_missing_file_and_unknown_behaviour(tmp_path):
     with pytest.raises(ModularError, match="not found"):
         load_jsonl(tmp_path / "nope.jsonl")
