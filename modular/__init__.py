@@ -13,3 +13,10 @@ class ModularError(Exception):
 
     Command-line entry points print it as one line and exit with status 2.
     """
+
+
+def error_reason(err: BaseException) -> str:
+    """The first line of an exception's message (its type's name when it has none): why a file could not be read,
+    in a :class:`ModularError`'s one line."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__

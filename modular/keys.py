@@ -57,7 +57,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from modular import ModularError
+from modular import ModularError, error_reason
 from modular.models.adapter import ArchitectureAdapter, weight_out_in
 
 #: /5: 16-bit weights also carry a residual stream over the entries whose locked value is in a coarser binade;
@@ -619,8 +619,7 @@ def load_key(path: str | Path) -> tuple[Key, dict]:
             meta = json.loads((f.metadata() or {}).get("modular", "{}"))
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except Exception as err:  # noqa: BLE001 - safetensors raises its own error type for truncated or foreign files
-        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise ModularError(f"{path} is not a readable modular key file ({reason})") from None
+        raise ModularError(f"{path} is not a readable modular key file ({error_reason(err)})") from None
     if not isinstance(meta, dict) or meta.get("format") not in READABLE_FORMATS:
         found = meta.get("format") if isinstance(meta, dict) else None
         hint = "; it has no digests: publish again" if found == "modular-key/1" else ""

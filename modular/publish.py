@@ -28,7 +28,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from modular import ModularError
+from modular import ModularError, error_reason
 from modular.keys import apply_key, load_key, lock_weights, produced_hashes, save_key, weights_hash
 
 log = logging.getLogger("modular")
@@ -70,8 +70,7 @@ def read_manifest(folder: str | Path, require: tuple[str, ...] = ()) -> dict | N
     try:
         manifest = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, ValueError) as err:
-        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise ModularError(f"{path} is not readable ({reason}): restore it from the published copy") from None
+        raise ModularError(f"{path} is not readable ({error_reason(err)}): restore it from the published copy") from None
     missing = [k for k in require if k not in manifest] if isinstance(manifest, dict) else []
     if not isinstance(manifest, dict) or missing:
         what = f"it has no '{missing[0]}' entry" if missing else "not a JSON object"

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from modular import ModularError
+from modular import ModularError, error_reason
 
 RUN_RECORD = "run.json"
 DIRECTIONS = "directions.safetensors"
@@ -50,7 +50,7 @@ def read_run(run_dir: str | Path) -> Run:
         record = json.loads((path / RUN_RECORD).read_text())
         behaviours, model_name = list(record["behaviours"]), str(record["model_name"])
     except (ValueError, KeyError, TypeError) as err:  # truncated, not JSON, or not a run record
-        reason = f"no '{err.args[0]}' entry" if isinstance(err, KeyError) else str(err).splitlines()[0]
+        reason = f"no '{err.args[0]}' entry" if isinstance(err, KeyError) else error_reason(err)
         raise ModularError(f"{path / RUN_RECORD} is not a readable run record ({reason}): train the run again, "
                            "or restore the file") from None
     # a run without gated behaviours (sparse post-training) has no directions
@@ -60,8 +60,7 @@ def read_run(run_dir: str | Path) -> Run:
         try:
             dirs = load_file(str(path / DIRECTIONS))
         except Exception as err:  # noqa: BLE001 - missing, truncated or foreign safetensors
-            reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-            raise ModularError(f"{path / DIRECTIONS} is not a readable directions file ({reason}): "
+            raise ModularError(f"{path / DIRECTIONS} is not a readable directions file ({error_reason(err)}): "
                                "train the run again") from None
         missing = [b for b in behaviours if b not in dirs]
         if missing:
@@ -94,8 +93,7 @@ def read_checkpoint(path: str | Path,
             return read_sharded_checkpoint(Path(path), weights)
         return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
     except Exception as err:  # noqa: BLE001 - a truncated or foreign file fails in torch's zip or pickle readers
-        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise ModularError(f"{path} is not a readable checkpoint ({reason}): {remedy}") from None
+        raise ModularError(f"{path} is not a readable checkpoint ({error_reason(err)}): {remedy}") from None
 
 
 def read_sharded_checkpoint(path: Path, weights: bool = True) -> dict:

@@ -30,7 +30,7 @@ from typing import Callable
 import torch
 from safetensors import safe_open
 
-from modular import ModularError
+from modular import ModularError, error_reason
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     except ImportError:  # a missing package is not the file's fault
         raise
     except Exception as err:  # noqa: BLE001 - bad magic, truncated header or tensors, missing keys: all one answer
-        message = f"{gguf} is not a readable GGUF file ({_reason(err)}): re-download or re-convert it"
+        message = f"{gguf} is not a readable GGUF file ({error_reason(err)}): re-download or re-convert it"
         raise ModularError(message) from err
     config = quantised.config
     if hasattr(config, "quantization_config"):
@@ -140,25 +140,19 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
         raise
 
 
-def _reason(err: BaseException) -> str:
-    """The first line of an exception's message (its type when it has none)."""
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
-
-
 def _unreadable_weights(ref: str, source: str, err: BaseException) -> str:
     """One line for weights that do not load: the unreadable safetensors file where one is, and what to do."""
     folder = Path(source)
     if not folder.is_dir():
-        return f"cannot load model '{ref}': {_reason(err)}"
-    what = f"{folder} holds no readable weights ({_reason(err)})"
+        return f"cannot load model '{ref}': {error_reason(err)}"
+    what = f"{folder} holds no readable weights ({error_reason(err)})"
 
     for file in sorted(folder.glob("*.safetensors")):
         try:
             with safe_open(str(file), "pt"):
                 pass
         except Exception as bad:  # noqa: BLE001 - any unreadable file is the answer
-            what = f"{file} is not a readable safetensors file ({_reason(bad)})"
+            what = f"{file} is not a readable safetensors file ({error_reason(bad)})"
             break
     if (folder / "SOURCE").is_file():  # a cached conversion of a GGUF file
         return f"{what}: delete the cached folder {folder}, it is converted again from the GGUF file"
