@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
-from modular import ModularError
+from modular import ModularError, error_reason
 from modular.data.formatting import batch_prompts
 from modular.hooks import capture_residual
 from modular.models.adapter import ArchitectureAdapter
@@ -125,13 +125,26 @@ def load_direction_file(path: str | Path, d: int) -> torch.Tensor:
     if not path.is_file():
         raise ModularError(f"direction file not found: {path}")
     if path.suffix == ".safetensors":
-        tensors = load_file(str(path))
+        tensors = read_tensors(path)
         if "direction" not in tensors:
             raise ModularError(f"{path} holds no tensor named 'direction' (found {sorted(tensors)})")
         v = tensors["direction"]
     else:
-        v = torch.load(path, map_location="cpu", weights_only=True)
+        try:
+            v = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as err:  # noqa: BLE001 - a truncated or foreign file fails in torch's zip or pickle readers
+            raise ModularError(f"{path} is not a readable tensor file ({error_reason(err)})") from None
+        if not isinstance(v, torch.Tensor):
+            raise ModularError(f"{path} holds a {type(v).__name__}, not a direction tensor")
     return _unit_of_width(v, d, f"{path}: direction")
+
+
+def read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file (on the CPU); a truncated or foreign file is one line naming it."""
+    try:
+        return load_file(str(path))
+    except Exception as err:  # noqa: BLE001 - safetensors raises its own error type for truncated or foreign files
+        raise ModularError(f"{path} is not a readable safetensors file ({error_reason(err)})") from None
 
 
 def _unit_of_width(v: torch.Tensor, d: int, what: str) -> torch.Tensor:
@@ -154,7 +167,7 @@ def load_avoided_directions(paths: list[str | Path], d: int) -> torch.Tensor | N
             path = path / DIRECTIONS
         if not path.is_file():
             raise ModularError(f"directions to avoid not found: {path}")
-        tensors = sorted(load_file(str(path)).items())
+        tensors = sorted(read_tensors(path).items())
         found += [_unit_of_width(v, d, f"{path}: direction '{name}'") for name, v in tensors]
     if not found:
         raise ModularError(f"no directions found in {', '.join(map(str, paths))}")

@@ -12,7 +12,7 @@ from typing import Literal
 import lightning as L
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_only
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from modular import ModularError
 from modular.data.formatting import IGNORE
@@ -299,10 +299,15 @@ class GatedLM(L.LightningModule):
     def _choose_directions(self) -> torch.Tensor:
         """The run's saved directions, or new ones chosen and saved atomically (on the main process)."""
         path = Path(self.trainer.default_root_dir) / DIRECTIONS
+        from modular.directions import choose_directions, load_avoided_directions, read_tensors
+
         if path.exists():
-            saved = load_file(str(path))
+            saved = read_tensors(path)
+            missing = [b for b in self.behaviours if b not in saved]
+            if missing:
+                raise ModularError(f"{path} has no direction for {', '.join(missing)}: it was written for other "
+                                   "behaviours; train in a new run folder")
             return torch.stack([saved[b] for b in self.behaviours])
-        from modular.directions import choose_directions, load_avoided_directions
 
         hp, dm = self.hparams, self.trainer.datamodule
         avoid = load_avoided_directions(hp.avoid_directions or [], self.directions.shape[1])

@@ -393,6 +393,16 @@ def test_avoided_directions_and_lm_text_in_both_states(tmp_path, tiny_env):
     bad = tiny_config(tmp_path / "bad", model_dir, ("arithmetic",), {"avoid_directions": [str(tmp_path / "none")]})[0]
     out = _train(bad, env=tiny_env)
     assert out.returncode != 0 and "directions to avoid not found" in out.stderr
+    # a run folder holding a damaged directions file, or one written for other behaviours: one line, no traceback
+    for i, content in enumerate([b"cut short", (run / "directions.safetensors").read_bytes()]):
+        (tmp_path / f"again{i}").mkdir()
+        cfg_i, run_i = tiny_config(tmp_path / f"again{i}", model_dir, ("capitals",))
+        run_i.mkdir()
+        (run_i / "directions.safetensors").write_bytes(content)
+        out = _train(cfg_i, env=tiny_env)
+        why = "is not a readable safetensors file" if i == 0 else "has no direction for capitals"
+        assert out.returncode != 0 and f"{run_i / 'directions.safetensors'} {why}" in out.stderr, out.stderr[-2000:]
+        assert "Traceback" not in out.stderr
 
 
 @pytest.mark.parametrize("config", sorted(p.name for p in (ROOT / "configs").glob("*.yaml")))
