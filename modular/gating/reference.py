@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from modular import ModularError
+from modular import ModularError, error_reason
 from modular.data.formatting import answer_positions, encode_example
 from modular.evaluation.behaviour import generate
 from modular.models.loading import cache_dir
@@ -85,13 +85,25 @@ def _save_atomic(obj, path: Path):
     return obj
 
 
+def _read_cache(path: Path):
+    """What the on-disk cache holds at ``path``; None where there is nothing or it cannot be read (a damaged copy,
+    computed again and replaced)."""
+    if not path.exists():
+        return None
+    try:
+        return torch.load(path, weights_only=False)
+    except Exception as err:  # noqa: BLE001 - a truncated or foreign file fails in torch's zip or pickle readers
+        log.warning("the cached %s cannot be read (%s): computing it again", path, error_reason(err))
+        return None
+
+
 def load_or_compute(model_source: str, model, tokenizer, prompts: list[str], chats: list[bool],
                     max_new_tokens: int = 48, top_k: int = 32, *, precision: str) -> dict:
     """Reference outputs from the on-disk cache, computing (and caching atomically) if absent. ``precision``: the
     name of the dtype ``model`` runs in (part of the cache key; ``model`` may be None on a hit)."""
     path = cache_path(model_source, prompts, max_new_tokens, top_k, precision=precision)
-    if path.exists():
-        return torch.load(path, weights_only=False)
+    if (cached := _read_cache(path)) is not None:
+        return cached
     log.info("computing reference outputs for %d prompts (cached in %s)", len(prompts), path)
     ref = compute_reference(model, tokenizer, prompts, chats, max_new_tokens, top_k)
     return _save_atomic(ref, path)
@@ -124,8 +136,8 @@ def load_or_compute_text(model_source: str, load_model, tokenizer, texts: list[s
     """:func:`compute_text_reference` from the on-disk cache; ``load_model()`` (a model that runs in
     ``precision``, part of the cache key) is called only on a miss."""
     path = text_cache_path(model_source, texts, max_length, top_k, precision=precision)
-    if path.exists():
-        return torch.load(path, weights_only=False)
+    if (cached := _read_cache(path)) is not None:
+        return cached
     log.info("computing reference outputs for %d LM texts (cached in %s)", len(texts), path)
     records = compute_text_reference(load_model(), tokenizer, texts, max_length, top_k)
     return _save_atomic(records, path)
@@ -179,9 +191,9 @@ def load_or_compute_hidden(model_source: str, load_model, tokenizer, records: li
     ``precision``, part of the cache key) is called only on a miss."""
     rows = [list(map(int, r["input_ids"])) for r in records]
     path = hidden_cache_path(model_source, rows, positions, stride, precision=precision)
-    if path.exists():
-        cached = torch.load(path, weights_only=False)
-        if all(torch.isfinite(t).all() for t in cached["hidden"]):  # a cache written before overflow was caught
-            return cached
+    cached = _read_cache(path)
+    # a cache holding infinities was written before overflow was caught: computed again
+    if cached is not None and all(torch.isfinite(t).all() for t in cached["hidden"]):
+        return cached
     log.info("computing reference hidden states for %d prompts (cached in %s)", len(records), path)
     return _save_atomic(compute_hidden_reference(load_model(), tokenizer, records, positions, stride), path)

@@ -56,6 +56,14 @@ def test_the_cache_keeps_each_precision_apart(isolated_cache):
     again = load_or_compute(args[0], None, tok, *args[1:], precision="float32")
     assert torch.equal(again["records"][0]["first_logp"], full["records"][0]["first_logp"])
     assert not torch.equal(half["records"][0]["first_logp"], full["records"][0]["first_logp"])
+    # a damaged cache file (cut short) is computed again and replaced, not a traceback
+    path = reference.cache_path(args[0], args[1], args[3], args[4], precision="float32")
+    path.write_bytes(path.read_bytes()[:200])
+    with pytest.raises(AttributeError):  # computed again: a model is needed
+        load_or_compute(args[0], None, tok, *args[1:], precision="float32")
+    again = load_or_compute(args[0], make_tiny_model("llama"), tok, *args[1:], precision="float32")
+    assert torch.equal(again["records"][0]["first_logp"], full["records"][0]["first_logp"])
+    assert load_or_compute(args[0], None, tok, *args[1:], precision="float32")["answers"] == full["answers"]
 
 
 def test_hidden_states_past_float16s_range_are_kept_finite(isolated_cache):
