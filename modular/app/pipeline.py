@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from modular import ModularError
+from modular import ModularError, error_reason
 from modular.app.evaluations import ATTACK_FIGURE, ATTACK_REPORT, attack, lock
 from modular.app.publishing import publish, unlock
 from modular.app.train import main as train
@@ -47,8 +47,8 @@ def run_folder_of(config: Path) -> Path:
     directory)."""
     try:
         cfg = yaml.safe_load(config.read_text())
-    except OSError as err:
-        raise ModularError(f"{config} cannot be read ({err.strerror or err})") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ModularError(f"{config} cannot be read ({getattr(err, 'strerror', None) or error_reason(err)})") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

@@ -18,7 +18,7 @@ from typing import Literal, get_args
 import yaml
 from jsonargparse import ArgumentError, ArgumentParser
 
-from modular import ModularError
+from modular import ModularError, error_reason
 
 Method = Literal["ac", "average", "task_arithmetic", "ties"]
 Function = Literal["replace", "sum", "mean"]
@@ -152,6 +152,6 @@ def load_pairs(path: str | Path) -> MergeConfig:
         raise ModularError(f"pairs file not found: {path}")
     try:
         raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        raise ModularError(f"{path} is not valid YAML: {str(err).splitlines()[0]}") from err
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        raise ModularError(f"{path} is not valid YAML: {error_reason(err)}") from None
     return parse_config(raw)

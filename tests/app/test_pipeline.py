@@ -103,5 +103,8 @@ def test_a_config_that_is_not_one_is_one_line_naming_what_is_wrong(tmp_path):
         with pytest.raises(ModularError) as err:
             run_folder_of(tmp_path / name)
         assert said in str(err.value) and "\n" not in str(err.value), str(err.value)
+    (tmp_path / "latin1.yaml").write_bytes(b"# caf\xe9\n")
+    with pytest.raises(ModularError, match=r"latin1.yaml cannot be read \('utf-8' codec can't decode byte 0xe9"):
+        run_folder_of(tmp_path / "latin1.yaml")
     (tmp_path / "good.yaml").write_text("trainer:\n  default_root_dir: runs/x\n")
     assert run_folder_of(tmp_path / "good.yaml") == Path("runs/x")

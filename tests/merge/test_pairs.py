@@ -61,6 +61,9 @@ def test_missing_file_and_bad_yaml(tmp_path):
     bad.write_text("pairs: [\n")
     with pytest.raises(ModularError, match="not valid YAML"):
         load_pairs(bad)
+    bad.write_bytes(b"pairs: []  # caf\xe9\n")  # not UTF-8
+    with pytest.raises(ModularError, match="bad.yaml is not valid YAML: 'utf-8' codec can't decode"):
+        load_pairs(bad)
 
 
 def test_shipped_pairs_file_is_valid_and_fully_commented():
