@@ -139,7 +139,7 @@ def load_direction_file(path: str | Path, d: int) -> torch.Tensor:
     return _unit_of_width(v, d, f"{path}: direction")
 
 
-def read_tensors(path: Path) -> dict[str, torch.Tensor]:
+def read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
     """Every tensor of a safetensors file (on the CPU); a truncated or foreign file is one line naming it."""
     try:
         return load_file(str(path))

@@ -298,9 +298,9 @@ class GatedLM(L.LightningModule):
 
     def _choose_directions(self) -> torch.Tensor:
         """The run's saved directions, or new ones chosen and saved atomically (on the main process)."""
-        path = Path(self.trainer.default_root_dir) / DIRECTIONS
         from modular.directions import choose_directions, load_avoided_directions, read_tensors
 
+        path = Path(self.trainer.default_root_dir) / DIRECTIONS
         if path.exists():
             saved = read_tensors(path)
             missing = [b for b in self.behaviours if b not in saved]
