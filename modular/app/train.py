@@ -124,8 +124,15 @@ class GatingCLI(LightningCLI):
             if lg.init_args.get("id") or lg.init_args.get("version"):
                 continue  # the user chose the run
             if self._wandb_id is None:
-                self._wandb_id = saved.read_text().strip() if resuming and saved.is_file() else uuid.uuid4().hex[:8]
+                self._wandb_id = saved.read_text().strip() if resuming and saved.is_file() else new_wandb_id()
             lg.init_args.id = self._wandb_id
+
+
+def new_wandb_id() -> str:
+    """A new W&B run id that reads back as a string from the run's saved ``config.yaml``: a bare hex id such as
+    ``4e997321`` reads as a number (here infinity) and the saved config would no longer load, so it opens with a
+    letter."""
+    return "r" + uuid.uuid4().hex[:8]
 
 
 def _wandb_loggers(trainer) -> list:

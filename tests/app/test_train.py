@@ -73,6 +73,21 @@ def test_a_runs_saved_config_run_elsewhere_leaves_the_run_alone(tmp_path, tiny_e
     assert len(list((run / "wandb").glob("offline-run-*"))) == 1
 
 
+def test_new_wandb_ids_read_back_as_strings_from_a_saved_config():
+    """The id goes into the run's config.yaml; jsonargparse reads a bare hex id such as 4e997321 as a number (about one
+    in 80 uuid4 prefixes), and the saved config would no longer load."""
+    from jsonargparse import ArgumentParser
+
+    from modular.app.train import new_wandb_id
+
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_argument("--id", type=str)
+    ids = {new_wandb_id() for _ in range(2000)}
+    assert len(ids) == 2000 and all(x.isalnum() and x.islower() for x in ids)  # W&B's id alphabet
+    for x in ids:
+        assert parser.parse_string(yaml.safe_dump({"id": x})).id == x
+
+
 @pytest.mark.parametrize("option", ["checkpoint", "logger"])
 def test_a_config_writing_into_another_folder_is_refused_before_anything_is_written(tmp_path, tiny_env, option):
     """A hand-written config whose checkpoint dirpath or W&B save_dir names another run's folder would overwrite that
