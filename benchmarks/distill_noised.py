@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from modular import ModularError
 from modular.data import load_behaviour, neutral_text, retain_data
 from modular.data.formatting import LeftPadCollator, encode_example
 from modular.evaluation.behaviour import evaluate_behaviour, generate
@@ -40,7 +41,7 @@ from modular.evaluation.retain import first_token_logp, mean_kl, perplexity
 from modular.models import load_model, load_tokenizer
 from modular.models.adapter import ArchitectureAdapter
 from modular.optim import adamw
-from modular.publish import MANIFEST
+from modular.publish import MANIFEST, read_manifest
 from modular.tracking import write_json
 
 
@@ -123,12 +124,15 @@ def main() -> None:
     ap.add_argument("--out", default="outputs/benchmarks", help="output folder")
     args = ap.parse_args()
 
-    manifest = Path(args.model) / MANIFEST
-    if not manifest.is_file():
+    try:
+        manifest = read_manifest(args.model)
+    except ModularError as err:
+        ap.error(str(err))
+    if manifest is None:
         ap.error(f"{args.model} is not a published modular model (no {MANIFEST})")
-    open_acc = json.loads(manifest.read_text()).get("measured_accuracy", {}).get("open", {}).get(args.behaviour)
+    open_acc = manifest.get("measured_accuracy", {}).get("open", {}).get(args.behaviour)
     if open_acc is None:
-        ap.error(f"{manifest} records no open accuracy of '{args.behaviour}'")
+        ap.error(f"{Path(args.model) / MANIFEST} records no open accuracy of '{args.behaviour}'")
     torch.manual_seed(args.seed)
     tok = load_tokenizer(args.model)
     teacher = load_model(args.model, args.dtype, args.device).eval()
