@@ -14,14 +14,13 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
 from modular import ModularError, error_reason
 from modular.data.formatting import batch_prompts
 from modular.hooks import capture_residual
 from modular.models.adapter import ArchitectureAdapter
-from modular.runs import DIRECTIONS
+from modular.runs import DIRECTIONS, read_tensors
 
 STRATEGIES = ("low_variance", "random", "diff_in_means", "file")
 
@@ -137,14 +136,6 @@ def load_direction_file(path: str | Path, d: int) -> torch.Tensor:
         if not isinstance(v, torch.Tensor):
             raise ModularError(f"{path} holds a {type(v).__name__}, not a direction tensor")
     return _unit_of_width(v, d, f"{path}: direction")
-
-
-def read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a safetensors file (on the CPU); a truncated or foreign file is one line naming it."""
-    try:
-        return load_file(str(path))
-    except Exception as err:  # noqa: BLE001 - safetensors raises its own error type for truncated or foreign files
-        raise ModularError(f"{path} is not a readable safetensors file ({error_reason(err)})") from None
 
 
 def _unit_of_width(v: torch.Tensor, d: int, what: str) -> torch.Tensor:

@@ -54,18 +54,29 @@ def read_run(run_dir: str | Path) -> Run:
         raise ModularError(f"{path / RUN_RECORD} is not a readable run record ({reason}): train the run again, "
                            "or restore the file") from None
     # a run without gated behaviours (sparse post-training) has no directions
-    if not behaviours:
-        dirs = {}
-    else:
-        try:
-            dirs = load_file(str(path / DIRECTIONS))
-        except Exception as err:  # noqa: BLE001 - missing, truncated or foreign safetensors
-            raise ModularError(f"{path / DIRECTIONS} is not a readable directions file ({error_reason(err)}): "
-                               "train the run again") from None
-        missing = [b for b in behaviours if b not in dirs]
-        if missing:
-            raise ModularError(f"{path / DIRECTIONS} has no direction for {', '.join(missing)}: train the run again")
-    return Run(path, model_name, behaviours, {b: dirs[b] for b in behaviours}, record)
+    dirs = read_directions(path / DIRECTIONS, behaviours, "train the run again") if behaviours else {}
+    return Run(path, model_name, behaviours, dirs, record)
+
+
+def read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file (on the CPU); a missing, truncated or foreign file is one line naming it."""
+    try:
+        return load_file(str(path))
+    except Exception as err:  # noqa: BLE001 - safetensors raises its own error type for truncated or foreign files
+        raise ModularError(f"{path} is not a readable safetensors file ({error_reason(err)})") from None
+
+
+def read_directions(path: str | Path, behaviours: list[str], remedy: str) -> dict[str, torch.Tensor]:
+    """The direction of each of ``behaviours`` from a directions file (a run's ``directions.safetensors``), by name;
+    an unreadable file, or one without a direction for one of them, is one line naming it and ``remedy``."""
+    try:
+        tensors = read_tensors(path)
+    except ModularError as err:
+        raise ModularError(f"{err}: {remedy}") from None
+    missing = [b for b in behaviours if b not in tensors]
+    if missing:
+        raise ModularError(f"{path} has no direction for {', '.join(missing)}: {remedy}")
+    return {b: tensors[b] for b in behaviours}
 
 
 def behaviour_sources(run: Run) -> dict[str, str]:

@@ -26,7 +26,7 @@ from modular.models.adapter import ArchitectureAdapter
 from modular.models.attention import eager_attention
 from modular.models.precision import host_to_device
 from modular.optim import adamw
-from modular.runs import DIRECTIONS
+from modular.runs import DIRECTIONS, read_directions
 
 log = logging.getLogger("modular")
 
@@ -298,15 +298,11 @@ class GatedLM(L.LightningModule):
 
     def _choose_directions(self) -> torch.Tensor:
         """The run's saved directions, or new ones chosen and saved atomically (on the main process)."""
-        from modular.directions import choose_directions, load_avoided_directions, read_tensors
+        from modular.directions import choose_directions, load_avoided_directions
 
         path = Path(self.trainer.default_root_dir) / DIRECTIONS
         if path.exists():
-            saved = read_tensors(path)
-            missing = [b for b in self.behaviours if b not in saved]
-            if missing:
-                raise ModularError(f"{path} has no direction for {', '.join(missing)}: it was written for other "
-                                   "behaviours; train in a new run folder")
+            saved = read_directions(path, self.behaviours, "train in a new run folder")
             return torch.stack([saved[b] for b in self.behaviours])
 
         hp, dm = self.hparams, self.trainer.datamodule
