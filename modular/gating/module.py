@@ -291,9 +291,16 @@ class GatedLM(L.LightningModule):
         if not self.behaviours or self.directions.abs().sum() > 0:
             return
         # one process reads or chooses them (before any sharding) and every process takes its tensor
-        dirs = self._choose_directions().cpu() if self.trainer.is_global_zero else None
+        dirs = None
+        if self.trainer.is_global_zero:
+            try:
+                dirs = self._choose_directions().cpu()
+            except ModularError as err:  # a damaged or foreign directions file: every process stops with it,
+                dirs = err               # rather than the others waiting at the broadcast for a tensor
         if self.trainer.world_size > 1:  # pickled: on the CPU, so that no process receives another one's device
             dirs = self.trainer.strategy.broadcast(dirs, src=0)
+        if isinstance(dirs, ModularError):
+            raise dirs
         self.directions.copy_(dirs.to(self.directions))
 
     def _choose_directions(self) -> torch.Tensor:

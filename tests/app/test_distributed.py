@@ -336,3 +336,23 @@ def test_the_large_model_lora_recipe_under_fsdp_publishes_its_checkpoint_in_bf16
     assert {v.dtype for v in published["file"].values()} == {torch.bfloat16}
     assert published["file"].keys() == published["shards"].keys()
     assert all(torch.equal(published["file"][k], published["shards"][k]) for k in published["file"])
+
+
+def test_a_damaged_directions_file_stops_every_process_under_ddp(tmp_path):
+    """The main process reads the run's directions file and the others wait for its tensor: a damaged file is the
+    same one line on every process and a failed run, not processes left waiting at the broadcast."""
+    cfg, run = _config(tmp_path)
+    run.mkdir(parents=True)
+    (run / "directions.safetensors").write_bytes(b"cut short")
+    cmd = [sys.executable, str(ROOT / "train.py"), "fit", "--config", str(cfg), *STRATEGIES["ddp"]]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            env=_env(tmp_path / "cache"), start_new_session=True)
+    try:
+        _, stderr = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        proc.communicate()
+        pytest.fail("the processes were still running 300 s after the start (one waiting at the broadcast)")
+    line = f"{run / 'directions.safetensors'} is not a readable safetensors file"
+    assert proc.returncode != 0 and line in stderr, stderr[-3000:]
+    assert "Traceback" not in stderr and not (run / "last.ckpt").exists(), stderr[-5000:]
