@@ -29,6 +29,7 @@ import tempfile
 from pathlib import Path
 
 from modular import ModularError, error_reason
+from modular.files import match_folder_mode, temp_sibling
 from modular.keys import apply_key, load_key, lock_weights, produced_hashes, save_key, weights_hash
 
 log = logging.getLogger("modular")
@@ -149,16 +150,19 @@ def clean_leftovers(out: Path) -> list[Path]:
     return removed
 
 
-def _write_folders(writers: dict[Path, callable]) -> None:
-    """Write each folder into a temporary sibling, then rename them all into place (replacing old ones)."""
+def _write_folders(writers: dict[Path, callable], private: tuple[Path, ...] = ()) -> None:
+    """Write each folder into a temporary sibling, then rename them all into place (replacing old ones). A folder in
+    ``private`` is its owner's alone (a keys folder); the others have the permissions of any folder the user makes."""
     temps: dict[Path, Path] = {}
     try:
         for out, write in writers.items():
             out.parent.mkdir(parents=True, exist_ok=True)
             for leftover in clean_leftovers(out):
                 log.info("removed %s, left by an interrupted write", leftover)
-            temps[out] = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-{os.getpid()}-", dir=out.parent))
+            temps[out] = temp_sibling(out, "partial", folder=True, private=out in private)
             write(temps[out])
+            if out not in private:  # safetensors leaves its files readable by their owner only
+                match_folder_mode(temps[out])
         for out, tmp in temps.items():
             if out.exists():
                 old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-{os.getpid()}-", dir=out.parent))
@@ -294,13 +298,13 @@ def publish_model(open_model, tokenizer, directions: dict, out: str | Path, base
         dtype = str(next(open_model.parameters()).dtype).removeprefix("torch.")
         (tmp / "README.md").write_text(model_card(behaviours, base_name, measured, harden, step, lock_check, dtype))
 
-    def write_keys(tmp: Path) -> None:
+    def write_keys(tmp: Path) -> None:  # its owner's alone, as a private key is: the folder and each key file
         for key in keys:
-            save_key(key, key_path(tmp, key.behaviour), locked_hash, produces[key.behaviour])
+            save_key(key, key_path(tmp, key.behaviour), locked_hash, produces[key.behaviour]).chmod(0o600)
         (tmp / MANIFEST).write_text(json.dumps({"kind": "keys", "locked_hash": locked_hash, "behaviours": behaviours,
                                                 "base_model": base_name}, indent=2) + "\n")
 
-    _write_folders({keys_out: write_keys, out: write_model})
+    _write_folders({keys_out: write_keys, out: write_model}, private=(keys_out,))
     return out, keys_out
 
 

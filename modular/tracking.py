@@ -9,9 +9,10 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from modular.files import atomic_path
 
 
 def _clean(obj: Any) -> Any:
@@ -31,17 +32,9 @@ def _clean(obj: Any) -> Any:
 
 def write_text(path: str | Path, text: str) -> Path:
     """Write ``text`` atomically (temp file + rename): readers never see a half-written file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    with atomic_path(path) as tmp:
+        tmp.write_text(text)
+    return Path(path)
 
 
 def write_json(path: str | Path, data: Any) -> Path:

@@ -1,6 +1,8 @@
 """Publishing locked weights and unlocking them with keys, on tiny models (no modular needed to load)."""
 
 import json
+import os
+import stat
 import subprocess
 import sys
 
@@ -78,6 +80,25 @@ def test_a_damaged_manifest_is_refused_in_one_line_before_anything_is_written(tm
     with pytest.raises(ModularError, match=rf"pub/modular.json .*{why}") as err:
         unlock_folder(out, keys / "b0.key.safetensors", tmp_path / "unlocked")
     assert "\n" not in str(err.value) and not (tmp_path / "unlocked").exists()
+
+
+@pytest.mark.skipif(os.name != "posix", reason="POSIX file modes")
+def test_published_folders_open_as_any_folder_does_and_keys_are_their_owners_alone(tmp_path, tok):
+    """What is shared (the published and unlocked folders) has the permissions the umask gives any new folder; the
+    keys folder and each key file are readable by their owner only, as a private key is."""
+    umask = os.umask(0o022)
+    try:
+        pub, keys = publish_model(make_tiny_model("llama"), tok, _dirs(), tmp_path / "pub", "tiny")
+        unlocked = unlock_folder(pub, keys / "b0.key.safetensors", tmp_path / "unlocked")
+    finally:
+        os.umask(umask)
+
+    def mode(path):
+        return stat.S_IMODE(path.stat().st_mode)
+
+    for folder in (pub, unlocked):
+        assert mode(folder) == 0o755 and {mode(f) for f in folder.iterdir()} == {0o644}, folder
+    assert mode(keys) == 0o700 and mode(keys / "b0.key.safetensors") == 0o600
 
 
 def test_two_keys_unlock_one_behaviour_each(tmp_path, tok, tokens):

@@ -24,6 +24,7 @@ from modular.analysis.formats import Suffix, format_batch, suffix, with_position
 from modular.evaluation.behaviour import evaluate_behaviour
 from modular.evaluation.retain import first_token_logp, mean_kl
 from modular.evaluation.stats import wilson_interval
+from modular.files import atomic_path
 from modular.hooks import ablate_directions, capture_residual
 from modular.models.adapter import ArchitectureAdapter
 
@@ -114,11 +115,10 @@ def best_direction(curves: dict[str, dict], max_kl: float | None = None) -> dict
 
 def save_directions(path: str | Path, directions: dict[str, torch.Tensor], metadata: dict[str, str]) -> Path:
     """One unit vector per format × layer (key ``<format>.layer<NN>``), with string metadata."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {f"{fmt}.layer{i:02d}": d[i].contiguous().float() for fmt, d in directions.items() for i in range(len(d))}
-    save_file(tensors, str(path), metadata={k: str(v) for k, v in metadata.items()})
-    return path
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata={k: str(v) for k, v in metadata.items()})
+    return Path(path)
 
 
 # --- figures ----------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 
 from modular import ModularError
 from modular.data.formatting import IGNORE
+from modular.files import atomic_path
 from modular.gating.loaders import loader_states_fit
 from modular.gating.losses import response_margins
 from modular.gating.objectives import HeadTaskTerm, Piece, StepContext, Term, build_objectives, default_objectives
@@ -318,10 +319,8 @@ class GatedLM(L.LightningModule):
                                  [dm.behaviour_data[b]["train"] for b in self.behaviours], dm.retain["train"],
                                  seed=hp.seed, files=hp.direction_files, fraction=hp.direction_fraction,
                                  avoid=avoid).to(self.directions)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        save_file({b: dirs[i].detach().cpu().contiguous() for i, b in enumerate(self.behaviours)}, str(tmp))
-        tmp.replace(path)  # atomic: a reader never sees a half-written file
+        with atomic_path(path) as tmp:  # a reader never sees a half-written file
+            save_file({b: dirs[i].detach().cpu().contiguous() for i, b in enumerate(self.behaviours)}, str(tmp))
         log.info("directions chosen (%s) for %s", hp.direction_strategy, ", ".join(self.behaviours))
         return dirs
 

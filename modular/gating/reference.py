@@ -10,8 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import tempfile
 from pathlib import Path
 
 import torch
@@ -20,6 +18,7 @@ from tqdm.auto import tqdm
 from modular import ModularError, error_reason
 from modular.data.formatting import answer_positions, encode_example
 from modular.evaluation.behaviour import generate
+from modular.files import atomic_path
 from modular.models.loading import cache_dir
 
 log = logging.getLogger("modular")
@@ -77,11 +76,8 @@ def compute_reference(model, tokenizer, prompts: list[str], chats: list[bool], m
 
 def _save_atomic(obj, path: Path):
     """``torch.save`` to a temporary file beside ``path``, then rename: readers never see half a cache."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix="tmp-ref-", suffix=".pt")
-    os.close(fd)
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        torch.save(obj, tmp)
     return obj
 
 

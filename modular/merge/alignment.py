@@ -30,6 +30,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from modular.files import atomic_path
 from modular.merge.communication import run_to_layer
 from modular.merge.similarity import StreamingSimilarity
 from modular.models.adapter import ArchitectureAdapter
@@ -133,15 +134,12 @@ def r_squared(mapping: nn.Module, X: Tensor, Y: Tensor) -> float:
 
 def save_map(mapping: nn.Linear, path: str | Path, metadata: dict) -> Path:
     """Write the map as safetensors (``weight``, ``bias``) with ``metadata`` (string values) in its header."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {"weight": mapping.weight.detach().contiguous()}
     if mapping.bias is not None:
         tensors["bias"] = mapping.bias.detach().contiguous()
-    tmp = path.with_name(f".{path.name}.tmp")
-    save_file(tensors, str(tmp), metadata={k: json.dumps(v) for k, v in metadata.items()})
-    tmp.replace(path)
-    return path
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata={k: json.dumps(v) for k, v in metadata.items()})
+    return Path(path)
 
 
 def load_map(path: str | Path, expect: dict | None = None) -> tuple[nn.Linear, dict] | None:

@@ -22,7 +22,6 @@ import importlib.util
 import logging
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -31,6 +30,7 @@ import torch
 from safetensors import safe_open
 
 from modular import ModularError, error_reason
+from modular.files import match_folder_mode, temp_sibling
 
 log = logging.getLogger(__name__)
 
@@ -126,11 +126,12 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     if getattr(config, "tie_word_embeddings", False):
         fresh.tie_weights()
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    tmp = temp_sibling(out, folder=True)
     try:
         fresh.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         (tmp / "SOURCE").write_text(f"{gguf}\n")
+        match_folder_mode(tmp)  # safetensors leaves its files readable by their owner only
         if out.exists():  # a concurrent conversion finished first
             shutil.rmtree(tmp)
             return
