@@ -25,7 +25,6 @@ import logging
 import os
 import re
 import shutil
-import tempfile
 from pathlib import Path
 
 from modular import ModularError, error_reason
@@ -165,7 +164,7 @@ def _write_folders(writers: dict[Path, callable], private: tuple[Path, ...] = ()
                 match_folder_mode(temps[out])
         for out, tmp in temps.items():
             if out.exists():
-                old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-{os.getpid()}-", dir=out.parent))
+                old = temp_sibling(out, "old", folder=True, private=True)
                 os.replace(out, old / out.name)
                 os.replace(tmp, out)
                 shutil.rmtree(old, ignore_errors=True)
