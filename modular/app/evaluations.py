@@ -39,7 +39,7 @@ from modular.evaluation.retain import first_token_logp, mean_kl
 from modular.evaluation.stats import wilson_interval
 from modular.models import load_model, load_tokenizer
 from modular.models.precision import DTypeName, dtype_name, model_dtype
-from modular.models.quantize import Scheme, check_group_size
+from modular.models.quantize import Scheme, check_scheme
 from modular.plots import bar_chart
 from modular.publish import MANIFEST, read_manifest
 from modular.runs import (
@@ -408,7 +408,7 @@ def quantized(model: str, behaviours: list[str] | None = None, schemes: list[Sch
               seed: int = 0, out: str | None = None, device: str = "auto", dtype: DTypeName = "auto",
               group_size: int | None = None) -> dict:
     """Whether the lock survives the quantisation a release gets: the published model and its base, quantised the
-    same way (weight-only int8 and int4, optimum-quanto), scored on the locked behaviours' test split, and the
+    same way (weight-only: int8 and int4 by optimum-quanto, or llama.cpp's GGUF block formats), scored on the locked behaviours' test split, and the
     published model's first-token KL to the equally quantised base on held-out retain prompts; writes
     quantized.json beside quantized.png. A scheme under which the lock did not hold (locked accuracy above 0.05
     or retain KL above 0.05) is named in one warning line and marked in the JSON.
@@ -417,7 +417,9 @@ def quantized(model: str, behaviours: list[str] | None = None, schemes: list[Sch
         model: A published folder (from ``modular publish``).
         behaviours: The locked behaviours to score (default: every one the folder's modular.json lists); a
             behaviour gated from user data is given with its data: NAME=<.jsonl file or hf:dataset>.
-        schemes: Quantisations to apply to both models: none, int8, int4.
+        schemes: Quantisations to apply to both models: none; int8, int4 (optimum-quanto: per output channel, in
+            groups); q8_0, q5_1, q5_0, q4_1, q4_0 (the weights as a GGUF file of that type stores them: blocks of 32
+            inputs; llama.cpp's 8-bit rounding of activations is not simulated).
         base: Default: the one the folder's modular.json names.
         out: Default: outputs/quantized/<model>.
         group_size: int4's inputs per quantisation group (a multiple of 8 dividing every layer's inputs; default:
@@ -431,7 +433,8 @@ def quantized(model: str, behaviours: list[str] | None = None, schemes: list[Sch
     locked = load_model(folder, dtype, device)
     if group_size is not None and "int4" not in schemes:
         raise ModularError("--group_size applies to int4, which --schemes does not include")
-    check_group_size(locked, group_size)
+    for scheme in schemes:  # every layer roundable, before the base is loaded
+        check_scheme(locked, scheme, group_size if scheme == "int4" else None)
     base_model = load_model(base or manifest["base_model"], model_dtype(locked), locked.device)
     out_dir = output_folder(out, "quantized", str(folder))
     report = quantized_report(base_model, locked, tokenizer, sources, list(schemes), seed, limit, max_new_tokens,

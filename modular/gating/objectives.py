@@ -488,7 +488,7 @@ class WeightNoiseLock(_AttackerSizedLock):
 class QuantizedLock(_PerturbedLock):
     """The locked state must hold in the weights a user's quantiser makes of the model (quantisation-aware
     training): the locked rows run, every direction ablated, on every linear layer's weights as ``scheme`` rounds
-    them (the optimum-quanto quantiser of ``modular quantized``; the unembedding kept), and the locked response's
+    them (the quantiser of ``modular quantized``; the unembedding kept), and the locked response's
     CE there is the loss (``<behaviour>/quantized_<hold>``). Its gradient passes the rounding unchanged to the
     weights (straight-through), so training moves weights across rounding boundaries where that locks; the rounded
     weights with the directions ablated by hooks stand in for the rounded published weights (orthogonalised first).
@@ -499,7 +499,9 @@ class QuantizedLock(_PerturbedLock):
     that keeps the model moves it. Full fine-tuning only (a quantiser rounds the merged weights, not LoRA's factors).
 
     Args:
-        scheme: ``int8`` or ``int4`` (weight-only).
+        scheme: ``int8`` or ``int4`` (weight-only, optimum-quanto), or a GGUF block format (``q8_0``, ``q5_1``,
+            ``q5_0``, ``q4_1``, ``q4_0``; blocks of 32 inputs, rounded by the ``gguf`` package on the CPU: every
+            rounded weight is copied there and back each step).
         group_size: int4's inputs per group (None: optimum-quanto's choice, 128 or the nearest multiple of 32 that
             divides the inputs; 32 is a GGUF Q4 base's own grid).
         weight: Weight of the term (the module's λ applies on top: it is a locked-state term).
@@ -513,8 +515,10 @@ class QuantizedLock(_PerturbedLock):
     def __init__(self, scheme: str = "int4", group_size: int | None = None, weight: float = 1.0,
                  hold: str = "refusal", start_step: int = 0, keep_open: float = 0.0):
         super().__init__(weight, hold, start_step, keep_open)
-        if scheme not in ("int8", "int4"):
-            raise ModularError(f"QuantizedLock scheme must be int8 or int4, got '{scheme}'")
+        from modular.models.quantize import SCHEMES
+
+        if scheme not in SCHEMES or scheme == "none":
+            raise ModularError(f"QuantizedLock scheme must be one of {', '.join(SCHEMES[1:])}, got '{scheme}'")
         if group_size is not None and scheme != "int4":
             raise ModularError(f"QuantizedLock: a group size applies to int4 only, not to '{scheme}'")
         self.scheme, self.group_size = scheme, group_size
@@ -525,9 +529,9 @@ class QuantizedLock(_PerturbedLock):
                                "rounds the merged weights)")
 
     def check_model(self, model) -> None:
-        from modular.models.quantize import check_group_size
+        from modular.models.quantize import check_scheme
 
-        check_group_size(model, self.group_size)
+        check_scheme(model, self.scheme, self.group_size)
 
     def perturbation(self, ctx, i, params):
         key = (id(self), "rounding")  # one rounding per step, shared by the step's behaviours

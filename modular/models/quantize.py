@@ -8,6 +8,12 @@ int4's group size is quanto's choice unless given: 128 inputs, or the largest mu
 the layer's inputs (96 for SmolLM2-135M's 576), per output channel when none does. A model that was itself
 distributed in 4 bits (a GGUF Q4_1 file, as SmolLM2-135M-Instruct here) lies on a grid of 32-input groups; int4 in
 groups of 32 maps it to itself, and rounds back any change smaller than half a step of that grid.
+
+``q8_0``, ``q5_1``, ``q5_0``, ``q4_1``, ``q4_0``: llama.cpp's block formats, as a GGUF release stores the weights
+(blocks of 32 inputs along each output row; ``_0`` a scale per block, ``_1`` a scale and a minimum), rounded by the
+``gguf`` package's reference quantiser and read back in the model's precision. The same layers are rounded as for
+int8 / int4; llama.cpp also rounds the embeddings and, inside its matrix products, the activations to 8 bits, which
+is not simulated. Its k-quants (Q4_K_M, ...) have no reference quantiser in ``gguf`` and are not offered.
 """
 
 from __future__ import annotations
@@ -18,8 +24,24 @@ import torch
 
 from modular import ModularError
 
-Scheme = Literal["none", "int8", "int4"]
-SCHEMES = ("none", "int8", "int4")
+Scheme = Literal["none", "int8", "int4", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0"]
+SCHEMES = ("none", "int8", "int4", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
+GGUF_SCHEMES = ("q8_0", "q5_1", "q5_0", "q4_1", "q4_0")  # llama.cpp's block formats
+GGUF_BLOCK = 32  # inputs per block of every GGUF scheme here
+
+
+def check_scheme(model, scheme: str, group_size: int | None = None) -> None:
+    """Raise a one-line error unless ``scheme`` is known and can round every layer :func:`quantize_weights` would
+    change in ``model`` (GGUF blocks of 32 inputs; int4's ``group_size``), before anything is changed."""
+    if scheme not in SCHEMES:
+        raise ModularError(f"unknown quantisation '{scheme}' ({', '.join(SCHEMES)})")
+    if group_size is not None and scheme != "int4":
+        raise ModularError(f"a group size applies to int4 only, not to '{scheme}'")
+    check_group_size(model, group_size)
+    if scheme in GGUF_SCHEMES:
+        for name, module in quantized_layers(model).items():
+            if module.in_features % GGUF_BLOCK:
+                raise ModularError(f"{scheme} rounds blocks of {GGUF_BLOCK} inputs; {name} has {module.in_features}")
 
 
 def check_group_size(model, group_size: int | None) -> None:
@@ -61,6 +83,8 @@ def dequantized(weight: torch.Tensor, scheme: str, group_size: int | None = None
         raise ModularError(f"unknown quantisation '{scheme}' ({', '.join(SCHEMES)})")
     if scheme == "none":
         return weight.detach()
+    if scheme in GGUF_SCHEMES:
+        return _gguf_round_trip(weight.detach(), scheme)
     from optimum.quanto import qint4, qint8
     from optimum.quanto.tensor.optimizers import AbsmaxOptimizer, MaxOptimizer
     from optimum.quanto.tensor.weights import quantize_weight
@@ -77,16 +101,33 @@ def dequantized(weight: torch.Tensor, scheme: str, group_size: int | None = None
         return q.dequantize().to(w.dtype)
 
 
+def _gguf_round_trip(weight: torch.Tensor, scheme: str) -> torch.Tensor:
+    """``weight`` ``(out, in)`` stored in a GGUF block format and read back: each output row in blocks of 32
+    inputs, as llama.cpp lays out a linear layer's weight, in ``weight``'s dtype and on its device."""
+    try:
+        from gguf import GGMLQuantizationType, quants
+    except ImportError as err:  # a dependency of modular; a broken install says so in one line
+        raise ModularError(f"GGUF quantisation needs gguf (pip install gguf): {err}") from None
+    if weight.ndim != 2 or weight.shape[1] % GGUF_BLOCK:
+        raise ModularError(f"{scheme} rounds blocks of {GGUF_BLOCK} inputs, not a weight of shape {tuple(weight.shape)}")
+    qtype = GGMLQuantizationType[scheme.upper()]
+    rows = weight.float().cpu().numpy()
+    back = quants.dequantize(quants.quantize(rows, qtype), qtype)
+    return torch.from_numpy(back.reshape(rows.shape)).to(device=weight.device, dtype=weight.dtype)
+
+
 def quantize_weights(model, scheme: str, group_size: int | None = None):
-    """Quantise ``model``'s linear weights in place (``scheme``: none, int8 or int4) and return it. ``group_size``
-    (int4 only): inputs per quantisation group, a multiple of 8 that divides every quantised layer's inputs."""
-    if scheme not in SCHEMES:
-        raise ModularError(f"unknown quantisation '{scheme}' ({', '.join(SCHEMES)})")
-    if group_size is not None and scheme != "int4":
-        raise ModularError(f"a group size applies to int4 only, not to '{scheme}'")
-    check_group_size(model, group_size)  # before anything is changed
+    """Quantise ``model``'s linear weights in place (``scheme``: one of :data:`SCHEMES`) and return it.
+    ``group_size`` (int4 only): inputs per quantisation group, a multiple of 8 that divides every quantised layer's
+    inputs. The GGUF schemes leave plain ``Linear`` layers holding the rounded weights."""
+    check_scheme(model, scheme, group_size)  # before anything is changed
     if scheme == "none":
         return model
+    if scheme in GGUF_SCHEMES:
+        with torch.no_grad():
+            for module in quantized_layers(model).values():
+                module.weight.copy_(_gguf_round_trip(module.weight, scheme))
+        return model.eval()
     try:
         from optimum.quanto import freeze, qint4, qint8, quantize
         from optimum.quanto.nn import QModuleMixin

@@ -181,6 +181,27 @@ def test_quantized_int4_group_size(tmp_path, monkeypatch):
         assert not out.exists()
 
 
+def test_quantized_gguf_block_formats(tmp_path, monkeypatch):
+    """llama.cpp's block formats are schemes like the others: both models rounded alike, the coarser format further
+    from the unrounded base."""
+    import json
+
+    from modular.app.cli import main
+
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    base, pub = _tiny_release(tmp_path, seed=0)
+    out = tmp_path / "q"
+    assert main(["quantized", "--model", str(pub), "--base", str(base), "--limit", "2", "--max_new_tokens", "2",
+                 "--schemes", "[q8_0, q4_0]", "--out", str(out)]) == 0
+    rows = json.loads((out / "quantized.json").read_text())["schemes"]
+    assert list(rows) == ["q8_0", "q4_0"]
+    assert 0 < rows["q8_0"]["retain_first_token_kl_base_vs_unquantised"] < rows["q4_0"][
+        "retain_first_token_kl_base_vs_unquantised"]
+    with pytest.raises(SystemExit):  # k-quants have no reference quantiser: not a choice
+        main(["quantized", "--model", str(pub), "--schemes", "[q4_k]", "--out", str(tmp_path / "bad")])
+    assert not (tmp_path / "bad").exists()
+
+
 def test_an_attack_cut_short_resumes_where_it_stopped(tmp_path, monkeypatch, caplog):
     """An attack killed mid-sweep leaves what it measured in attack.partial.json (no attack.json); started again
     with the same options it trains only the settings still missing and writes the report an uncut run writes,

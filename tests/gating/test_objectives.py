@@ -559,7 +559,7 @@ def test_weight_noise_lock_moves_every_weight_by_eta(tmp_path, isolated_cache):
         RelearningAdversary(steps=0)
 
 
-@pytest.mark.parametrize("scheme, group_size", [("int4", 8), ("int4", None), ("int8", None)])
+@pytest.mark.parametrize("scheme, group_size", [("int4", 8), ("int4", None), ("int8", None), ("q4_1", None)])
 def test_the_quantized_lock_trains_the_lock_as_a_quantiser_leaves_it(tmp_path, isolated_cache, scheme, group_size):
     """QuantizedLock's loss is the locked response's CE of the model optimum-quanto makes of the weights (directions
     ablated), weighted by λ; its gradient reaches the unrounded weights unchanged (straight through the rounding)."""
@@ -589,8 +589,11 @@ def test_the_quantized_lock_trains_the_lock_as_a_quantiser_leaves_it(tmp_path, i
     # the gradient is the locked-state gradient at the rounded weights, passed to the weights as it is
     rounded = {f"{n}.weight" for n in quantized_layers(lm.model)}
     params = {n: p for n, p in lm.model.named_parameters() if p.requires_grad}
-    at = {n: (quantised.get_submodule(n.removesuffix(".weight")).qweight.dequantize() if n in rounded else p)
-          .detach().requires_grad_(True) for n, p in params.items()}
+    def rounded_weight(n):  # quanto's layers hold the rounding apart; the GGUF schemes' are plain Linear layers
+        module = quantised.get_submodule(n.removesuffix(".weight"))
+        return module.qweight.dequantize() if hasattr(module, "qweight") else module.weight
+
+    at = {n: (rounded_weight(n) if n in rounded else p).detach().requires_grad_(True) for n, p in params.items()}
     want = torch.autograd.grad(2.0 * 0.5 * _locked_ce_at(lm, batch, at), list(at.values()))
     assert rounded and rounded < set(params)
     for (n, _), w in zip(at.items(), want):
@@ -637,8 +640,10 @@ def test_the_quantized_lock_in_bf16(tmp_path, isolated_cache):
 def test_the_quantized_lock_checks_its_options(tmp_path, isolated_cache):
     from modular.gating.objectives import QuantizedLock
 
-    with pytest.raises(ModularError, match="QuantizedLock scheme must be int8 or int4, got 'int3'"):
+    with pytest.raises(ModularError, match="QuantizedLock scheme must be one of int8, int4, q8_0, .*, got 'int3'"):
         QuantizedLock("int3")
+    with pytest.raises(ModularError, match="QuantizedLock scheme must be one of .*, got 'none'"):
+        QuantizedLock("none")
     with pytest.raises(ModularError, match="a group size applies to int4 only"):
         QuantizedLock("int8", group_size=32)
     model_dir = save_tiny_folder(tmp_path / "tiny", "llama")

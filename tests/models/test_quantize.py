@@ -92,3 +92,79 @@ def test_dequantized_weights_are_what_the_quantiser_leaves(scheme, group_size, d
             assert q[name].weight_group_size == quanto_group_size(layer.in_features)
     assert [quanto_group_size(n) for n in (64, 576, 1536, 100, 200)] == [None, 96, 128, None, None]
     assert torch.equal(dequantized(layer.weight, "none"), layer.weight)
+
+
+def _round_half_away(x: torch.Tensor) -> torch.Tensor:
+    return torch.sign(x) * torch.floor(x.abs() + 0.5)
+
+
+def _q8_0(w: torch.Tensor) -> torch.Tensor:
+    """llama.cpp's Q8_0, written out: blocks of 32 along each row, scale absmax / 127 stored in float16."""
+    b = w.reshape(-1, 32)
+    d = b.abs().amax(1, keepdim=True) / 127
+    return (d.half().float() * _round_half_away(b / d)).reshape(w.shape)
+
+
+def _q4_0(w: torch.Tensor) -> torch.Tensor:
+    """llama.cpp's Q4_0, written out: the block's value of largest magnitude maps to -8, levels -8..7."""
+    b = w.reshape(-1, 32)
+    m = b.gather(1, b.abs().argmax(1, keepdim=True))
+    d = m / -8
+    q = torch.floor(b / d + 8.5).clamp(0, 15)
+    return (d.half().float() * (q - 8)).reshape(w.shape)
+
+
+@pytest.mark.parametrize("scheme, reference", [("q8_0", _q8_0), ("q4_0", _q4_0)])
+def test_gguf_schemes_round_each_row_in_blocks_of_32(scheme, reference):
+    """The weights as a GGUF file of that type stores a linear layer: blocks of 32 inputs along each output row, one
+    float16 scale per block. Rows of very different sizes keep their own scales (blocks down the columns would
+    flatten the small rows to zero)."""
+    from modular.models.quantize import dequantized
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(16, 96, generator=g) * torch.logspace(-3, 1, 16)[:, None]
+    got = dequantized(w, scheme)
+    torch.testing.assert_close(got, reference(w), rtol=1e-6, atol=0)
+    relative = (got - w).norm(dim=1) / w.norm(dim=1)
+    assert relative.max() < (0.01 if scheme == "q8_0" else 0.2)
+    assert torch.equal(dequantized(got, scheme), got)  # a GGUF model quantised again is itself
+    for block in got.reshape(-1, 32):  # on one block's grid: ≤ 255 (Q8) or 16 (Q4) levels
+        assert len(block.unique()) <= (255 if scheme == "q8_0" else 16)
+    bf16 = dequantized(w.to(torch.bfloat16), scheme)
+    assert bf16.dtype == torch.bfloat16 and bf16.shape == w.shape
+    torch.testing.assert_close(bf16.float(), reference(w.to(torch.bfloat16).float()), rtol=1e-2, atol=0)
+
+
+@pytest.mark.parametrize("scheme", ["q8_0", "q5_1", "q5_0", "q4_1", "q4_0"])
+def test_gguf_schemes_round_the_linear_layers_and_keep_the_rest(scheme, tokens):
+    """Every layer the quanto schemes quantise holds its GGUF-rounded weights (plain Linear layers); embeddings,
+    norms and the unembedding are untouched; coarser formats move the logits more."""
+    from modular.models.quantize import dequantized, quantized_layers
+
+    model = make_tiny_model("llama")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ref = model(tokens).logits
+    layers = {n: m.weight.detach().clone() for n, m in quantized_layers(model).items()}
+    q = quantize_weights(model, scheme)
+    assert q is model and all(type(m).__name__ != "QLinear" for m in q.modules())
+    after = q.state_dict()
+    for name, w in layers.items():
+        assert torch.equal(after[f"{name}.weight"], dequantized(w, scheme)), name
+        assert not torch.equal(after[f"{name}.weight"], w), name
+    untouched = [k for k in before if k.removesuffix(".weight") not in layers]
+    assert untouched and all(torch.equal(before[k], after[k]) for k in untouched)
+    error = (q(tokens).logits - ref).abs().max().item()
+    assert 0 < error < (0.05 if scheme == "q8_0" else 0.5) * ref.abs().max().item()
+
+
+def test_gguf_schemes_check_the_block_width_before_anything_changes():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=48, intermediate_size=96, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=64))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ModularError, match="q4_0 rounds blocks of 32 inputs; model.layers.0.self_attn.q_proj has 48"):
+        quantize_weights(model, "q4_0")
+    with pytest.raises(ModularError, match="a group size applies to int4 only, not to 'q8_0'"):
+        quantize_weights(model, "q8_0", group_size=32)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
