@@ -408,10 +408,10 @@ def quantized(model: str, behaviours: list[str] | None = None, schemes: list[Sch
               seed: int = 0, out: str | None = None, device: str = "auto", dtype: DTypeName = "auto",
               group_size: int | None = None) -> dict:
     """Whether the lock survives the quantisation a release gets: the published model and its base, quantised the
-    same way (weight-only: int8 and int4 by optimum-quanto, or llama.cpp's GGUF block formats), scored on the locked behaviours' test split, and the
-    published model's first-token KL to the equally quantised base on held-out retain prompts; writes
-    quantized.json beside quantized.png. A scheme under which the lock did not hold (locked accuracy above 0.05
-    or retain KL above 0.05) is named in one warning line and marked in the JSON.
+    same way (weight-only: int8 and int4 by optimum-quanto, or llama.cpp's GGUF block formats), scored on the
+    locked behaviours' test split, and the published model's first-token KL to the equally quantised base on
+    held-out retain prompts; writes quantized.json beside quantized.png. A scheme under which the lock did not
+    hold (locked accuracy above 0.05 or retain KL above 0.05) is named in one warning line and marked in the JSON.
 
     Args:
         model: A published folder (from ``modular publish``).

@@ -18,14 +18,14 @@ is not simulated. Its k-quants (Q4_K_M, ...) have no reference quantiser in ``gg
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
 from modular import ModularError
 
 Scheme = Literal["none", "int8", "int4", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0"]
-SCHEMES = ("none", "int8", "int4", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
+SCHEMES = get_args(Scheme)
 GGUF_SCHEMES = ("q8_0", "q5_1", "q5_0", "q4_1", "q4_0")  # llama.cpp's block formats
 GGUF_BLOCK = 32  # inputs per block of every GGUF scheme here
 
@@ -77,8 +77,9 @@ def quantized_layers(model) -> dict[str, torch.nn.Linear]:
 
 def dequantized(weight: torch.Tensor, scheme: str, group_size: int | None = None) -> torch.Tensor:
     """``weight`` (a linear layer's, ``(out, in)``) as :func:`quantize_weights` leaves it, read back in its own
-    precision: the same optimum-quanto quantiser (int8: absmax per output channel; int4: min-max in groups of
-    ``group_size`` inputs, quanto's choice when None), on the weight's device. No gradient flows through it."""
+    precision: the same quantiser (optimum-quanto's int8: absmax per output channel; int4: min-max in groups of
+    ``group_size`` inputs, quanto's choice when None; the GGUF block formats: the ``gguf`` package's, on the CPU),
+    on the weight's device. No gradient flows through it."""
     if scheme not in SCHEMES:
         raise ModularError(f"unknown quantisation '{scheme}' ({', '.join(SCHEMES)})")
     if scheme == "none":
