@@ -517,8 +517,9 @@ class QuantizedLock(_PerturbedLock):
         super().__init__(weight, hold, start_step, keep_open)
         from modular.models.quantize import SCHEMES
 
-        if scheme not in SCHEMES or scheme == "none":
-            raise ModularError(f"QuantizedLock scheme must be one of {', '.join(SCHEMES[1:])}, got '{scheme}'")
+        rounding = [s for s in SCHEMES if s != "none"]
+        if scheme not in rounding:
+            raise ModularError(f"QuantizedLock scheme must be one of {', '.join(rounding)}, got '{scheme}'")
         if group_size is not None and scheme != "int4":
             raise ModularError(f"QuantizedLock: a group size applies to int4 only, not to '{scheme}'")
         self.scheme, self.group_size = scheme, group_size

@@ -26,7 +26,7 @@ from modular import ModularError
 
 Scheme = Literal["none", "int8", "int4", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0"]
 SCHEMES = get_args(Scheme)
-GGUF_SCHEMES = ("q8_0", "q5_1", "q5_0", "q4_1", "q4_0")  # llama.cpp's block formats
+GGUF_SCHEMES = tuple(s for s in SCHEMES if s.startswith("q"))  # llama.cpp's block formats
 GGUF_BLOCK = 32  # inputs per block of every GGUF scheme here
 
 
@@ -104,13 +104,12 @@ def dequantized(weight: torch.Tensor, scheme: str, group_size: int | None = None
 
 def _gguf_round_trip(weight: torch.Tensor, scheme: str) -> torch.Tensor:
     """``weight`` ``(out, in)`` stored in a GGUF block format and read back: each output row in blocks of 32
-    inputs, as llama.cpp lays out a linear layer's weight, in ``weight``'s dtype and on its device."""
+    inputs, as llama.cpp lays out a linear layer's weight, in ``weight``'s dtype and on its device (the widths are
+    checked by :func:`check_scheme`)."""
     try:
         from gguf import GGMLQuantizationType, quants
     except ImportError as err:  # a dependency of modular; a broken install says so in one line
         raise ModularError(f"GGUF quantisation needs gguf (pip install gguf): {err}") from None
-    if weight.ndim != 2 or weight.shape[1] % GGUF_BLOCK:
-        raise ModularError(f"{scheme} rounds blocks of {GGUF_BLOCK} inputs, not a weight of shape {tuple(weight.shape)}")
     qtype = GGMLQuantizationType[scheme.upper()]
     rows = weight.float().cpu().numpy()
     back = quants.dequantize(quants.quantize(rows, qtype), qtype)
