@@ -19,16 +19,18 @@ from modular import ModularError, error_reason
 from modular.data.formatting import answer_positions, encode_example
 from modular.evaluation.behaviour import generate
 from modular.files import atomic_path
-from modular.models.loading import cache_dir
+from modular.models.loading import cache_dir, model_fingerprint
 
 log = logging.getLogger("modular")
 
 
 def cache_path(model_source: str, prompts: list[str], max_new_tokens: int, top_k: int, *,
                precision: str) -> Path:
-    """Where the reference outputs of ``model_source`` run in ``precision`` are cached: outputs of one precision
-    (greedy answers, log-probabilities) are never read as another's."""
-    key = json.dumps([str(model_source), prompts, max_new_tokens, top_k, precision])
+    """Where the reference outputs of ``model_source`` (a resolved model reference) run in ``precision`` are cached:
+    keyed by the model's content (:func:`~modular.models.loading.model_fingerprint`), not its path, so a copy of it
+    elsewhere reads them and other weights at the same path do not; outputs of one precision (greedy answers,
+    log-probabilities) are never read as another's."""
+    key = json.dumps([model_fingerprint(model_source), prompts, max_new_tokens, top_k, precision])
     return cache_dir() / "reference" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
 
 
@@ -107,7 +109,8 @@ def load_or_compute(model_source: str, model, tokenizer, prompts: list[str], cha
 
 def text_cache_path(model_source: str, texts: list[str], max_length: int, top_k: int, *,
                     precision: str) -> Path:
-    key = json.dumps(["text", str(model_source), texts, max_length, top_k, precision])
+    """:func:`cache_path` of the reference on raw texts."""
+    key = json.dumps(["text", model_fingerprint(model_source), texts, max_length, top_k, precision])
     return cache_dir() / "reference" / f"text-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
 
 
@@ -147,7 +150,8 @@ def hidden_blocks(n_hidden: int, stride: int) -> list[int]:
 
 def hidden_cache_path(model_source: str, rows: list[list[int]], positions: int, stride: int, *,
                       precision: str) -> Path:
-    key = json.dumps(["hidden", str(model_source), rows, positions, stride, precision])
+    """:func:`cache_path` of the reference's hidden states."""
+    key = json.dumps(["hidden", model_fingerprint(model_source), rows, positions, stride, precision])
     return cache_dir() / "reference" / f"hidden-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
 
 

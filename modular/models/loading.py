@@ -12,17 +12,22 @@ GGUF files are dequantised once into a cached float32 safetensors folder under
 ``$MODULAR_CACHE`` (default ``~/.cache/modular``); later loads read that folder and
 take seconds. The cache is written to a temporary folder and renamed into place,
 so an interrupted conversion never leaves a folder that looks complete.
+
+Caches of what a model computes (reference outputs) are keyed by :func:`model_fingerprint`, the model's content
+rather than its path; each file's digest is kept in ``digests.json`` there, so a model is hashed once per file.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
+import time
 from dataclasses import dataclass
+from fnmatch import fnmatch
 from pathlib import Path
 from typing import Callable
 
@@ -30,7 +35,7 @@ import torch
 from safetensors import safe_open
 
 from modular import ModularError, error_reason
-from modular.files import match_folder_mode, temp_sibling
+from modular.files import atomic_path, match_folder_mode, temp_sibling
 
 log = logging.getLogger(__name__)
 
@@ -83,9 +88,13 @@ ALIASES: dict[str, Alias] = {
 }
 
 
-@functools.lru_cache(maxsize=32)
-def _file_digest(path: str, size: int, mtime_ns: int) -> str:
-    """SHA-256 of a file's content (memoised per process while its size and time stay the same)."""
+_DIGESTS = "digests.json"  # in cache_dir(): {absolute path: {"stat": [size, mtime_ns, ctime_ns], "sha256": hex}}
+_SETTLED_NS = 2 * 10**9  # a file modified this recently may still change within its time's resolution
+_GGUF_KEY = 12  # hex digits of a GGUF file's SHA-256 naming its conversion folder
+
+
+def _sha256(path: str) -> str:
+    """SHA-256 of a file's content, read in full."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):
@@ -93,12 +102,133 @@ def _file_digest(path: str, size: int, mtime_ns: int) -> str:
     return digest.hexdigest()
 
 
+def _stat_key(st: os.stat_result) -> list[int]:
+    # ctime too: a file rewritten with its old size and its old time restored (cp -p, rsync -t) has a new ctime
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
+def _read_digests(index: Path) -> dict:
+    try:
+        data = json.loads(index.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as err:
+        log.warning("the file digests in %s cannot be read (%s): files are hashed again", index, error_reason(err))
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _still_true(path: str, entry) -> bool:
+    """Whether a kept digest still describes the file at ``path`` (else it is dropped from the index)."""
+    try:
+        return isinstance(entry, dict) and entry.get("stat") == _stat_key(os.stat(path))
+    except OSError:
+        return False
+
+
+def _write_digests(index: Path, new: dict) -> None:
+    """Add ``new`` to the index (atomically, merged with what another process wrote meanwhile, entries of files gone
+    or changed dropped); a cache that cannot be written only costs hashing again."""
+    try:
+        kept = {**_read_digests(index), **new}
+        kept = {path: entry for path, entry in kept.items() if _still_true(path, entry)}
+        with atomic_path(index) as tmp:
+            tmp.write_text(json.dumps(kept, indent=0, sort_keys=True))
+    except OSError as err:
+        log.warning("cannot keep file digests in %s (%s): files are hashed again next time", index, error_reason(err))
+
+
+def _file_digests(paths: list[Path]) -> list[str]:
+    """SHA-256 of each file's content, kept on disk by absolute path, size and times (``digests.json`` in
+    :func:`cache_dir`): a file is read again only once it changed, not once per run or per process."""
+    index = cache_dir() / _DIGESTS
+    known = _read_digests(index)
+    digests, new = [], {}
+    for path in paths:
+        real = os.path.realpath(path)  # a hub snapshot's links: their blobs
+        stat_key = _stat_key(os.stat(real))
+        entry = known.get(real)
+        if isinstance(entry, dict) and entry.get("stat") == stat_key and isinstance(entry.get("sha256"), str):
+            digests.append(entry["sha256"])
+            continue
+        if stat_key[0] >= 1 << 26:
+            log.info("hashing %s (%.1f GB; once, kept in %s)", real, stat_key[0] / 1e9, index)
+        started = time.time_ns()
+        digest = _sha256(real)
+        # kept only for a file unchanged while read and modified well before: one written a moment ago could be
+        # rewritten within its time's resolution with the same size and times
+        if _stat_key(os.stat(real)) == stat_key and stat_key[1] < started - _SETTLED_NS:
+            new[real] = {"stat": stat_key, "sha256": digest}
+        digests.append(digest)
+    if new:
+        _write_digests(index, new)
+    return digests
+
+
 def _gguf_cache_folder(gguf: Path, name: str) -> Path:
     """The cached conversion of ``gguf``, named by its content: the same file installed in another environment
-    (another clone's ``.venv``) reuses the conversion and the reference caches keyed by it."""
-    stat = gguf.stat()
-    key = _file_digest(str(gguf.resolve()), stat.st_size, stat.st_mtime_ns)[:12]
+    (another clone's ``.venv``) reuses the conversion and the reference caches keyed by it
+    (:func:`model_fingerprint`)."""
+    key = _file_digests([gguf])[0][:_GGUF_KEY]
     return cache_dir() / "models" / f"{name}-{key}"
+
+
+def _conversion_digest(folder: Path) -> str | None:
+    """The GGUF digest naming ``folder`` where it is a conversion in this cache (:func:`_gguf_cache_folder`), else
+    None (a folder of that name elsewhere may have been changed since it was copied)."""
+    name, _, key = folder.name.rpartition("-")
+    if not name or len(key) != _GGUF_KEY or any(c not in "0123456789abcdef" for c in key):
+        return None
+    if not (folder / "SOURCE").is_file() or folder.resolve().parent != (cache_dir() / "models").resolve():
+        return None
+    return key
+
+
+# A Hugging Face folder's files that make its outputs: config, weights (and their index), tokenizer, chat template.
+_CONTENT = ("config.json", "generation_config.json", "*.safetensors", "*.bin", "*.safetensors.index.json",
+            "*.bin.index.json", "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*",
+            "merges.txt", "*.model", "chat_template*")
+
+
+def _hub_revision(repo_id: str) -> str | None:
+    """The commit the local hub cache resolves ``repo_id`` to (read offline, nothing downloaded), None where it
+    holds none."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(repo_id, "config.json")
+    except Exception:  # noqa: BLE001 - an id the hub would refuse, an unreadable cache: the id alone
+        return None
+    return Path(cached).parent.name if isinstance(cached, str) else None
+
+
+def model_fingerprint(source: str | os.PathLike) -> str:
+    """A key of the content of a resolved model reference (:func:`resolve_model`'s answer), for caches of what the
+    model computes: the same model at another path (another clone, a published copy) has the same key, and other
+    files at the same path have another one.
+
+    * a conversion of a GGUF file in this cache: the GGUF file's digest, from its folder's name;
+    * a local Hugging Face folder: a SHA-256 over the names and digests of its config, weight, tokenizer and chat
+      template files (each file hashed once while it stays unchanged, :func:`_file_digests`);
+    * a file: its digest;
+    * a hub id: the id, and the commit the local hub cache resolves it to where it holds one.
+    """
+    source = str(source)
+    path = Path(source).expanduser()
+    if path.is_dir():
+        if (key := _conversion_digest(path)) is not None:
+            return f"gguf-sha256:{key}"
+        files = sorted(f for f in path.iterdir() if f.is_file() and any(fnmatch(f.name, p) for p in _CONTENT))
+        if not files:
+            raise ModularError(f"{path} holds no model files (config.json, weights, tokenizer)")
+        listing = [[f.name, d] for f, d in zip(files, _file_digests(files), strict=True)]
+        return "sha256:" + hashlib.sha256(json.dumps(listing).encode()).hexdigest()
+    if path.is_file():
+        return "sha256:" + _file_digests([path])[0]
+    if looks_like_path(source):
+        raise ModularError(f"model file or folder not found: {source}")
+    revision = _hub_revision(source)
+    return f"hub:{source}@{revision}" if revision else f"hub:{source}"
 
 
 def _convert_gguf(gguf: Path, out: Path) -> None:

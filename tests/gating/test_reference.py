@@ -7,7 +7,7 @@ import torch
 
 import modular.gating.reference as reference
 from modular.gating.reference import compute_hidden_reference, compute_reference, compute_text_reference
-from tests.conftest import make_tiny_model, make_tiny_tokenizer
+from tests.conftest import make_tiny_model, make_tiny_tokenizer, save_tiny_folder
 
 PROMPTS = ["Name a colour.", "What is two plus two? Answer with a number only.", "Say hello.",
            "Write one word that rhymes with cat."]
@@ -107,3 +107,46 @@ def test_reference_outputs_build_no_key_value_cache_besides_generation(kv_caches
     compute_text_reference(model, tok, ["The river runs past the old mill."], max_length=16, top_k=3)
     compute_hidden_reference(model, tok, out["records"], positions=2, stride=1)
     assert len(out["records"]) == 2 and built == []
+
+
+def _key_paths(source) -> list:
+    """The three reference cache paths of ``source`` (retain outputs, LM texts, hidden states), other inputs fixed."""
+    return [reference.cache_path(str(source), PROMPTS, 3, 4, precision="float32"),
+            reference.text_cache_path(str(source), PROMPTS, 16, 4, precision="float32"),
+            reference.hidden_cache_path(str(source), [[1, 2, 3]], 2, 1, precision="float32")]
+
+
+def test_the_cache_is_keyed_by_the_models_content_not_its_path(tmp_path, isolated_cache):
+    """A copy of the model at another path (a second clone, a published folder) reads the references computed from
+    the first; weights changed in place at the same path are computed again, never read from the old cache."""
+    import shutil
+
+    from modular.gating.reference import load_or_compute
+
+    a = save_tiny_folder(tmp_path / "a")
+    b = shutil.copytree(a, tmp_path / "clone" / "b")
+    assert _key_paths(a) == _key_paths(b)
+    model, tok = make_tiny_model("llama"), make_tiny_tokenizer()
+    args = (PROMPTS[:2], [True, False], 3, 4)
+    full = load_or_compute(str(a), model, tok, *args, precision="float32")
+    assert load_or_compute(str(b), None, tok, *args, precision="float32")["answers"] == full["answers"]
+
+    weights = a / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))  # other weights, the same size, at the same path
+    assert all(x != y for x, y in zip(_key_paths(a), _key_paths(b), strict=True))
+    with pytest.raises(AttributeError):  # a miss: no model to compute with, where the path's key would have hit
+        load_or_compute(str(a), None, tok, *args, precision="float32")
+
+
+def test_a_conversions_cache_key_is_the_same_under_another_cache_folder(tmp_path, monkeypatch):
+    """A built-in alias resolves to its conversion folder, named by the GGUF file's digest: under another
+    $MODULAR_CACHE (another clone's, another user's) the reference files have the same names."""
+    names = []
+    for n in range(2):
+        monkeypatch.setenv("MODULAR_CACHE", str(tmp_path / f"cache{n}"))
+        folder = save_tiny_folder(tmp_path / f"cache{n}" / "models" / "smollm2-135m-instruct-0123456789ab", seed=n)
+        (folder / "SOURCE").write_text("/somewhere/SmolLM2-135M-Instruct.Q4_1.gguf\n")
+        names.append([p.name for p in _key_paths(folder)])
+    assert names[0] == names[1]

@@ -1,6 +1,11 @@
 """Corrupt model inputs: one line naming the file and what to do, from the library and from the CLIs."""
 
+import hashlib
+import json
 import os
+import shutil
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -113,3 +118,138 @@ def test_empty_model_is_the_loaded_model_without_its_weights(tmp_path, arch, dty
     assert tied == (empty.get_output_embeddings().weight is empty.get_input_embeddings().weight)
     assert tied == (arch == "gemma")
     assert not empty.training
+
+
+def _settled(folder, age_s: int = 3600):
+    """``folder`` with every file's modification time ``age_s`` in the past: a model saved long ago, whose digests
+    may be kept (one written a moment ago may still be changing within its time's resolution)."""
+    for file in folder.iterdir():
+        st = file.stat()
+        os.utime(file, ns=(st.st_atime_ns, st.st_mtime_ns - age_s * 10**9))
+    return folder
+
+
+def _flip_last_byte(path):
+    """Other bytes of the same size, written in place."""
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1
+    path.write_bytes(bytes(data))
+
+
+def test_a_models_fingerprint_is_its_content(tmp_path, isolated_cache):
+    """Two copies of one model (a second clone's, a published folder) share a fingerprint, whatever their paths;
+    other weights, tokenizer, chat template or config at the same path do not: a reference computed from the old
+    files must not be read back for the new ones."""
+    from modular.models.loading import model_fingerprint
+
+    a = save_tiny_folder(tmp_path / "a")
+    b = shutil.copytree(a, tmp_path / "another" / "clone" / "b")
+    assert model_fingerprint(str(a)) == model_fingerprint(b) == model_fingerprint(str(_settled(b)))
+    assert str(tmp_path) not in model_fingerprint(a)
+    seen = {model_fingerprint(a)}
+    for name in ("model.safetensors", "tokenizer.json", "chat_template.jinja", "config.json",
+                 "generation_config.json"):
+        _flip_last_byte(a / name)  # same size, at once: no stale digest is kept for a file just written
+        assert model_fingerprint(a) not in seen, name
+        seen.add(model_fingerprint(a))
+    assert model_fingerprint(save_tiny_folder(tmp_path / "c", seed=1)) not in seen | {model_fingerprint(b)}
+
+
+def test_file_digests_are_kept_on_disk_while_size_and_times_stay(tmp_path, isolated_cache, monkeypatch):
+    """A large model is hashed once per file, not once per run: the digests are kept in the cache by absolute path,
+    size and times, and a file whose size or time changed is hashed again (alone)."""
+    import modular.models.loading as loading
+
+    folder = _settled(save_tiny_folder(tmp_path / "m"))
+    hashed = []
+    sha256 = loading._sha256
+    monkeypatch.setattr(loading, "_sha256", lambda path: hashed.append(Path(path).name) or sha256(path))
+    first = loading.model_fingerprint(folder)
+    assert "model.safetensors" in hashed and "config.json" in hashed
+    index = json.loads((isolated_cache / "digests.json").read_text())
+    assert str((folder / "model.safetensors").resolve()) in index
+    hashed.clear()
+    assert loading.model_fingerprint(folder) == first and hashed == []  # read from disk: no file read again
+
+    weights = folder / "model.safetensors"
+    st = weights.stat()
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # a new time, the same bytes
+    assert loading.model_fingerprint(folder) == first and hashed == ["model.safetensors"]
+    hashed.clear()
+    assert loading.model_fingerprint(folder) == first and hashed == []
+    st = weights.stat()
+    time.sleep(0.05)  # past the file system's time resolution
+    _flip_last_byte(weights)  # the same size, its old time restored (cp -p, rsync -t): its change time tells
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert weights.stat().st_size == st.st_size and weights.stat().st_mtime_ns == st.st_mtime_ns
+    second = loading.model_fingerprint(folder)
+    assert second != first and hashed == ["model.safetensors"]
+    hashed.clear()
+    weights.write_bytes(weights.read_bytes() + b"\0")  # another size, its old time restored
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert loading.model_fingerprint(folder) not in (first, second) and hashed == ["model.safetensors"]
+
+    (isolated_cache / "digests.json").write_text("{not json")  # a damaged memo is rebuilt, not a traceback
+    hashed.clear()
+    third = loading.model_fingerprint(folder)
+    assert "model.safetensors" in hashed and loading.model_fingerprint(folder) == third
+    assert str(weights.resolve()) in json.loads((isolated_cache / "digests.json").read_text())
+
+
+def test_a_file_written_a_moment_ago_is_not_memoised(tmp_path, isolated_cache, monkeypatch):
+    """Rewritten within its time's resolution, a file could keep its size and time: its digest is kept only once
+    its time is past."""
+    import modular.models.loading as loading
+
+    folder = save_tiny_folder(tmp_path / "m")
+    hashed = []
+    sha256 = loading._sha256
+    monkeypatch.setattr(loading, "_sha256", lambda path: hashed.append(Path(path).name) or sha256(path))
+    loading.model_fingerprint(folder)
+    loading.model_fingerprint(folder)
+    assert hashed.count("model.safetensors") == 2
+
+
+def test_a_gguf_conversion_is_keyed_by_the_gguf_files_digest(tmp_path, monkeypatch):
+    """The conversion folder of a built-in alias or a .gguf file is named by the GGUF file's SHA-256: its fingerprint
+    is that digest, whatever the cache's path ($MODULAR_CACHE) or the venv the GGUF file is installed in, and its
+    files are not hashed again. A folder of the same name elsewhere is hashed like any other."""
+    import modular.models.loading as loading
+
+    hashed = []
+    sha256 = loading._sha256
+    monkeypatch.setattr(loading, "_sha256", lambda path: hashed.append(Path(path).name) or sha256(path))
+    fingerprints = []
+    for n, alias in enumerate(("smollm2-135m-instruct", "SmolLM2-135M-Instruct.Q4_1")):
+        monkeypatch.setenv("MODULAR_CACHE", str(tmp_path / f"cache{n}"))
+        gguf = tmp_path / f"venv{n}" / "site-packages" / "x.gguf"
+        gguf.parent.mkdir(parents=True)
+        gguf.write_bytes(b"the same GGUF bytes")
+        folder = loading._gguf_cache_folder(gguf, alias)
+        save_tiny_folder(folder, seed=n)  # a stand-in for the conversion: other weights, to show they are not read
+        (folder / "SOURCE").write_text(f"{gguf}\n")
+        hashed.clear()
+        fingerprints.append(loading.model_fingerprint(str(folder)))
+        assert hashed == []
+    digest = hashlib.sha256(b"the same GGUF bytes").hexdigest()
+    assert fingerprints[0] == fingerprints[1] and digest[:12] in fingerprints[0]
+    elsewhere = shutil.copytree(folder, tmp_path / "copied" / folder.name)
+    assert loading.model_fingerprint(elsewhere) != fingerprints[0] and "model.safetensors" in hashed
+
+
+def test_a_hub_ids_fingerprint_is_the_id_and_its_cached_revision(tmp_path, monkeypatch):
+    """A hub id is not hashed: its fingerprint is the id, with the commit the local hub cache resolves it to where
+    it holds one (read offline)."""
+    from huggingface_hub import constants
+
+    from modular.models.loading import model_fingerprint
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert model_fingerprint("org/model") == "hub:org/model"
+    repo = tmp_path / "hub" / "models--org--model"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    (repo / "snapshots" / commit).mkdir(parents=True)
+    (repo / "snapshots" / commit / "config.json").write_text("{}")
+    assert model_fingerprint("org/model") == f"hub:org/model@{commit}"
