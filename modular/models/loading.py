@@ -262,10 +262,12 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
         tokenizer.save_pretrained(tmp)
         (tmp / "SOURCE").write_text(f"{gguf}\n")
         match_folder_mode(tmp)  # safetensors leaves its files readable by their owner only
-        if out.exists():  # a concurrent conversion finished first
-            shutil.rmtree(tmp)
-            return
-        os.replace(tmp, out)
+        try:
+            os.replace(tmp, out)
+        except OSError:
+            if not (out / "config.json").exists():
+                raise
+            shutil.rmtree(tmp)  # a concurrent conversion (another process) finished first
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -83,6 +83,32 @@ def test_gguf_conversion_cache_is_named_by_content(tmp_path, isolated_cache):
     assert _gguf_cache_folder(a, "m") != _gguf_cache_folder(b, "m")
 
 
+def test_a_conversion_another_process_finished_first_is_kept(tmp_path, isolated_cache, monkeypatch):
+    """Two processes converting one GGUF file at once (two test workers, two jobs on a fresh cache): the one whose
+    rename comes second finds the folder in place, keeps it and removes its own copy; no traceback, no leftovers."""
+    import transformers
+
+    from modular.models import loading
+    from tests.conftest import make_tiny_model, make_tiny_tokenizer
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: make_tiny_model("llama"))
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: make_tiny_tokenizer())
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"stands for a GGUF file")
+    out = isolated_cache / "models" / "m-0123456789ab"
+    replace = os.replace
+
+    def the_other_process_first(src, dst):
+        if Path(dst) == out:
+            save_tiny_folder(out, seed=1)
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", the_other_process_first)
+    loading._convert_gguf(gguf, out)
+    assert [p.name for p in out.parent.iterdir()] == [out.name]  # the temporary copy removed
+    assert not (out / "SOURCE").exists()  # the other process's folder, kept as it was
+
+
 @pytest.mark.parametrize("dtype", ["auto", None, "float16"])
 def test_load_dtype_is_the_precision_load_model_loads_in(tmp_path, dtype):
     """Read from the config alone (for cache keys), it must agree with the weights ``load_model`` returns."""
