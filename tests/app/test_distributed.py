@@ -38,9 +38,9 @@ STRATEGIES = {
 }
 
 
-def _config(folder, arch="llama", extra_model=None, callbacks=(), keep_hidden=False):
+def _config(folder, arch="llama", extra_model=None, callbacks=(), keep_hidden=False, every_term=False):
     """The tiny capitals config: 5 steps, checkpoints every 2, the steering adversary on (vectors every 2 steps);
-    KeepHidden only where ``keep_hidden``."""
+    KeepHidden only where ``keep_hidden``, the default config's every term where ``every_term``."""
     folder.mkdir(parents=True, exist_ok=True)
     model_dir = save_tiny_folder(folder / "tiny", arch)
     cfg, run = tiny_config(folder, model_dir, lock_args={"stop": False},
@@ -51,7 +51,7 @@ def _config(folder, arch="llama", extra_model=None, callbacks=(), keep_hidden=Fa
     # and without KeepHidden unless asked: its loss on the block outputs reaches them along a second path, summed in
     # another order behind FSDP's hooks, so DDP and FSDP weights differ by rounding (1.3e-7 measured) where they are
     # otherwise identical (test_fsdp_with_the_hidden_state_term_matches_ddp checks it to rounding)
-    drop = (".DirectionWrite",) if keep_hidden else (".DirectionWrite", ".KeepHidden")
+    drop = () if every_term else (".DirectionWrite",) if keep_hidden else (".DirectionWrite", ".KeepHidden")
     c["model"]["objectives"] = [o for o in c["model"]["objectives"] if not o["class_path"].endswith(drop)]
     c["trainer"].update({"max_steps": STEPS, "val_check_interval": STEPS, "accelerator": "cpu"})
     c["trainer"]["callbacks"] += [{"class_path": "tests.app.recorder.Recorder", "init_args": {"out": str(folder / "rec")}},
@@ -89,16 +89,16 @@ def runs(tmp_path_factory):
     """The same 5 steps on one process (batch 4) and on two (batch 2 each), DDP and FSDP2 (its checkpoints a folder
     of shards); each run's folder, the logs of its processes and what each process recorded."""
     root = tmp_path_factory.mktemp("distributed")
-    env = _env(root / "cache")
     out = {}
     for name, args in STRATEGIES.items():
         cfg, run = _config(root / name)
         sharded = ["--trainer.strategy.save_distributed_checkpoint", "true"] if name == "fsdp" else []
-        done = _train(cfg, *args, *sharded, env=env)
+        # a cache of its own: the runs' models are one model (the reference caches are keyed by content)
+        done = _train(cfg, *args, *sharded, env=_env(root / name / "cache"))
         assert done.returncode == 0, done.stderr[-3000:]
         out[name] = {"folder": root / name, "run": run, "log": done.stderr + done.stdout,
                      "records": _records(root / name)}
-    out["env"] = env
+    out["env"] = _env(root / "cache")
     return out
 
 
@@ -137,7 +137,7 @@ def test_processes_agree_and_one_writes_the_run_folder(runs, strategy):
     computed = [line for line in r["log"].splitlines() if "computing reference outputs" in line]
     assert computed and len(computed) == len(set(computed))
     alone = [line for line in runs["one"]["log"].splitlines() if "computing reference outputs" in line]
-    assert len(computed) == len(alone)  # as many as one process computes (each run has its own model folder)
+    assert len(computed) == len(alone)  # as many as one process computes (each run has its own cache)
     assert len(list((r["run"] / "wandb").glob("offline-run-*"))) == 1  # one W&B run, by the main process
     assert json.loads((r["run"] / "run.json").read_text())["global_step"] == STEPS
 
@@ -216,15 +216,13 @@ def test_publish_from_a_sharded_run_equals_publish_from_one_process(tmp_path, ru
         assert reports["ddp"][key] == reports["fsdp"][key]
 
 
-@pytest.mark.parametrize("arch, extra_model", [("olmo2", {}), ("qwen2", {"head_gates": True})],
-                         ids=["post-norm", "head-gates"])
-def test_fsdp_matches_ddp_with_post_norms_and_head_gates(tmp_path, arch, extra_model):
+def test_fsdp_matches_ddp_with_post_norms_and_head_gates(tmp_path):
     """Behind post-sublayer norms (OLMo2) the lock writes along g ⊙ u, read from norm weights that FSDP holds in
     shards outside the forward pass; head gates stay whole on every process, their gradients averaged by
-    GatedLM. Both give the steps, gate values included, of DDP."""
+    GatedLM. Both at once give the steps, gate values included, of DDP."""
     weights, losses = {}, {}
     for name in ("ddp", "fsdp"):
-        cfg, run = _config(tmp_path / name, arch, extra_model)
+        cfg, run = _config(tmp_path / name, "olmo2", {"head_gates": True})
         done = _train(cfg, *STRATEGIES[name], env=_env(tmp_path / "cache"))
         assert done.returncode == 0, done.stderr[-3000:]
         weights[name] = _weights(run)
@@ -232,50 +230,56 @@ def test_fsdp_matches_ddp_with_post_norms_and_head_gates(tmp_path, arch, extra_m
         assert all(torch.equal(records[0]["steering"][b], records[1]["steering"][b]) for b in records[0]["steering"])
         losses[name] = records[0]["losses"]
     assert losses["ddp"] == pytest.approx(losses["fsdp"], rel=SAME_STEP_REL)
-    if extra_model.get("head_gates"):
-        assert any(".head_gate." in k for k in weights["fsdp"])
+    assert any(".head_gate." in k for k in weights["fsdp"])
     assert _largest_difference(weights["ddp"], weights["fsdp"]) <= 1e-6
 
 
-def test_fsdp_with_the_hidden_state_term_matches_ddp(tmp_path):
+@pytest.fixture(scope="module")
+def hidden_runs(tmp_path_factory):
+    """The default config's KeepHidden on: DDP, FSDP2, and FSDP2 with gradient checkpointing, each run's weights and
+    losses; one reference cache."""
+    root = tmp_path_factory.mktemp("hidden")
+    out = {"cache": root / "cache"}
+    for name, args in (("ddp", STRATEGIES["ddp"]), ("fsdp", STRATEGIES["fsdp"]),
+                       ("checkpointed", [*STRATEGIES["fsdp"], "--model.gradient_checkpointing", "true"])):
+        cfg, run = _config(root / name, keep_hidden=True)
+        assert any(o["class_path"].endswith(".KeepHidden") for o in yaml.safe_load(cfg.read_text())["model"]["objectives"])
+        done = _train(cfg, *args, env=_env(out["cache"]))
+        assert done.returncode == 0, done.stderr[-3000:]
+        out[name] = {"weights": _weights(run), "losses": _records(root / name)[0]["losses"],
+                     "config": yaml.safe_load((run / "config.yaml").read_text())}
+    return out
+
+
+def test_fsdp_with_the_hidden_state_term_matches_ddp(hidden_runs):
     """The default config's KeepHidden (a loss on the neighbours' block outputs, against the reference's cached
     residual stream) under FSDP2 takes DDP's steps to float rounding: the losses to SAME_STEP_REL, the weights to
     a quarter of one step (one step moves a weight by up to lr = 2e-5; 1.3e-7 measured with the packages of
     2026-11, 1.05e-6 with those of 2026-12: where Adam's step of an entry is near 0, rounding moves it by a
     fraction of a step). A broken sharding of the term changes the losses beyond SAME_STEP_REL."""
-    weights, losses = {}, {}
-    for name in ("ddp", "fsdp"):
-        cfg, run = _config(tmp_path / name, keep_hidden=True)
-        assert any(o["class_path"].endswith(".KeepHidden") for o in yaml.safe_load(cfg.read_text())["model"]["objectives"])
-        done = _train(cfg, *STRATEGIES[name], env=_env(tmp_path / "cache"))
-        assert done.returncode == 0, done.stderr[-3000:]
-        weights[name], losses[name] = _weights(run), _records(tmp_path / name)[0]["losses"]
-    assert list((tmp_path / "cache" / "reference").glob("hidden-*.pt"))  # the reference's residual stream, cached once
-    assert losses["ddp"] == pytest.approx(losses["fsdp"], rel=SAME_STEP_REL)
-    assert _largest_difference(weights["ddp"], weights["fsdp"]) <= 5e-6
+    ddp, fsdp = hidden_runs["ddp"], hidden_runs["fsdp"]
+    assert list((hidden_runs["cache"] / "reference").glob("hidden-*.pt"))  # the reference's residual stream, cached
+    assert ddp["losses"] == pytest.approx(fsdp["losses"], rel=SAME_STEP_REL)
+    assert _largest_difference(ddp["weights"], fsdp["weights"]) <= 5e-6
 
 
-def test_fsdp_with_gradient_checkpointing_takes_the_same_steps(tmp_path):
+def test_fsdp_with_gradient_checkpointing_takes_the_same_steps(hidden_runs):
     """Gradient checkpointing under FSDP2: every sharded block recomputed in the backward pass (its parameters
     gathered again, the ablation and steering hooks replayed; KeepHidden's loss on the block outputs on) takes the
     steps FSDP2 takes without it."""
-    weights, losses = {}, {}
-    for name, extra in (("plain", []), ("checkpointed", ["--model.gradient_checkpointing", "true"])):
-        cfg, run = _config(tmp_path / name, keep_hidden=True)
-        done = _train(cfg, *STRATEGIES["fsdp"], *extra, env=_env(tmp_path / "cache"))
-        assert done.returncode == 0, done.stderr[-3000:]
-        weights[name], losses[name] = _weights(run), _records(tmp_path / name)[0]["losses"]
-        assert yaml.safe_load((run / "config.yaml").read_text())["model"]["gradient_checkpointing"] is bool(extra)
-    assert losses["checkpointed"] == pytest.approx(losses["plain"], rel=SAME_STEP_REL)
-    assert _largest_difference(weights["plain"], weights["checkpointed"]) <= 1e-6
+    plain, checkpointed = hidden_runs["fsdp"], hidden_runs["checkpointed"]
+    assert plain["config"]["model"]["gradient_checkpointing"] is False
+    assert checkpointed["config"]["model"]["gradient_checkpointing"] is True
+    assert checkpointed["losses"] == pytest.approx(plain["losses"], rel=SAME_STEP_REL)
+    assert _largest_difference(plain["weights"], checkpointed["weights"]) <= 1e-6
 
 
-@pytest.mark.parametrize("arch, extra_model", [("llama", {"finetuning": "lora"}), ("gemma", {})],
-                         ids=["lora", "tied-embeddings"])
-def test_fsdp_with_empty_init_takes_the_steps_of_every_process_reading_the_weights(tmp_path, arch, extra_model):
+def test_fsdp_with_empty_init_takes_the_steps_of_every_process_reading_the_weights(tmp_path):
     """``model.empty_init`` (on in configs/strategy_fsdp.yaml): the second process builds the model on the meta
     device and receives its shards and buffers from the first after sharding; the steps are those of every process
-    reading the weights itself, bit for bit (LoRA's adapters, Gemma's tied embeddings and rotary buffers included)."""
+    reading the weights itself, bit for bit (LoRA's adapters, Gemma's tied embeddings and rotary buffers, in one
+    run)."""
+    arch, extra_model = "gemma", {"finetuning": "lora"}
     weights, losses, logs = {}, {}, {}
     for name, flag in (("read", "false"), ("empty", "true")):
         cfg, run = _config(tmp_path / name, arch, extra_model)
@@ -291,17 +295,18 @@ def test_fsdp_with_empty_init_takes_the_steps_of_every_process_reading_the_weigh
     assert all(torch.equal(weights["empty"][k], weights["read"][k]) for k in weights["read"])
 
 
-def test_python_dash_m_modular_starts_the_other_processes(tmp_path):
+def test_python_dash_m_modular_starts_the_other_processes_with_every_default_term(tmp_path):
     """``python -m modular train fit`` on two processes: Lightning's launcher starts the second one from this
     process's command line, which for a module run with -m was ``python -m modular.__main__ fit ...`` (no command:
-    the second process exited with status 2 and the run failed); both now train."""
-    cfg, run = _config(tmp_path)
+    the second process exited with status 2 and the run failed); both now train, here with the default config's
+    every term (KeepHidden and DirectionWrite too) on a Qwen2 model."""
+    cfg, run = _config(tmp_path, "qwen2", every_term=True)
     done = subprocess.run([sys.executable, "-m", "modular", "train", "fit", "--config", str(cfg), *STRATEGIES["ddp"],
-                           "--trainer.max_steps", "2"], capture_output=True, text=True, cwd=tmp_path,
+                           "--trainer.max_steps", "3"], capture_output=True, text=True, cwd=tmp_path,
                           env=_env(tmp_path / "cache"))
     assert done.returncode == 0, done.stderr[-3000:]
     assert len(_records(tmp_path)) == 2  # each process recorded its steps
-    assert json.loads((run / "run.json").read_text())["global_step"] == 2
+    assert json.loads((run / "run.json").read_text())["global_step"] == 3
 
 
 def test_empty_init_is_refused_under_ddp(tmp_path):
