@@ -171,13 +171,20 @@ def kv_caches(monkeypatch):
     return start
 
 
-@pytest.fixture
-def tiny_env(isolated_cache):
-    """Environment of a subprocess on tiny models: W&B offline, the isolated cache, and its own W&B service (a
-    service this test process started, named by WANDB_SERVICE, would hold every run id a subprocess used)."""
-    import os
+@pytest.fixture(scope="session")
+def shared_cache(tmp_path_factory):
+    """A cache the tests of one worker share: reference outputs are keyed by the model's content, so the runs of
+    every test on the same tiny model (the same architecture and seed) compute them once."""
+    return tmp_path_factory.mktemp("shared-cache")
 
-    env = dict(os.environ, WANDB_MODE="offline", MODULAR_CACHE=str(isolated_cache))
+
+@pytest.fixture
+def tiny_env(request, shared_cache):
+    """Environment of a subprocess on tiny models: W&B offline, the shared cache (the test's isolated cache where it
+    asks for one, to look at what was cached), and its own W&B service (a service this test process started, named
+    by WANDB_SERVICE, would hold every run id a subprocess used)."""
+    cache = request.getfixturevalue("isolated_cache") if "isolated_cache" in request.fixturenames else shared_cache
+    env = dict(os.environ, WANDB_MODE="offline", MODULAR_CACHE=str(cache))
     env.pop("WANDB_SERVICE", None)
     return env
 
