@@ -6,28 +6,10 @@ import logging
 from pathlib import Path
 from typing import Literal
 
-import torch
-
 from modular import ModularError
-from modular.analysis.attention import plot_attention, plot_sweep, span_attention
-from modular.analysis.discovery import (
-    ablation_curve,
-    best_direction,
-    directions_by_format,
-    plot_ablation,
-    plot_designated,
-    plot_heatmaps,
-    save_directions,
-)
-from modular.analysis.insertion import LABELS, filler, insertion_accuracy, length_sweep, pooled_items
 from modular.app.options import Split, output_folder
 from modular.data import load_behaviour, retain_data
-from modular.evaluation.behaviour import choice_measures, evaluate_behaviour
-from modular.evaluation.retain import first_token_logp
-from modular.evaluation.stats import wilson_interval
-from modular.models.precision import DTypeName
-from modular.plots import bar_chart
-from modular.runs import load_model_or_run, load_open_model, load_tokenizer_or_run, read_run
+from modular.models.names import DTypeName
 from modular.tracking import log_to_wandb, write_json
 
 log = logging.getLogger("modular")
@@ -79,6 +61,23 @@ def directions(
             found direction and the run's designated direction for ``behaviour``.
         out: Default: outputs/analysis/directions/<model>-<behaviour>.
     """
+    # the library is loaded here, not at the top: help loads no torch, a command loads its modules when it runs
+    import torch
+
+    from modular.analysis.discovery import (
+        ablation_curve,
+        best_direction,
+        directions_by_format,
+        plot_ablation,
+        plot_designated,
+        plot_heatmaps,
+        save_directions,
+    )
+    from modular.evaluation.behaviour import evaluate_behaviour
+    from modular.evaluation.retain import first_token_logp
+    from modular.evaluation.stats import wilson_interval
+    from modular.runs import load_model_or_run, load_open_model, load_tokenizer_or_run, read_run
+
     fmts = list(dict.fromkeys(formats))
     if not fmts:
         raise ModularError("give at least one format with --formats")
@@ -173,6 +172,8 @@ def _direction_data(behaviour: str, tokenizer, seed: int, n_prompts: int, limit:
                     metric: str):
     """The prompts whose means give the directions (behaviour train prompts, as many retain prompts), the test
     items and held-out retain prompts the ablations are scored on, and whether scoring is by choice."""
+    from modular.evaluation.behaviour import choice_measures
+
     data = load_behaviour(behaviour, seed=seed, tokenizer=tokenizer)
     retain = retain_data(seed)
     n = min(n_prompts, len(data["train"]), len(retain["train"]))
@@ -240,6 +241,11 @@ def attention(
         symbol: The repeated symbol of meaningless filler.
         out: Default: outputs/analysis/attention/<model>-<task>.
     """
+    from modular.analysis.attention import plot_attention, plot_sweep, span_attention
+    from modular.analysis.insertion import LABELS, filler, insertion_accuracy, length_sweep, pooled_items
+    from modular.plots import bar_chart
+    from modular.runs import load_model_or_run, load_tokenizer_or_run
+
     kinds = list(dict.fromkeys(insert))
     split_names = list(dict.fromkeys(splits))
     seed_list = list(dict.fromkeys(seeds)) or [0]

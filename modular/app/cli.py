@@ -20,7 +20,6 @@ from jsonargparse import ActionConfigFile, ArgumentParser
 
 from modular import ModularError
 from modular.app import analysis, evaluations, heads, merge, models, pipeline, publishing
-from modular.app import train as train_cli
 from modular.app.options import SHARED, shared_help
 
 TRAIN_HELP = ("Gated training (LightningCLI over the gated module and its data): modular train fit --config "
@@ -107,7 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     """Run ``modular`` on ``argv`` (default: the process's arguments); input errors: one line, status 2."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["train"]:
-        return train_cli.main(argv[1:])
+        from modular.app import train  # LightningCLI: lightning is loaded for `modular train` alone
+
+        return train.main(argv[1:])
     _setup_logging()
     parser = build_parser(COMMANDS, description="modular: gate, lock, publish and unlock behaviours of LMs.")
     cfg = parser.parse_args(argv)

@@ -14,45 +14,8 @@ from modular.app.options import Split, output_folder
 from modular.data import BEHAVIOURS, load_behaviour, neutral_text, parse_behaviour, retain_data
 from modular.data.behaviours import builtin_neighbours
 from modular.data.schema import DEFAULT_LOCKED_RESPONSE
-from modular.evaluation.attack import plot_attack, prefill_attack, residual_scale, steering_attack, weight_attack
-from modular.evaluation.baselines import refusal_finetune
-from modular.evaluation.behaviour import evaluate_behaviour
-from modular.evaluation.lock import (
-    NEIGHBOUR_TOLERANCE,
-    held_out_verdict,
-    lock_report,
-    plot_lock,
-    shift_text,
-    verdict_text,
-)
-from modular.evaluation.quantized import quantized_report
-from modular.evaluation.relearning import (
-    DEFAULT_LRS,
-    cost_ratio,
-    eval_steps,
-    example_rows,
-    run_sweep,
-    sweep,
-    text_rows,
-)
-from modular.evaluation.retain import first_token_logp, mean_kl
-from modular.evaluation.stats import wilson_interval
-from modular.models import load_model, load_tokenizer
-from modular.models.precision import DTypeName, dtype_name, model_dtype
-from modular.models.quantize import Scheme, check_scheme
-from modular.plots import bar_chart
-from modular.publish import MANIFEST, read_manifest
-from modular.runs import (
-    LOCK_FIGURE,
-    LOCK_REPORT,
-    behaviour_sources,
-    checkpoint_step,
-    load_model_or_run,
-    load_open_model,
-    load_tokenizer_or_run,
-    lock_verdict,
-    read_run,
-)
+from modular.evaluation.defaults import DEFAULT_LRS, NEIGHBOUR_TOLERANCE
+from modular.models.names import DTypeName, Scheme
 from modular.tracking import log_to_wandb, read_json_if_valid, write_json
 
 log = logging.getLogger("modular")
@@ -81,6 +44,13 @@ def behaviour(
     Args:
         out: Default: outputs/behaviour/<model>.
     """
+    # the library is loaded here, not at the top: help loads no torch, a command loads its modules when it runs
+    from modular.evaluation.behaviour import evaluate_behaviour
+    from modular.evaluation.stats import wilson_interval
+    from modular.models.precision import dtype_name, model_dtype
+    from modular.plots import bar_chart
+    from modular.runs import load_model_or_run, load_tokenizer_or_run
+
     names = list(behaviours)
     if not names:
         raise ModularError("give at least one behaviour with --behaviours")
@@ -129,6 +99,19 @@ def lock(run: str, out: str | None = None, other_limit: int = 64, harden: bool =
             state is named in one warning line, with the items it lost and gained and the paired test's p-value
             (``neighbour_shifts`` in lock.json).
     """
+    from modular.evaluation.lock import held_out_verdict, lock_report, plot_lock, shift_text, verdict_text
+    from modular.models import load_model, load_tokenizer
+    from modular.models.precision import dtype_name, model_dtype
+    from modular.runs import (
+        LOCK_FIGURE,
+        LOCK_REPORT,
+        behaviour_sources,
+        checkpoint_step,
+        load_open_model,
+        lock_verdict,
+        read_run,
+    )
+
     r = read_run(run)
     trained = dict(r.record.get("neighbour_sources") or {})
     named = {n: n for n in builtin_neighbours(r.behaviours, "evaluate")}
@@ -207,6 +190,11 @@ def attack(model: str, behaviours: list[str] | None = None, alphas: list[float] 
         base: Default: the one the folder's modular.json names; a
             base given as a local folder is named there by its last part only, so give it here).
     """
+    from modular.evaluation.attack import plot_attack, prefill_attack, residual_scale, steering_attack, weight_attack
+    from modular.evaluation.relearning import cost_ratio, eval_steps, example_rows, sweep, text_rows
+    from modular.models import load_model, load_tokenizer
+    from modular.models.precision import dtype_name, model_dtype
+
     folder = Path(model)
     manifest, sources = _published(folder, behaviours)
     refusals = manifest.get("locked_responses", {})
@@ -306,6 +294,8 @@ def attack(model: str, behaviours: list[str] | None = None, alphas: list[float] 
 
 
 def _accuracy(model, tokenizer, test, **kw) -> float:
+    from modular.evaluation.behaviour import evaluate_behaviour
+
     return evaluate_behaviour(model, tokenizer, test, **kw).accuracy
 
 
@@ -348,6 +338,8 @@ class _AttackProgress:
         """:func:`run_sweep` of ``model`` (its own accuracy ``start``) as the sweep ``name`` of behaviour ``b``:
         the settings saved for it are taken over, each new one saved as it is measured. A sweep saved for a model
         that started elsewhere (a baseline trained again to another result) is measured afresh."""
+        from modular.evaluation.relearning import run_sweep
+
         sweeps = self._behaviour(b)["sweeps"]
         if sweeps.get(name, {}).get("start") != start:
             sweeps[name] = {"start": start, "settings": {}}
@@ -366,6 +358,10 @@ class _AttackProgress:
 def _baseline(name: str, base, tokenizer, behaviour_train, retain, test, locked_response: str, base_acc: float,
               steps: int, lr: float, seed: int, batch_size: int, relearn) -> dict:
     """A baseline's accuracy before the attack and its relearning sweep (``relearn(model, start=accuracy)``)."""
+    from modular.evaluation.baselines import refusal_finetune
+    from modular.evaluation.behaviour import evaluate_behaviour
+    from modular.evaluation.retain import first_token_logp, mean_kl
+
     if name == "base":
         return {"kind": "the base model", "start_accuracy": base_acc, "c_relearning": relearn(base, start=base_acc)}
     model, info = refusal_finetune(base, tokenizer, behaviour_train, retain["train"], locked_response, steps, lr,
@@ -384,6 +380,8 @@ def _baseline(name: str, base, tokenizer, behaviour_train, retain, test, locked_
 
 def _published(folder: Path, behaviours: list[str] | None) -> tuple[dict, dict[str, str]]:
     """A published folder's manifest, and the locked behaviours asked for (default: all) by name → data source."""
+    from modular.publish import MANIFEST, read_manifest
+
     manifest = read_manifest(folder)
     if manifest is None:
         raise ModularError(f"{folder} is not a published modular model (no {MANIFEST})")
@@ -425,6 +423,12 @@ def quantized(model: str, behaviours: list[str] | None = None, schemes: list[Sch
         group_size: int4's inputs per quantisation group (a multiple of 8 dividing every layer's inputs; default:
             optimum-quanto's, 128 or the largest multiple of 32 below it that divides them).
     """
+    from modular.evaluation.quantized import quantized_report
+    from modular.models import load_model, load_tokenizer
+    from modular.models.precision import dtype_name, model_dtype
+    from modular.models.quantize import check_scheme
+    from modular.plots import bar_chart
+
     folder = Path(model)
     manifest, sources = _published(folder, behaviours)
     if not schemes:

@@ -7,30 +7,11 @@ import logging
 from pathlib import Path
 from typing import Literal
 
-import torch
-
 from modular import ModularError
 from modular.app.options import Split, output_folder, slug
 from modular.data import load_behaviour, neutral_text
-from modular.evaluation.retain import perplexity
-from modular.heads.categories import (
-    ABLATION_KINDS,
-    CATEGORIES,
-    METHODS,
-    ablation_curve,
-    classify_heads,
-    curve_checks,
-    head_values,
-    joint_categories,
-    plot_ablation_grid,
-    response_batch,
-    single_head_effects,
-)
-from modular.heads.curves import multiplier, plot_efficiency_curves
-from modular.heads.efficiency import DEFINITIONS, RANKINGS, ig_steps_for, task_curves
 from modular.heads.loading import load_head_model, model_label
-from modular.heads.ranking import ABLATIONS
-from modular.models.precision import DTypeName
+from modular.models.names import DTypeName
 from modular.tracking import log_to_wandb, read_json_if_valid, write_json
 
 log = logging.getLogger("modular")
@@ -157,6 +138,14 @@ def _check_models(models) -> list[str]:
 
 def _curve(models, tasks, ranking, ig_steps, refine, definition, ablation_kind, limit, split, threshold, seed,
            out_dir, device="auto", dtype="auto") -> dict:
+    # the measures are loaded here, not at the top: help loads no torch, a command loads its modules when it runs
+    import torch
+
+    from modular.evaluation.retain import perplexity
+    from modular.heads.curves import multiplier, plot_efficiency_curves
+    from modular.heads.efficiency import DEFINITIONS, RANKINGS, ig_steps_for, task_curves
+    from modular.heads.ranking import ABLATIONS
+
     if definition not in DEFINITIONS:
         raise ModularError(f"unknown definition '{definition}': use one of {DEFINITIONS}")
     if ranking not in RANKINGS:
@@ -224,6 +213,19 @@ def _curve(models, tasks, ranking, ig_steps, refine, definition, ablation_kind, 
 
 def _ablation(models, tasks, kind, limit, split, classify_split, threshold, max_heads, method, band, seed,
               out_dir, device="auto", dtype="auto") -> dict:
+    from modular.heads.categories import (
+        ABLATION_KINDS,
+        CATEGORIES,
+        METHODS,
+        ablation_curve,
+        classify_heads,
+        curve_checks,
+        head_values,
+        joint_categories,
+        response_batch,
+        single_head_effects,
+    )
+
     if kind not in ABLATION_KINDS:
         raise ModularError(f"unknown ablation kind '{kind}' for --ablation: use one of {ABLATION_KINDS}")
     if split == classify_split:
@@ -296,6 +298,7 @@ def _resume(path: Path, settings: dict, specs: dict[str, str], results: dict[str
 
 def _write_ablation(out_dir, results, labels, models, tasks, kind, threshold, split, classify_split, limit, max_heads,
                     method, band, seed, partial: bool) -> dict:
+    from modular.heads.categories import CATEGORIES, plot_ablation_grid
 
     specs = dict(zip(labels, models))
     tasks = [t for t in tasks if results[t]]

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Literal, Optional
 
 from modular.data.behaviours import BEHAVIOURS
-from modular.models.precision import DTypeName
+from modular.models.names import DTypeName
 
 Split = Literal["train", "validation", "test"]
 

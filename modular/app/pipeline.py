@@ -14,19 +14,7 @@ import yaml
 from modular import ModularError, error_reason
 from modular.app.evaluations import ATTACK_FIGURE, ATTACK_REPORT, attack, lock
 from modular.app.publishing import publish, unlock
-from modular.app.train import main as train
-from modular.evaluation.lock import shift_text, verdict_text
-from modular.models.precision import DTypeName
-from modular.publish import key_path, keys_folder_for, read_manifest
-from modular.runs import (
-    LOCK_FIGURE,
-    LOCK_REPORT,
-    RUN_RECORD,
-    behaviour_sources,
-    checkpoint_step,
-    lock_verdict,
-    read_run,
-)
+from modular.models.names import DTypeName
 
 log = logging.getLogger("modular")
 DEFAULT_CONFIG = "gate_capitals_smollm2.yaml"
@@ -80,6 +68,11 @@ def main_job(config: str | None = None, out: str | None = None, skip_attack: boo
 def run_pipeline(config: str | None = None, out: str | None = None, skip_attack: bool = False, device: str = "auto",
                  dtype: DTypeName = "auto") -> dict:
     """Run every stage for ``config`` (default: the built-in capitals config) and return the summary's numbers."""
+    # training (lightning) and the library are loaded here, not at the top: help loads no torch, a command loads its
+    # modules when it runs
+    from modular.app.train import main as train
+    from modular.publish import key_path, keys_folder_for, read_manifest
+    from modular.runs import RUN_RECORD, behaviour_sources, checkpoint_step, lock_verdict, read_run
 
     config = Path(config) if config else builtin_config()
     if not config.is_file():
@@ -123,6 +116,10 @@ def _steps(w: dict) -> str:
 
 
 def summarise(run_dir: Path, out_dir: Path) -> dict:
+    from modular.evaluation.lock import shift_text, verdict_text
+    from modular.publish import keys_folder_for
+    from modular.runs import LOCK_FIGURE, LOCK_REPORT
+
     lock = json.loads((run_dir / LOCK_REPORT).read_text())
     lines = []
     gated = lock["gated"]

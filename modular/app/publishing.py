@@ -6,10 +6,7 @@ import logging
 from pathlib import Path
 
 from modular import ModularError
-from modular.models import load_tokenizer
-from modular.models.precision import DTYPES, DTypeName, cast_model, dtype_name, model_dtype
-from modular.publish import check_output_folder, keys_folder_for, publish_model, unlock_folder
-from modular.runs import LOCK_REPORT, checkpoint_step, load_open_model, lock_verdict, read_run
+from modular.models.names import DTypeName
 from modular.tracking import read_json_if_valid
 
 log = logging.getLogger("modular")
@@ -33,6 +30,12 @@ def publish(run: str, out: str, keys: str | None = None, harden: bool = True, ov
             the weights `modular lock --dtype` scores. The lock is computed in float64 and rounded once to it, on the
             CPU; the keys restore the trained weights in that precision.
     """
+    # the library is loaded here, not at the top: help loads no torch, a command loads its modules when it runs
+    from modular.models import load_tokenizer
+    from modular.models.precision import DTYPES, cast_model, dtype_name, model_dtype
+    from modular.publish import check_output_folder, keys_folder_for, publish_model
+    from modular.runs import LOCK_REPORT, checkpoint_step, load_open_model, lock_verdict, read_run
+
     keys = keys or str(keys_folder_for(out))
     check_output_folder(out, [run], overwrite)  # before any work: nothing is loaded for a refused folder
     check_output_folder(keys, [run], overwrite, option="--keys", kind="keys")
@@ -100,6 +103,8 @@ def unlock(model: str, key: str, out: str, overwrite: bool = False) -> str:
         key: Key file of one behaviour (``<keys folder>/<behaviour>.key.safetensors``).
         out: For the unlocked model (written atomically; never inside ``model``).
     """
+    from modular.publish import unlock_folder
+
     folder = unlock_folder(model, key, out, overwrite=overwrite)
     print(folder)
     return str(folder)

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import re
+from functools import cache
 from pathlib import Path
-from typing import Callable
-
-import datasets
+from typing import TYPE_CHECKING, Callable
 
 from modular import ModularError
 from modular.data import generators as g
 from modular.data.schema import COLUMNS, SPLITS, prompt_hash
+
+if TYPE_CHECKING:
+    import datasets
 
 #: name -> generator(seed, tokenizer) -> {split: [record]}
 BEHAVIOURS: dict[str, Callable] = {
@@ -83,26 +85,34 @@ def builtin_neighbours(behaviours, use: str) -> list[str]:
                 out.append(n)
     return out
 
-_FEATURES = datasets.Features(
-    {
-        "prompt": datasets.Value("string"),
-        "target": datasets.Value("string"),
-        "answers": datasets.Sequence(datasets.Value("string")),
-        "prefixes": datasets.Sequence(datasets.Value("string")),
-        "wrong": datasets.Value("string"),
-        "counterfactual": datasets.Value("string"),
-        "chat": datasets.Value("bool"),
-    }
-)
+
+@cache
+def _features() -> datasets.Features:
+    """The common schema. ``datasets`` is loaded with the first data, not with the registry."""
+    import datasets
+
+    return datasets.Features(
+        {
+            "prompt": datasets.Value("string"),
+            "target": datasets.Value("string"),
+            "answers": datasets.Sequence(datasets.Value("string")),
+            "prefixes": datasets.Sequence(datasets.Value("string")),
+            "wrong": datasets.Value("string"),
+            "counterfactual": datasets.Value("string"),
+            "chat": datasets.Value("bool"),
+        }
+    )
 
 
 def to_dataset_dict(splits: dict[str, list[dict]]) -> datasets.DatasetDict:
     """Records per split -> DatasetDict with the common schema (all three splits present)."""
+    import datasets
+
     out = {}
     for split in SPLITS:
         rows = splits.get(split, [])
         out[split] = datasets.Dataset.from_dict(
-            {c: [r[c] for r in rows] for c in COLUMNS}, features=_FEATURES
+            {c: [r[c] for r in rows] for c in COLUMNS}, features=_features()
         )
     return datasets.DatasetDict(out)
 
@@ -190,6 +200,8 @@ def load_behaviour(name: str, seed: int = 0, tokenizer=None) -> datasets.Dataset
 
 
 def _load_hub(name: str) -> datasets.DatasetDict:
+    import datasets
+
     from modular.data.schema import record
 
     try:
@@ -215,5 +227,7 @@ def retain_data(seed: int = 0) -> datasets.DatasetDict:
 
 def neutral_text(seed: int = 0) -> datasets.DatasetDict:
     """Neutral prose paragraphs (column ``text``) for perplexity, with a held-out test split."""
+    import datasets
+
     parts = g.neutral_paragraphs(seed)
     return datasets.DatasetDict({s: datasets.Dataset.from_dict({"text": parts[s]}) for s in SPLITS})

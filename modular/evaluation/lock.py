@@ -18,6 +18,7 @@ from modular.data import BEHAVIOURS, load_behaviour, neutral_text, retain_data
 from modular.data.behaviours import NEIGHBOUR_BEHAVIOURS
 from modular.data.schema import all_refusals, is_refusal
 from modular.evaluation.behaviour import evaluate_behaviour, generate, last_logits
+from modular.evaluation.defaults import NEIGHBOUR_TOLERANCE  # defined apart, without torch, for signatures
 from modular.evaluation.metrics import share
 from modular.evaluation.retain import first_token_logp, mean_kl, perplexity
 from modular.evaluation.stats import paired_change, wilson_interval
@@ -29,9 +30,6 @@ from modular.models.adapter import ArchitectureAdapter
 log = logging.getLogger("modular")
 
 STATES = ("base", "open", "locked", "published_locked", "unlocked")
-
-#: how far (accuracy, either way) a neighbour may move from base in any state before the report names it
-NEIGHBOUR_TOLERANCE = 0.03
 
 
 def shift_text(shift: dict) -> str:

@@ -23,13 +23,12 @@ from modular import ModularError
 from modular.data.formatting import LeftPadCollator, encode_example
 from modular.data.schema import DEFAULT_LOCKED_RESPONSE
 from modular.evaluation.behaviour import evaluate_behaviour
+from modular.evaluation.defaults import DEFAULT_LRS as DEFAULT_LRS  # defined apart, without torch, for signatures
 from modular.optim import adamw
 
 MODES = ("full", "lora")
 #: the fractions of the reference (open) accuracy whose first step is reported
 THRESHOLDS = {"50pct": 0.5, "90pct": 0.9, "100pct": 1.0}
-#: the learning rates an attacker tries by default, an order of magnitude apart (LoRA's are higher, as usual)
-DEFAULT_LRS = {"full": (1e-5, 1e-4, 1e-3), "lora": (1e-4, 1e-3, 1e-2)}
 
 
 @dataclass(frozen=True)

@@ -9,13 +9,11 @@ published or unlocked keep theirs). Any other name is taken as asked.
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 
 from modular import ModularError
+from modular.models.names import DTypeName as DTypeName  # defined apart, without torch, for signatures
 
-DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 

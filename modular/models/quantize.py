@@ -18,13 +18,13 @@ is not simulated. Its k-quants (Q4_K_M, ...) have no reference quantiser in ``gg
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from typing import get_args
 
 import torch
 
 from modular import ModularError
+from modular.models.names import Scheme  # defined apart, without torch, for signatures
 
-Scheme = Literal["none", "int8", "int4", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0"]
 SCHEMES = get_args(Scheme)
 GGUF_SCHEMES = tuple(s for s in SCHEMES if s.startswith("q"))  # llama.cpp's block formats
 GGUF_BLOCK = 32  # inputs per block of every GGUF scheme here

@@ -2,6 +2,9 @@
 jsonargparse's own syntax (positional arguments, lists, YAML), input errors as one line."""
 
 import inspect
+import json
+import subprocess
+import sys
 import typing
 from pathlib import Path
 
@@ -74,8 +77,10 @@ def test_positional_model_lists_and_yaml(tmp_path):
 
 
 def test_inspect_takes_the_model_as_an_argument(monkeypatch, capsys):
+    import modular.runs  # what the command loads when it runs
+
     seen = []
-    monkeypatch.setattr(cli.models, "load_model_or_run", lambda m, **kw: seen.append(m) or (_ for _ in ()).throw(
+    monkeypatch.setattr(modular.runs, "load_model_or_run", lambda m, **kw: seen.append(m) or (_ for _ in ()).throw(
         cli.ModularError(f"unknown model '{m}'")))
     assert cli.main(["inspect", "no-such-model", "--format", "json"]) == 2
     assert seen == ["no-such-model"]
@@ -83,8 +88,10 @@ def test_inspect_takes_the_model_as_an_argument(monkeypatch, capsys):
 
 
 def test_train_is_the_training_cli(monkeypatch):
+    from modular.app import train  # loaded by `modular train` alone
+
     got = []
-    monkeypatch.setattr(cli.train_cli, "main", lambda argv: got.append(argv) or 0)
+    monkeypatch.setattr(train, "main", lambda argv: got.append(argv) or 0)
     assert cli.main(["train", "fit", "--config", "x.yaml"]) == 0
     assert got == [["fit", "--config", "x.yaml"]]
 
@@ -103,6 +110,46 @@ def test_help_documents_every_option(argv, capsys):
     fn = fn[argv[1]] if isinstance(fn, dict) else fn
     for name in inspect.signature(fn).parameters:
         assert name in text, f"{argv}: {name} is not documented"
+
+
+#: run in a fresh interpreter: each help of ``argv`` (a JSON list of argument lists) -> its output, and the model
+#: libraries imported by then
+_HELP_SCRIPT = """
+import contextlib, io, json, sys
+from modular.app import cli
+out = {}
+for argv in json.loads(sys.argv[1]):
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        try:
+            cli.main(argv)
+        except SystemExit as err:
+            assert err.code == 0, (argv, err.code)
+    out[" ".join(argv)] = text.getvalue()
+print(json.dumps({"help": out, "loaded": [m for m in ("torch", "lightning", "transformers") if m in sys.modules]}))
+"""
+
+
+def test_help_loads_no_model_library():
+    """``modular --help`` and the help of every subcommand but ``train`` (groups and their commands) import neither
+    torch, lightning nor transformers: a command loads its modules when it runs, so that help is quick."""
+    commands = dict(_functions())
+    argvs = [["--help"], *([*label.split(), "--help"] for label in commands),
+             *([name, "--help"] for name, fn in cli.COMMANDS.items() if isinstance(fn, dict))]
+    res = subprocess.run([sys.executable, "-c", _HELP_SCRIPT, json.dumps(argvs)], capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr
+    got = json.loads(res.stdout.splitlines()[-1])
+    assert got["loaded"] == [], f"help imported {got['loaded']}"
+    helps = got["help"]
+    assert all(name in helps["--help"] for name in cli.COMMANDS)
+    for label, fn in commands.items():
+        text = helps[f"{label} --help"]
+        for name in inspect.signature(fn).parameters:
+            assert name in text, f"{label} --help: {name} is not documented"
+    for name, group in cli.COMMANDS.items():
+        if isinstance(group, dict):
+            assert all(sub in helps[f"{name} --help"] for sub in group)
 
 
 def test_output_folder_default_is_one_slug_per_name():

@@ -146,7 +146,7 @@ def test_ablation_command_joint_classes_by_default(folders, monkeypatch):
 
 
 def test_ablation_run_cut_short_resumes_with_what_it_measured(folders, monkeypatch):
-    import modular.app.heads as app_heads
+    import modular.heads.categories as categories  # what `heads ablation` loads when it runs
 
     monkeypatch.setenv("WANDB_MODE", "disabled")
     out = folders["root"] / "ablation_resume"
@@ -158,8 +158,8 @@ def test_ablation_run_cut_short_resumes_with_what_it_measured(folders, monkeypat
            "results": {"agreement": full["results"]["agreement"]}}  # as a run killed after its first task leaves it
     (out / "ablation.json").write_text(json.dumps(cut))
     calls = []
-    real = app_heads.single_head_effects
-    monkeypatch.setattr(app_heads, "single_head_effects", lambda *a, **k: calls.append(k["desc"]) or real(*a, **k))
+    real = categories.single_head_effects
+    monkeypatch.setattr(categories, "single_head_effects", lambda *a, **k: calls.append(k["desc"]) or real(*a, **k))
     assert _run(args) == 0
     assert calls == ["llama/commonsense: single heads"]  # agreement was taken over, not measured again
     report = json.loads((out / "ablation.json").read_text())

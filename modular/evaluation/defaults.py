@@ -1,0 +1,9 @@
+"""Defaults of the evaluations, apart from the evaluation modules (which import torch and re-export them): a
+signature that takes them as its defaults loads no torch."""
+
+from __future__ import annotations
+
+#: how far (accuracy, either way) a neighbour may move from base in any state before the report names it
+NEIGHBOUR_TOLERANCE = 0.03
+#: the learning rates an attacker tries by default, an order of magnitude apart (LoRA's are higher, as usual)
+DEFAULT_LRS = {"full": (1e-5, 1e-4, 1e-3), "lora": (1e-4, 1e-3, 1e-2)}
