@@ -15,9 +15,6 @@ from safetensors.torch import load_file
 from tests.app.test_train import ROOT, _publish, _train, tiny_config
 from tests.conftest import save_tiny_folder
 
-#: every test here starts two processes: one xdist worker runs them one after another (the other worker's tests go on
-#: beside them), and the runs of the module's fixtures are made once
-pytestmark = pytest.mark.xdist_group("distributed")
 STEPS = 5
 #: two processes average their own means (over the tokens of their rows), one process one mean over every row's
 #: tokens: the logged losses differ by up to 2.0e-3 (measured); both processes on the same rows (no distributed

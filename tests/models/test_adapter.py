@@ -1,6 +1,4 @@
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -48,14 +46,14 @@ def test_unsupported_architecture_is_one_clear_line():
         check_supported(BertConfig())
 
 
-def test_inspect_cli_on_saved_folder(tmp_path, arch):
+def test_inspect_cli_on_saved_folder(tmp_path, arch, capsys):
+    """``modular inspect FOLDER`` (in this process; tests/integration runs ``python -m modular inspect``)."""
+    from modular.app import cli
     from tests.conftest import make_tiny_model
 
     make_tiny_model(arch).save_pretrained(tmp_path / arch)
-    out = subprocess.run(
-        [sys.executable, "-m", "modular", "inspect", str(tmp_path / arch), "--format", "json"],
-        capture_output=True, text=True, check=True,
-    )
-    info = json.loads(out.stdout)
+    capsys.readouterr()
+    assert cli.main(["inspect", str(tmp_path / arch), "--format", "json"]) == 0
+    info = json.loads(capsys.readouterr().out)
     assert info["n_layers"] == LAYERS and info["n_heads"] == HEADS and info["d_model"] == D
     assert info["head_dim"] == D // HEADS
