@@ -12,7 +12,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from tests.app.test_train import ROOT, _publish, _train, tiny_config
+from tests.app.test_train import ROOT, _train, tiny_config
 from tests.conftest import save_tiny_folder
 
 STEPS = 5
@@ -75,6 +75,14 @@ def _weights(run) -> dict:
     return read_checkpoint(run / "last.ckpt")["state_dict"]
 
 
+def _publish(run, out) -> None:
+    """``modular publish --run RUN --out OUT --allow_failed_lock true``, in this process (a tiny run's lock is not
+    verified); tests/app/test_train.py runs the command in a process of its own."""
+    from modular.app import cli
+
+    assert cli.main(["publish", "--run", str(run), "--out", str(out), "--allow_failed_lock", "true"]) == 0
+
+
 def _largest_difference(a: dict, b: dict) -> float:
     """The largest |a - b| over every tensor of two state dicts with the same keys."""
     assert a.keys() == b.keys()
@@ -95,7 +103,6 @@ def runs(tmp_path_factory):
         assert done.returncode == 0, done.stderr[-3000:]
         out[name] = {"folder": root / name, "run": run, "log": done.stderr + done.stdout,
                      "records": _records(root / name)}
-    out["env"] = _env(root / "cache")
     return out
 
 
@@ -182,8 +189,7 @@ def test_a_killed_run_resumes(tmp_path, runs, strategy, sharded):
         assert int(read_checkpoint(run / "last.ckpt")["global_step"]) == STEPS
         meta = read_checkpoint(run / "last.ckpt", weights=False)  # the step without gathering the weights
         assert int(meta["global_step"]) == STEPS and "state_dict" not in meta
-        out = _publish(run, tmp_path / "published", "--allow_failed_lock", "true", env=env, cwd=tmp_path)
-        assert out.returncode == 0, out.stderr[-3000:]
+        _publish(run, tmp_path / "published")
         assert (tmp_path / "published" / "model.safetensors").is_file()
 
 
@@ -193,9 +199,7 @@ def test_publish_from_a_sharded_run_equals_publish_from_one_process(tmp_path, ru
     with the same seed; its lock evaluation gives the DDP run's figures."""
     published = {}
     for name in ("one", "ddp", "fsdp"):
-        out = _publish(runs[name]["run"], tmp_path / name, "--allow_failed_lock", "true", env=runs["env"],
-                       cwd=tmp_path)
-        assert out.returncode == 0, out.stderr[-3000:]
+        _publish(runs[name]["run"], tmp_path / name)
         published[name] = load_file(str(tmp_path / name / "model.safetensors"))
         assert json.loads((tmp_path / name / "config.json").read_text())["model_type"] == "llama"
     assert all(torch.equal(published["ddp"][k], published["fsdp"][k]) for k in published["one"])
@@ -335,8 +339,7 @@ def test_the_large_model_lora_recipe_under_fsdp_publishes_its_checkpoint_in_bf16
         adapters = {k: v for k, v in _weights(run).items() if ".lora_" in k}
         assert adapters and {v.dtype for v in adapters.values()} == {torch.bfloat16}
         assert any(v.abs().max() > 0 for k, v in adapters.items() if ".lora_B." in k)  # B starts at zero
-        out = _publish(run, tmp_path / f"published-{name}", "--allow_failed_lock", "true", env=env, cwd=tmp_path)
-        assert out.returncode == 0, out.stderr[-3000:]
+        _publish(run, tmp_path / f"published-{name}")
         published[name] = load_file(str(tmp_path / f"published-{name}" / "model.safetensors"))
     assert {v.dtype for v in published["file"].values()} == {torch.bfloat16}
     assert published["file"].keys() == published["shards"].keys()
