@@ -71,10 +71,9 @@ def test_refined_ranking_agrees_with_exhaustive_patching_on_ioi(smollm2):
     # of 6 prompts: 50 s on one core; on 8 prompts 0.65 → 0.85, on 16: 0.73 → 0.91, 13 → 15)
     assert pearson(refined) > 0.8 and pearson(refined) > pearson(plain) + 0.1
     assert overlap(refined) >= overlap(plain)
-    # most of that gain is the first estimate's two integration steps (Pearson 0.83 alone); what the refinement adds:
-    # its 15 late heads patched exactly, so the largest late-layer error falls (measured 0.81 → 0.13)
-    first = attribution_effects(model, batch, ig_steps=2).detach()
-    patched = refined != first
-    assert int(patched.sum()) == 15 and torch.equal(refined[patched], exact[patched])
+    # most of that gain is the two integration steps of refined_effects' first estimate (alone: Pearson 0.83); what
+    # the refinement adds: its 15 late heads patched exactly, so the largest late-layer error falls (measured 0.91
+    # with one-step attribution, 0.81 with two steps, 0.13 refined)
+    assert int((refined == exact).sum()) == 15
     late = slice(exact.shape[0] // 2, None)
-    assert (refined - exact)[late].abs().max() < 0.5 * (first - exact)[late].abs().max()
+    assert (refined - exact)[late].abs().max() < 0.5 * (plain - exact)[late].abs().max()
