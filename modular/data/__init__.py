@@ -3,8 +3,9 @@
 The names below are loaded on first use (PEP 562): importing this package loads none of its modules, and the
 registry's names (:data:`~modular.data.behaviours.BEHAVIOURS`) are read without loading ``datasets``."""
 
-from importlib import import_module
 from typing import TYPE_CHECKING
+
+from modular.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from modular.data.behaviours import (
@@ -22,14 +23,4 @@ __all__ = ["BEHAVIOURS", "behaviour_name", "load_behaviour", "load_jsonl", "neut
 #: each name of ``__all__`` -> the module that defines it
 _SOURCES = {"load_jsonl": "jsonl", **{name: "behaviours" for name in __all__ if name != "load_jsonl"}}
 
-
-def __getattr__(name: str):
-    if name not in _SOURCES:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(import_module(f"{__name__}.{_SOURCES[name]}"), name)
-    globals()[name] = value  # once loaded, an ordinary attribute
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_exports(__name__, globals(), _SOURCES)
