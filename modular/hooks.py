@@ -9,13 +9,14 @@ Every function here registers PyTorch hooks on modules found through the
 * :func:`ablate_directions`: project one or several directions out of every residual write;
 * :func:`add_vectors`: add vectors to the residual stream after chosen blocks;
 * :func:`scale_heads` / :func:`zero_heads` / :func:`replace_heads`: act on chosen heads
-  at the input of the attention output projection (before the heads are mixed).
+  at the input of the attention output projection (before the heads are mixed);
+  :func:`replace_head_per_group`: one head per copy of the prompts, several single-head patches in one pass.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
-from typing import Callable, Iterable, Iterator, Mapping
+from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -404,6 +405,26 @@ def replace_heads(
 
 
 @contextmanager
+def replace_head_per_group(adapter: ArchitectureAdapter, layer: int, heads: Sequence[int], values: torch.Tensor,
+                           ) -> Iterator[None]:
+    """One head per group of the batch: the batch is ``len(heads)`` equal groups of rows (the same prompts
+    repeated, :func:`repeat_batch`), and in group ``j`` head ``heads[j]`` of ``layer`` is replaced by ``values``
+    (broadcastable to one group's ``(rows, seq, n_heads, head_dim)``). One forward pass patches several heads
+    alone, each in its own copy of the prompts: the same numbers as a :func:`replace_heads` pass per head."""
+    heads = [int(h) for h in heads]
+
+    def edit(z):
+        groups = z.clone().view(len(heads), z.shape[0] // len(heads), *z.shape[1:])
+        v = values.to(dtype=z.dtype, device=z.device).expand_as(groups[0])
+        for j, head in enumerate(heads):
+            groups[j, ..., head, :] = v[..., head, :]
+        return groups.view(z.shape)
+
+    with registered([(adapter.attn_out(layer), "pre", _head_pre_hook(adapter, edit))]):
+        yield
+
+
+@contextmanager
 def capture_head_inputs(adapter: ArchitectureAdapter, detach: bool = True) -> Iterator[dict[int, torch.Tensor]]:
     """Capture every layer's attention output projection input as ``(batch, seq, n_heads, head_dim)``.
     ``detach=False``: the captured tensors are the ones the projection then reads, so gradients can be taken
@@ -456,20 +477,32 @@ def capture_block_outputs(adapter: ArchitectureAdapter) -> Iterator[list]:
         yield outputs
 
 
+def repeat_batch(output, times: int):
+    """``output`` (a tensor, or a tuple whose tensors lead with the batch dimension) with its batch repeated
+    ``times`` times end to end (``torch.cat([x] * times)``); ``times = 1`` returns it as it is."""
+    if times == 1:
+        return output
+    if isinstance(output, tuple):
+        return tuple(repeat_batch(o, times) if torch.is_tensor(o) else o for o in output)
+    return output.repeat(times, *([1] * (output.dim() - 1)))
+
+
 @contextmanager
-def reuse_block_outputs(adapter: ArchitectureAdapter, outputs: list, upto: int):
+def reuse_block_outputs(adapter: ArchitectureAdapter, outputs: list, upto: int, repeat: int = 1):
     """Blocks ``0..upto-1`` return their recorded ``outputs`` instead of computing them.
 
     Patching a head of layer l cannot change what the blocks before l compute, so exhaustive
     patching replays them from the clean pass (about half the work on average). The blocks'
-    ``forward`` is overridden on the instance and always restored.
+    ``forward`` is overridden on the instance and always restored. ``repeat``: the batch that runs
+    is the recorded one repeated ``repeat`` times (:func:`repeat_batch`; one group per patched head,
+    :func:`replace_head_per_group`).
     """
     saved = []
     try:
         for i in range(upto):
             block = adapter.block(i)
             saved.append((block, block.__dict__.get("forward")))
-            block.forward = lambda *args, _out=outputs[i], **kwargs: _out
+            block.forward = lambda *args, _out=outputs[i], **kwargs: repeat_batch(_out, repeat)
         yield
     finally:
         for block, previous in saved:

@@ -47,7 +47,13 @@ from tqdm.auto import tqdm
 
 from modular import ModularError
 from modular.data.formatting import LeftPadCollator, encode_example
-from modular.hooks import capture_block_outputs, replace_heads, reuse_block_outputs
+from modular.hooks import (
+    capture_block_outputs,
+    repeat_batch,
+    replace_head_per_group,
+    replace_heads,
+    reuse_block_outputs,
+)
 from modular.models.adapter import ArchitectureAdapter
 
 CATEGORIES = ("facilitation", "interference", "irrelevance")
@@ -133,10 +139,12 @@ def ablated_logprob(model, batch: dict, heads: list[Head], values: dict[int, tor
 
 @torch.no_grad()
 def single_head_effects(model, batch: dict, values: dict[int, torch.Tensor], desc: str = "single-head ablation",
-                        chunk: int = 16) -> torch.Tensor:
+                        chunk: int = 16, max_rows: int = 64) -> torch.Tensor:
     """e[l, h] = mean over examples of Δ log p(target) when head (l, h) alone is ablated, (n_layers, n_heads).
 
-    The blocks before the ablated layer are replayed from the clean pass (they cannot change).
+    The blocks before the ablated layer are replayed from the clean pass (they cannot change), and the heads of
+    a layer share a forward pass, each in its own copy of the ``chunk`` examples, as many as fit in ``max_rows``
+    rows (:func:`modular.hooks.replace_head_per_group`).
     """
     adapter = ArchitectureAdapter(model)
     n = len(batch["input_ids"])
@@ -147,10 +155,16 @@ def single_head_effects(model, batch: dict, values: dict[int, torch.Tensor], des
         part = {k: v[sl] for k, v in batch.items()}
         with capture_block_outputs(adapter) as outputs:
             clean = response_logprob(model, part, chunk=chunk)
+        rows = len(part["input_ids"])
+        per_pass = max(1, max_rows // rows)
         for layer in range(adapter.n_layers):
-            with reuse_block_outputs(adapter, outputs, layer):
-                for head in range(adapter.n_heads):
-                    total[layer, head] += (ablated_logprob(model, part, [(layer, head)], values) - clean).sum()
+            for start in range(0, adapter.n_heads, per_pass):
+                heads = list(range(start, min(start + per_pass, adapter.n_heads)))
+                copies = {k: repeat_batch(v, len(heads)) for k, v in part.items()}
+                with reuse_block_outputs(adapter, outputs, layer, repeat=len(heads)), \
+                        replace_head_per_group(adapter, layer, heads, values[layer]):
+                    ablated = response_logprob(model, copies, chunk=len(heads) * rows).view(len(heads), rows)
+                total[layer, start:start + len(heads)] += (ablated - clean).sum(1)
             progress.update(1)
     progress.close()
     return total / n

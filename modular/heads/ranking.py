@@ -27,7 +27,8 @@ from modular.hooks import (
     capture_head_inputs,
     heads_by_layer,
     registered,
-    replace_heads,
+    repeat_batch,
+    replace_head_per_group,
     reuse_block_outputs,
     split_heads,
 )
@@ -90,37 +91,50 @@ def _detached(output):
 
 @torch.no_grad()
 def patched_effects(model, batch: dict, heads: list[Head], values: dict[int, torch.Tensor], clean_outputs: list,
-                    clean: float, reuse_prefix: bool = True, desc: str | None = None) -> dict[Head, float]:
+                    clean: float, reuse_prefix: bool = True, desc: str | None = None,
+                    max_rows: int = 64) -> dict[Head, float]:
     """Exact single-head patching of ``heads``: ``{(l, h): m(head h of layer l ablated) − clean}``.
 
     ``clean_outputs``: the blocks' outputs on the clean run (:func:`modular.hooks.capture_block_outputs`);
     with ``reuse_prefix`` the blocks before the patched layer replay them instead of computing again.
+    ``max_rows``: heads of one layer are patched together, each in its own copy of the prompts
+    (:func:`modular.hooks.replace_head_per_group`), as many as fit in ``max_rows`` rows (at least one).
     """
     adapter = ArchitectureAdapter(model)
     by_layer = heads_by_layer(heads)
+    rows = len(batch["good"])
+    per_pass = max(1, max_rows // rows)
     effects = {}
     for layer in tqdm(sorted(by_layer), desc=desc, leave=False, disable=desc is None):
-        with reuse_block_outputs(adapter, clean_outputs, layer if reuse_prefix else 0):
-            for head in by_layer[layer]:
-                with replace_heads(adapter, [(layer, head)], values):
-                    m = logit_diff(last_position_logits(model, batch["clean"]), batch["good"], batch["bad"])
+        layer_heads = by_layer[layer]
+        for start in range(0, len(layer_heads), per_pass):
+            group = layer_heads[start:start + per_pass]
+            inputs = {k: repeat_batch(v, len(group)) for k, v in batch["clean"].items()}
+            with reuse_block_outputs(adapter, clean_outputs, layer if reuse_prefix else 0, repeat=len(group)), \
+                    replace_head_per_group(adapter, layer, group, values[layer]):
+                logits = last_position_logits(model, inputs)
+            for j, head in enumerate(group):
+                m = logit_diff(logits[j * rows:(j + 1) * rows], batch["good"], batch["bad"])
                 effects[(layer, head)] = float(m - clean)
     return effects
 
 
 @torch.no_grad()
-def exhaustive_effects(model, batch: dict, ablation: str = "counterfactual", reuse_prefix: bool = True) -> torch.Tensor:
+def exhaustive_effects(model, batch: dict, ablation: str = "counterfactual", reuse_prefix: bool = True,
+                       max_rows: int = 64) -> torch.Tensor:
     """e[l, h] = m(head h of layer l ablated) − m(clean); (n_layers, n_heads).
 
     ``reuse_prefix``: replay the clean outputs of the blocks before the patched layer instead of
-    recomputing them (same result, about twice as fast).
+    recomputing them (same result, about twice as fast). ``max_rows``: the rows of one patched forward;
+    a layer's heads share a pass, each in its own copy of the prompts, as many as fit (:func:`patched_effects`).
     """
     adapter = ArchitectureAdapter(model)
     values = ablation_values(model, batch, ablation)
     with capture_block_outputs(adapter) as outputs:
         clean = logit_diff(last_position_logits(model, batch["clean"]), batch["good"], batch["bad"])
     heads = [(layer, head) for layer in range(adapter.n_layers) for head in range(adapter.n_heads)]
-    found = patched_effects(model, batch, heads, values, outputs, float(clean), reuse_prefix, "exhaustive patching")
+    found = patched_effects(model, batch, heads, values, outputs, float(clean), reuse_prefix, "exhaustive patching",
+                            max_rows)
     effects = torch.zeros(adapter.n_layers, adapter.n_heads)
     for (layer, head), e in found.items():
         effects[layer, head] = e

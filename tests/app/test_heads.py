@@ -74,10 +74,11 @@ def test_curve_command_writes_json_and_figure(folders, monkeypatch, drawn):
     # held-out perplexity of each model beside the curves: the base's ratio is 1
     assert report["perplexity"]["llama"]["ratio_to_base"] == 1.0
     assert report["perplexity"]["sparse"]["neutral_test"] > 1.0
-    # the closed heads of the sparse run write nothing: ablating them alone has no effect
+    # the closed heads of the sparse run write nothing: ablating them alone has no effect (up to float rounding: a
+    # patched pass runs several copies of the prompts, so its matrix products differ in shape from the clean pass's)
     sparse = report["curves"]["greater_than"]["sparse"]["effects"]
-    assert sparse[0][1] == 0 and sparse[1][2] == 0
-    assert report["curves"]["greater_than"]["llama"]["effects"][0][1] != 0
+    assert sparse[0][1] == pytest.approx(0, abs=1e-6) and sparse[1][2] == pytest.approx(0, abs=1e-6)
+    assert abs(report["curves"]["greater_than"]["llama"]["effects"][0][1]) > 1e-3
 
 
 def test_curve_command_attribution_mean(folders, monkeypatch):

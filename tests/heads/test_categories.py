@@ -208,11 +208,15 @@ def test_plot_grid(tmp_path, drawn):
 def test_single_head_effects_replay_matches_plain_ablation(tiny_model, tok, arch):
     batch = response_batch(tok, _data(5))
     values = head_values(tiny_model, batch, "mean")
-    effects = single_head_effects(tiny_model, batch, values, chunk=2)
     clean = response_logprob(tiny_model, batch)
-    for layer, head in [(0, 0), (1, 3)]:
-        plain = (ablated_logprob(tiny_model, batch, [(layer, head)], values) - clean).mean()
-        assert effects[layer, head].item() == pytest.approx(float(plain), abs=1e-5)
+    n_layers, n_heads = tiny_model.config.num_hidden_layers, tiny_model.config.num_attention_heads
+    plain = torch.tensor([[float((ablated_logprob(tiny_model, batch, [(layer, head)], values) - clean).mean())
+                           for head in range(n_heads)] for layer in range(n_layers)], dtype=torch.float64)
+    assert plain.abs().min() > 0
+    # chunks of 2, 2 and 1 examples; heads of a layer one per pass, three per pass (then the rest), all at once
+    for max_rows in (2, 6, 64):
+        effects = single_head_effects(tiny_model, batch, values, chunk=2, max_rows=max_rows)
+        torch.testing.assert_close(effects, plain, atol=1e-5, rtol=1e-4)
 
 
 def test_irrelevance_rejects_heads_whose_changes_cancel_across_examples(monkeypatch):

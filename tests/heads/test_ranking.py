@@ -161,3 +161,33 @@ def test_two_run_attribution_averages_the_gradients_on_the_clean_and_the_counter
     g0, g1 = grads(batch["clean"]), grads(batch["counterfactual"])
     expected = torch.stack([((cf[i] - z[i]) * (g0[i] + g1[i]) / 2).sum(dim=(0, 1, 3)) for i in sorted(z)])
     torch.testing.assert_close(attribution_effects(model, batch, "counterfactual", ig_steps=2), expected)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "gemma3_text", "phi3"])
+@pytest.mark.parametrize("ablation", ["counterfactual", "mean"])
+def test_heads_patched_together_match_one_pass_per_head(tiny_model, arch, ablation):
+    """Several heads of a layer patched in one pass (each in its own copy of the prompts, groups split unevenly
+    by ``max_rows``) give what one ``replace_heads`` forward per head gives."""
+    from modular.heads.ranking import ablation_values, last_position_logits, logit_diff
+    from modular.hooks import replace_heads
+    from modular.models.adapter import ArchitectureAdapter
+
+    batch = _batch(seed=5, n=3)
+    adapter = ArchitectureAdapter(tiny_model)
+    values = ablation_values(tiny_model, batch, ablation)
+
+    def metric():
+        return float(logit_diff(last_position_logits(tiny_model, batch["clean"]), batch["good"], batch["bad"]))
+
+    clean = metric()
+    expected = torch.zeros(adapter.n_layers, adapter.n_heads)
+    with torch.no_grad():
+        for layer in range(adapter.n_layers):
+            for head in range(adapter.n_heads):
+                with replace_heads(adapter, [(layer, head)], values):
+                    expected[layer, head] = metric() - clean
+    assert adapter.n_heads > 2 and expected.abs().min() > 0  # every head matters, so a head left out shows
+    for max_rows in (3, 7, 64):  # one head per pass; two heads, then the rest; every head of a layer at once
+        torch.testing.assert_close(exhaustive_effects(tiny_model, batch, ablation, max_rows=max_rows), expected,
+                                   atol=1e-5, rtol=1e-4)
+    assert not any("forward" in vars(m) for m in tiny_model.modules())
