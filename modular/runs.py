@@ -3,8 +3,9 @@
 Layout of a run folder (``trainer.default_root_dir``)::
 
     run.json                 the run record, written when fitting ends (behaviours and their data sources, the
-                             checkpoint and its step, the last logged metrics, whether the lock held on
-                             validation at that step: ``lock``)
+                             run's identity: base model, data hashes, recipe and locked responses,
+                             :mod:`modular.identity`; the checkpoint and its step, the last logged metrics, whether
+                             the lock held on validation at that step: ``lock``)
     directions.safetensors   one designated direction per gated behaviour
     last.ckpt                the checkpoint of the last step (what publish and the evaluations read): one file,
                              or a folder of shards from a sharded run (FSDP2 with save_distributed_checkpoint)
@@ -80,8 +81,41 @@ def read_directions(path: str | Path, behaviours: list[str], remedy: str) -> dic
 
 
 def behaviour_sources(run: Run) -> dict[str, str]:
-    """Where each gated behaviour's data comes from (a built-in name, a .jsonl file, hf:<dataset>), by name."""
-    return {b: run.record.get("behaviour_sources", {}).get(b, b) for b in run.behaviours}
+    """Where each gated behaviour's data is now (a built-in name, a .jsonl file, hf:<dataset>), by name: a file is
+    the one the run was trained on, found by the hash its identity records (:func:`modular.identity.find_source`:
+    at its absolute path, or moved beside the run folder); a file that changed or is gone is one line."""
+    return _sources(run, run.behaviours, run.record.get("behaviour_sources", {}))
+
+
+def neighbour_sources(run: Run) -> dict[str, str]:
+    """Where the data of each neighbour the run kept in training is now, by name (as :func:`behaviour_sources`)."""
+    recorded = run.record.get("neighbour_sources") or {}
+    return _sources(run, list(recorded), recorded)
+
+
+def _sources(run: Run, names: list[str], recorded: dict) -> dict[str, str]:
+    from modular.identity import find_source
+
+    found = (run.record.get("identity") or {}).get("data", {}).get("sources", {})
+    near = [run.path, run.path.parent]
+    # a run recorded before identities: its sources as recorded
+    return {n: find_source(n, found[n], near) if n in found else recorded.get(n, n) for n in names}
+
+
+def check_base_model(run: Run) -> None:
+    """One line unless the run's base model reference still names the model it was trained from (the content key
+    its identity records: :func:`modular.models.loading.model_fingerprint`); a run recorded before identities is
+    not checked."""
+    recorded = (run.record.get("identity") or {}).get("model", {}).get("fingerprint")
+    if not recorded:
+        return
+    from modular.models.loading import model_fingerprint, resolve_model
+
+    now = model_fingerprint(resolve_model(run.model_name))
+    if now != recorded:
+        raise ModularError(f"{run.path} was trained from {run.model_name} as it was then ({recorded}); "
+                           f"{run.model_name} now holds other files ({now}): restore the base model it was trained "
+                           "from")
 
 
 def checkpoint_path(run: Run) -> Path:
@@ -162,6 +196,7 @@ def load_open_model(run: Run, dtype: str | torch.dtype | None = "auto", device: 
     from modular.models.precision import cast_model, resolve_device, resolve_dtype
 
     device = resolve_device(device)
+    check_base_model(run)
     ckpt = read_checkpoint(checkpoint_path(run))
     state = {k[len("model."):]: v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
     trained = next((v.dtype for v in state.values() if v.is_floating_point()), None)

@@ -109,11 +109,12 @@ def lock(run: str, out: str | None = None, other_limit: int = 64, harden: bool =
         checkpoint_step,
         load_open_model,
         lock_verdict,
+        neighbour_sources,
         read_run,
     )
 
     r = read_run(run)
-    trained = dict(r.record.get("neighbour_sources") or {})
+    trained = neighbour_sources(r)
     named = {n: n for n in builtin_neighbours(r.behaviours, "evaluate")}
     named.update(trained)
     named.update(dict(parse_behaviour(spec) for spec in (neighbours or [])))  # an unknown one: one line, now

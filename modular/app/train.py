@@ -33,8 +33,9 @@ from modular.data.behaviours import is_jsonl
 from modular.gating.data import GatingDataModule, check_data_options, training_data
 from modular.gating.module import GatedLM, check_model_options
 from modular.gating.objectives import answer_rows as objective_answer_rows
-from modular.gating.objectives import build_objectives, default_objectives
+from modular.gating.objectives import build_objectives, check_loss, default_objectives
 from modular.gating.objectives import hidden_parts as objective_hidden_parts
+from modular.identity import check_resumed, training_identity
 from modular.runs import LAST_CHECKPOINT, WANDB_RUN_ID, read_checkpoint
 from modular.tracking import write_text
 
@@ -66,6 +67,10 @@ class GatingCLI(LightningCLI):
         parser.link_arguments("model.gate_scope", "data.task_counterfactuals", compute_fn=lambda s: s == "tasks")
         parser.link_arguments("model.objectives", "data.hidden_parts", compute_fn=hidden_parts)
         parser.link_arguments("model.objectives", "data.answer_rows", compute_fn=answer_rows)
+        parser.add_argument("--continue_on_other_data", type=bool, default=False,
+                            help="Resume the run folder's checkpoint although a behaviour's data is not what it was "
+                                 "trained on (another file, or the file changed); without it such a resume is "
+                                 "refused. Another base model, recipe or locked response is always refused.")
 
     def before_instantiate_classes(self) -> None:
         if self.subcommand != "fit":
@@ -80,6 +85,17 @@ class GatingCLI(LightningCLI):
             if is_jsonl(source):
                 training_data(name, load_jsonl(source), config["data"]["batch_size"])
         follow_run_folder(config["trainer"])
+        check_loss(_terms(config["model"]["objectives"]), _data_kinds(config["data"]))
+        # what defines the run, checked against the checkpoint it resumes and kept in its checkpoints and run.json
+        self._identity = training_identity(config["model"], config["data"])
+        resumed = resume_candidate(config)
+        if resumed is not None:
+            run_dir = Path(config["trainer"].get("default_root_dir") or ".").resolve()
+            same_run = run_dir in resumed.resolve().parents
+            where = f"the run folder's checkpoint {resumed}" if same_run else f"the checkpoint {resumed}"
+            recorded = read_checkpoint(resumed, remedy=RESUME_REMEDY, weights=False).get("modular", {})
+            check_resumed(recorded.get("identity"), self._identity, where, bool(config.get("continue_on_other_data")),
+                          same_run)
         self._choose_wandb_run(config)
 
     def instantiate_trainer(self, **kwargs):
@@ -93,6 +109,7 @@ class GatingCLI(LightningCLI):
         return super().instantiate_trainer(**kwargs)
 
     def before_fit(self) -> None:
+        self.model.run_identity = getattr(self, "_identity", None)
         path = self._resume_path(self.config_init["fit"].get("ckpt_path"))
         if path is not None:
             check_checkpoint(path)
@@ -126,6 +143,24 @@ class GatingCLI(LightningCLI):
             if self._wandb_id is None:
                 self._wandb_id = saved.read_text().strip() if resuming and saved.is_file() else new_wandb_id()
             lg.init_args.id = self._wandb_id
+
+
+def _data_kinds(data) -> set[str]:
+    """What the data options give the objective terms (:func:`~modular.gating.objectives.check_loss`)."""
+    return {kind for kind, given in (("behaviours", data.get("behaviours")), ("tasks", data.get("tasks")),
+                                     ("lm_text", data.get("lm_text"))) if given}
+
+
+def resume_candidate(config) -> Path | None:
+    """The checkpoint ``fit`` resumes from, as its options name it, before the trainer exists: ``last`` is the
+    newest ``last*.ckpt`` (a file, or a folder of shards) in the run folder, as Lightning picks it."""
+    ckpt = config.get("ckpt_path")
+    if ckpt is None or ckpt in ("best", "hpc"):
+        return None
+    if ckpt != "last":
+        return Path(ckpt) if Path(ckpt).exists() else None
+    found = [p for p in Path(config["trainer"].get("default_root_dir") or ".").glob("last*.ckpt")]
+    return max(found, key=lambda p: p.stat().st_mtime) if found else None
 
 
 def new_wandb_id() -> str:
@@ -200,10 +235,13 @@ def check_trainer_length(trainer) -> None:
         raise ModularError(f"trainer.max_steps must be >= 1 (or -1 with trainer.max_epochs set), got {steps}")
 
 
+RESUME_REMEDY = "delete it, or pass --ckpt_path null to start afresh"
+
+
 def check_checkpoint(path: Path) -> None:
     """One line naming ``path`` unless it is a readable checkpoint (resuming would fail on it mid-start); a folder of
     shards is only checked for its index (reading it whole would gather the model on every process)."""
-    remedy = "delete it, or pass --ckpt_path null to start afresh"
+    remedy = RESUME_REMEDY
     if path.is_dir():
         if not (path / ".metadata").is_file():
             raise ModularError(f"{path} is not a readable checkpoint (a folder without the .metadata of sharded "

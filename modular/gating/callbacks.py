@@ -387,6 +387,16 @@ class RunCheckpoint(ModelCheckpoint):
         return True
 
 
+def _sources(specs: dict[str, str]) -> dict[str, str]:
+    """The data source of each behaviour spec by name, a file by its absolute path (a relative path would name
+    another file from another folder)."""
+    from modular.data import parse_behaviour
+    from modular.data.behaviours import is_jsonl
+
+    sources = {name: parse_behaviour(spec)[1] for name, spec in specs.items()}
+    return {name: str(Path(src).expanduser().resolve()) if is_jsonl(src) else src for name, src in sources.items()}
+
+
 class RunRecordCallback(Callback):
     """Writes ``run.json`` in the run folder when fitting ends: what was gated (short names and where their data
     is), where the weights are and the step they hold, the last logged metrics (the lock evaluation reads it) and
@@ -414,9 +424,11 @@ class RunRecordCallback(Callback):
         write_json(run_dir / RUN_RECORD, {
             "model_name": pl_module.hparams.model_name,
             "behaviours": pl_module.behaviours,
-            "behaviour_sources": dict(getattr(dm, "behaviour_specs", {})),
+            "behaviour_sources": _sources(getattr(dm, "behaviour_specs", {})),
             "locked_responses": dict(getattr(dm, "locked_responses", {})),
-            "neighbour_sources": dict(getattr(dm, "neighbour_specs", {})),  # kept in training
+            "neighbour_sources": _sources(getattr(dm, "neighbour_specs", {})),  # kept in training
+            # base model, data hashes, recipe, locked responses (modular.identity; set by ``modular train``)
+            "identity": getattr(pl_module, "run_identity", None),
             "finetuning": pl_module.hparams.finetuning,
             "direction_strategy": pl_module.hparams.direction_strategy,
             "tasks": list(getattr(trainer.datamodule, "tasks", [])),

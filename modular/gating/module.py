@@ -211,6 +211,9 @@ class GatedLM(L.LightningModule):
 
         check_model_options(self.hparams)
         self.objectives = list(default_objectives() if objectives is None else objectives)
+        #: what defines the run (:func:`modular.identity.training_identity`), kept in its checkpoints; ``modular
+        #: train`` sets it (None: not recorded, e.g. a module trained by a script of its own)
+        self.run_identity: dict | None = None
         if finetuning not in ("full", "lora", "none"):
             raise ModularError(f"finetuning must be 'full', 'lora' or 'none', got '{finetuning}'")
         if finetuning == "none" and not head_gates:
@@ -654,7 +657,9 @@ class GatedLM(L.LightningModule):
         }
         checkpoint["modular"] = {"behaviours": self.behaviours, "model_name": self.hparams.model_name,
                                  "finetuning": self.hparams.finetuning, "head_gates": self.hparams.head_gates,
-                                 "random": self._random_state()}
+                                 "random": self._random_state(),
+                                 # what defines the run (modular.identity), set by ``modular train``: checked on resume
+                                 "identity": self.run_identity}
 
     def _random_state(self) -> dict:
         """Every random draw's state, so that a resumed run draws what the run uninterrupted would: each process's

@@ -115,6 +115,9 @@ class Term:
     needs_cf_logits = False
     #: reads the behaviours' answer rows (``locked_answer``; built only when ``data.answer_rows`` is set)
     answer_rows = False
+    #: the data its rows come from, besides the retain prompts: ``behaviours`` (gated), ``tasks`` or ``lm_text``
+    #: (without them it adds nothing to the loss: :func:`check_loss`)
+    needs: tuple[str, ...] = ()
     #: the training step from which the term acts (the lock does not stop training at or before it)
     start_step = 0
 
@@ -176,6 +179,8 @@ class BehaviourAnswer(Term):
     behaviours the others' directions are ablated or not at random on these rows, so each behaviour depends on
     its own direction only."""
 
+    needs = ("behaviours",)
+
     def pieces(self, ctx: StepContext) -> list[Piece]:
         return [Piece(f"{b}/open_ce", ctx.batch[b]["open"], self, ablated=ctx.extra[i], index=i)
                 for i, b in enumerate(ctx.behaviours)]
@@ -195,6 +200,8 @@ class LockedState(Term):
             (behaviours not named use refusal).
         weight: Weight of the term (the module's λ applies on top).
     """
+
+    needs = ("behaviours",)
 
     def __init__(self, objective: str | dict[str, str] = "refusal", weight: float = 1.0):
         super().__init__(weight)
@@ -233,6 +240,7 @@ class LockedAnswer(Term):
         weight: Weight of the term (the module's λ applies on top).
     """
 
+    needs = ("behaviours",)
     answer_rows = True
 
     def pieces(self, ctx: StepContext) -> list[Piece]:
@@ -279,6 +287,8 @@ class DirectionWrite(Term):
         target: The share of the residual norm (cosine) the direction should reach, in (0, 1].
         fade: The locked-state loss (token-mean, nats) below which the term fades in proportion; None: always full.
     """
+
+    needs = ("behaviours",)
 
     def __init__(self, weight: float = 1.0, target: float = 0.2, fade: float | None = None):
         super().__init__(weight)
@@ -347,6 +357,8 @@ class _PerturbedLock(Term):
     the ablation alone, so the pair pushes on what the direction gates rather than on the behaviour's knowledge,
     which the locked half alone also pushes down in the open state.
     """
+
+    needs = ("behaviours",)
 
     kind = "perturbed"
     locked = True
@@ -637,6 +649,8 @@ class LMText(Term):
     ``lm/open_kl`` and ``lm/locked_kl`` with gated behaviours, ``lm/kl`` without. Long text runs in a forward pass
     of its own."""
 
+    needs = ("lm_text",)
+
     keeps_lm = True
 
     def pieces(self, ctx: StepContext) -> list[Piece]:
@@ -691,6 +705,8 @@ class TaskAnswer(Term):
     """The DataModule's tasks in the open state (cross-entropy on their targets), ``<task>/task_ce``. Under
     ``gate_scope: tasks`` their rows run apart, closed heads fed the counterfactual prompt's inputs."""
 
+    needs = ("tasks",)
+
     def pieces(self, ctx: StepContext) -> list[Piece]:
         scoped = ctx.lm.hparams.gate_scope == "tasks"
         out = []
@@ -714,6 +730,8 @@ class TaskAnswer(Term):
 class HeadTaskTerm(Term):
     """A term on the task rows under ``gate_scope: tasks``, applied once the gates are fixed
     (``gate_freeze_step``): before, its gradient would only open the gates."""
+
+    needs = ("tasks",)
 
     def bind(self, lm) -> None:
         if self.weight and lm.hparams.gate_scope != "tasks":
@@ -805,6 +823,20 @@ def build_objectives(specs) -> list[Term]:
             raise ModularError(f"model.objectives: {path} is not a modular.gating.objectives.Term")
         terms.append(cls(**((spec.get("init_args") if isinstance(spec, dict) else None) or {})))
     return terms
+
+
+def check_loss(terms: list[Term], data: set[str]) -> None:
+    """One line unless ``terms`` make a loss from the run's ``data`` (a set of ``behaviours``, ``tasks``,
+    ``lm_text``: what the data module gives): at least one term, of weight > 0, whose data is there."""
+    if not terms:
+        raise ModularError("model.objectives is empty: training needs at least one term (leave it unset for the "
+                           "defaults)")
+    if not any(t.weight > 0 and set(t.needs) <= data for t in terms):
+        have = ", ".join(sorted(data)) or "retain prompts only"
+        names = ", ".join(f"{type(t).__name__}(weight={t.weight:g}, needs {'+'.join(t.needs) or 'nothing'})"
+                          for t in terms)
+        raise ModularError(f"model.objectives make no loss from this data ({have}): {names}; give a term of weight "
+                           "> 0 whose data the run has")
 
 
 def hidden_parts(terms: list[Term]) -> list[str]:

@@ -331,7 +331,14 @@ def _one_line_error(out, *words):
                                           ["RefusalGuard floor must be < 0"]),
                                          (["--model.objectives", '[{"class_path": "modular.gating.objectives.'
                                            'DirectionWrite", "init_args": {"weight": -1}}]'],
-                                          ["DirectionWrite weight must be >= 0"])])
+                                          ["DirectionWrite weight must be >= 0"]),
+                                         (["--model.objectives", "[]"], ["model.objectives is empty"]),
+                                         (["--model.objectives", '[{"class_path": "modular.gating.objectives.'
+                                           'LMText"}]', "--data.lm_text", "null"],
+                                          ["make no loss from this data", "LMText(weight=1, needs lm_text)"]),
+                                         (["--model.objectives", '[{"class_path": "modular.gating.objectives.'
+                                           'BehaviourAnswer", "init_args": {"weight": 0}}]'],
+                                          ["make no loss from this data"])])
 def test_bad_options_fail_before_any_side_effect(tmp_path, tiny_env, args, words, train_here):
     """Out-of-range options: one line, status 2, and nothing written to the run folder (no W&B files, no
     directions, no checkpoint)."""
@@ -339,6 +346,52 @@ def test_bad_options_fail_before_any_side_effect(tmp_path, tiny_env, args, words
     cfg, run = tiny_config(tmp_path, model_dir)
     _one_line_error(train_here(cfg, *args, env=tiny_env), *words)
     assert not run.exists() or not any(run.rglob("*"))
+
+
+def _listing(folder) -> dict:
+    """Every file under ``folder`` with its size and modification time."""
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*")}
+
+
+def test_a_run_resumes_only_as_what_it_was(tmp_path, tiny_env, train_here):
+    """run.json and the checkpoint record what defines the run: a behaviour file named by a relative path by its
+    absolute path and hash, the base model's content key. Resuming with another base model of the same shape, as
+    LoRA, with another locked response or on a changed data file is one line naming what differs, before anything
+    is written (config.yaml, W&B files and the checkpoint untouched)."""
+    model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
+    work = tmp_path / "work"
+    data = work / "data" / "mine.jsonl"
+    data.parent.mkdir(parents=True)
+    rows = [{"prompt": f"What is the capital of country {i}?", "target": f"City {i}.", "answer": f"City {i}"}
+            for i in range(15)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg, run = tiny_config(tmp_path, model_dir, ("data/mine.jsonl",), lock_args={"stop": False})
+    out = subprocess.run([sys.executable, str(ROOT / "train.py"), "fit", "--config", str(cfg), "--trainer.max_steps",
+                          "2"], capture_output=True, text=True, cwd=work, env=tiny_env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    record = json.loads((run / "run.json").read_text())
+    assert record["behaviour_sources"] == {"mine": str(data.resolve())}
+    from modular.identity import file_sha256
+    from modular.models.loading import model_fingerprint
+
+    identity = record["identity"]
+    assert identity["data"]["sources"]["mine"] == {"source": str(data.resolve()), "sha256": file_sha256(data)}
+    assert identity["model"]["fingerprint"] == model_fingerprint(model_dir)
+    assert torch.load(run / "last.ckpt", map_location="cpu", weights_only=False)["modular"]["identity"] == identity
+    before = _listing(run)
+    spec = ["--model.behaviours", f"[mine={data}]", "--trainer.max_steps", "3"]  # the same file, from anywhere
+    other = save_tiny_folder(tmp_path / "tiny2", "llama", seed=1)
+    for args, words in [(["--model.model_name", str(other)], ["another base model", str(other)]),
+                        (["--model.finetuning", "lora", "--model.lr", "1e-3"],
+                         ["another set of trained parameters", "model.finetuning"]),
+                        (["--model.locked_weight", "2"], ["another recipe", "model.locked_weight"]),
+                        (["--data.locked_response", "Nope.", "--continue_on_other_data", "true"],
+                         ["another locked response", "Nope."])]:
+        _one_line_error(train_here(cfg, *spec, *args, env=tiny_env), str(run / "last.ckpt"), *words)
+        assert _listing(run) == before
+    data.write_text("".join(json.dumps({**r, "target": "Town."}) + "\n" for r in rows))
+    _one_line_error(train_here(cfg, *spec, env=tiny_env), "other data", "behaviour mine", "--continue_on_other_data")
+    assert _listing(run) == before
 
 
 def test_training_usage_names_the_installed_command(capsys):
