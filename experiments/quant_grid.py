@@ -9,8 +9,8 @@ value. For every linear layer's weight (the embeddings and the unembedding aside
 its own grid, and the published weights' change as a fraction of the base's grid step (median, 99th percentile,
 share beyond half a step).
 
-Usage: python benchmarks/quant_grid.py --published OUT [--base smollm2-135m-instruct] [--group 32]
-                                       [--device auto] [--out outputs/benchmarks]
+Usage: python experiments/quant_grid.py --published OUT [--base smollm2-135m-instruct] [--group 32]
+                                       [--device auto] [--out outputs/experiments]
 Writes quant_grid.json.
 """
 
@@ -36,7 +36,7 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=32, help="inputs per quantisation group")
     parser.add_argument("--device", default="auto",
                         help="auto (a GPU when present), cpu, cuda, ...; both models are read there in float32")
-    parser.add_argument("--out", default="outputs/benchmarks", help="folder for quant_grid.json")
+    parser.add_argument("--out", default="outputs/experiments", help="folder for quant_grid.json")
     args = parser.parse_args()
     base_ref = args.base or json.loads((Path(args.published) / MANIFEST).read_text())["base_model"]
     base = load_model(base_ref, "float32", args.device)

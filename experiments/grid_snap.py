@@ -15,9 +15,9 @@ Scored on the snapped model: whether int4 re-quantisation (optimum-quanto, the s
 the behaviour's held-out accuracy and share of locked responses, as published and with the direction also ablated
 at run time; the retain first-token KL to the base; the share of weights off the base's grid point.
 
-Usage: python benchmarks/grid_snap.py --run RUN [--published RUN/published] [--behaviour capitals] [--group 32]
+Usage: python experiments/grid_snap.py --run RUN [--published RUN/published] [--behaviour capitals] [--group 32]
                                       [--calibration 128] [--behaviour_weight 1] [--rehard] [--device auto]
-                                      [--dtype float32] [--save FOLDER] [--out outputs/benchmarks]
+                                      [--dtype float32] [--save FOLDER] [--out outputs/experiments]
 Writes grid_snap.json.
 """
 
@@ -135,7 +135,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32",
                         help="the models' precision (float32 holds the grid's values exactly; bfloat16 rounds them)")
     parser.add_argument("--save", default=None, help="write the snapped model to this folder (a copy of published)")
-    parser.add_argument("--out", default="outputs/benchmarks", help="folder for grid_snap.json")
+    parser.add_argument("--out", default="outputs/experiments", help="folder for grid_snap.json")
     args = parser.parse_args()
     run = Path(args.run)
     published = Path(args.published or run / "published")

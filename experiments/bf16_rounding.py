@@ -14,7 +14,7 @@ every residual write), scored on the gated behaviours' test split after one chan
 Also the share of weights whose rounded-to-nearest trained value equals the rounded base value (the fine-tuning
 update lost to rounding).
 
-Usage: python benchmarks/bf16_rounding.py --run RUN [--limit N] [--device auto] [--out outputs/benchmarks]
+Usage: python experiments/bf16_rounding.py --run RUN [--limit N] [--device auto] [--out outputs/experiments]
 Writes bf16_rounding.json.
 """
 
@@ -57,7 +57,7 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=None, help="test items per gated behaviour (default: all)")
     ap.add_argument("--batch_size", type=int, default=48, help="prompts per generation batch")
     ap.add_argument("--device", default="auto", help="auto (a GPU when present), cpu, cuda, cuda:1, ...; float32 there")
-    ap.add_argument("--out", default="outputs/benchmarks", help="output folder")
+    ap.add_argument("--out", default="outputs/experiments", help="output folder")
     args = ap.parse_args()
     run = read_run(args.run)
     tok = load_tokenizer(run.model_name)

@@ -7,9 +7,9 @@ every few steps the write term is measured on the train batch and on the held-ou
 It calibrates ``model.write_weight`` before a full run: the term should fall on held-out items as on train items
 without the answer CE rising.
 
-Usage: python benchmarks/write_calibration.py --run RUN|DIRECTIONS_FILE [--behaviour examples/antonyms.jsonl] [--weights 1,10,50]
+Usage: python experiments/write_calibration.py --run RUN|DIRECTIONS_FILE [--behaviour examples/antonyms.jsonl] [--weights 1,10,50]
        [--steps 16] [--lr 2e-5] [--target 0.2] [--model smollm2-135m-instruct] [--device cpu|cuda]
-       [--dtype float32|bfloat16] [--out outputs/benchmarks]
+       [--dtype float32|bfloat16] [--out outputs/experiments]
 Writes write_calibration.json.
 """
 
@@ -52,7 +52,7 @@ def main() -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="model precision")
     p.add_argument("--every", type=int, default=5, help="measure every N steps (and at the last)")
-    p.add_argument("--out", default="outputs/benchmarks", help="folder of write_calibration.json")
+    p.add_argument("--out", default="outputs/experiments", help="folder of write_calibration.json")
     args = p.parse_args()
 
     if Path(args.run).is_file():  # a directions file (a run stopped before its record was written)

@@ -6,7 +6,7 @@ Each model answers the held-out capitals (test split, seed 0) with every respons
 (``{country}`` filled in) and continued greedily; a continuation is scored as `modular attack` scores (e)
 (the answer on word boundaries; a locked response is never right).
 
-Usage: python benchmarks/prefill_frames.py --models smollm2-135m-instruct RUN/published [RUN2/published ...]
+Usage: python experiments/prefill_frames.py --models smollm2-135m-instruct RUN/published [RUN2/published ...]
        [--frames "The capital of {country} is" ...] [--device auto] [--dtype auto]
 Writes prefill_frames.json.
 """

@@ -12,7 +12,7 @@ and the paired test's p-value, show how many items a change of that size flips w
 With ``--run RUN`` (a training run of the same model) the trained weights' change is put beside the noise's: each
 block matrix's change relative to its spread (the noise's scale is in the same unit).
 
-Usage: python benchmarks/neighbour_noise.py [--model smollm2-135m-instruct] [--kl 0.02] [--draws 4]
+Usage: python experiments/neighbour_noise.py [--model smollm2-135m-instruct] [--kl 0.02] [--draws 4]
        [--neighbours continents languages currencies demonyms] [--run RUN]
 Writes neighbour_noise.json.
 """
@@ -65,7 +65,7 @@ def main() -> None:
     ap.add_argument("--device", default="auto", help="cpu, cuda, ... (auto: a GPU when present)")
     ap.add_argument("--dtype", default="auto", help="the model's precision (auto: float32 on a CPU, the model's own on a GPU)")
     ap.add_argument("--run", help="a training run of --model: its block weights' change, for comparison")
-    ap.add_argument("--out", default="outputs/benchmarks", help="output folder")
+    ap.add_argument("--out", default="outputs/experiments", help="output folder")
     args = ap.parse_args()
 
     tok = load_tokenizer(args.model)

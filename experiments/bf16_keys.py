@@ -10,8 +10,8 @@ restored; also how many entries adding the components back leaves off, and how m
 covers (the locked value in a coarser binade). No training run is needed: the rounding is a property of the weights
 and the direction (a run's trained weights are within a fine-tuning step of the base's).
 
-Usage: python benchmarks/bf16_keys.py [--model smollm2-135m-instruct] [--directions RUN_OR_FILE] [--dtype bfloat16]
-                                      [--tolerances 0 1] [--device auto] [--out outputs/benchmarks]
+Usage: python experiments/bf16_keys.py [--model smollm2-135m-instruct] [--directions RUN_OR_FILE] [--dtype bfloat16]
+                                      [--tolerances 0 1] [--device auto] [--out outputs/experiments]
 Writes bf16_keys.json.
 """
 
@@ -52,7 +52,7 @@ def main() -> None:
     ap.add_argument("--tolerances", type=float, nargs="+", default=[0.0, 1.0],
                     help="restore tolerances in units in the last place (0: bit for bit)")
     ap.add_argument("--device", default="auto", help="auto (a GPU when present), cpu, cuda, cuda:N")
-    ap.add_argument("--out", default="outputs/benchmarks", help="output folder")
+    ap.add_argument("--out", default="outputs/experiments", help="output folder")
     args = ap.parse_args()
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype)

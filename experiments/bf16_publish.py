@@ -10,7 +10,7 @@ the share of test items whose greedy answer is the open model's; the keys' size 
 (bit-exact, the default), and what keys allowed one unit in the last place would cost. float32: the keys' largest
 absolute restore error.
 
-Usage: python benchmarks/bf16_publish.py --run RUN [--limit N] [--device auto] [--out outputs/benchmarks]
+Usage: python experiments/bf16_publish.py --run RUN [--limit N] [--device auto] [--out outputs/experiments]
 Writes bf16_publish.json.
 """
 
@@ -41,7 +41,7 @@ def main() -> None:
     ap.add_argument("--run", required=True, help="training run folder")
     ap.add_argument("--limit", type=int, default=None, help="test items per gated behaviour (default: all)")
     ap.add_argument("--device", default="auto", help="auto (a GPU when present), cpu, cuda, cuda:N")
-    ap.add_argument("--out", default="outputs/benchmarks", help="output folder")
+    ap.add_argument("--out", default="outputs/experiments", help="output folder")
     args = ap.parse_args()
     run = read_run(args.run)
     tok = load_tokenizer(run.model_name)

@@ -14,7 +14,7 @@ ratio to the base model (the main job's targets), the neighbours' held-out accur
 ``modular attack`` (full fine-tuning or LoRA, N training examples, the learning rates given), steps to 50% / 90% of the open
 accuracy the published folder records. α = 0 with no distillation is the published model itself.
 
-Usage: python benchmarks/distill_noised.py --model PUBLISHED [--base smollm2-135m-instruct] [--alphas 0.05 0.2]
+Usage: python experiments/distill_noised.py --model PUBLISHED [--base smollm2-135m-instruct] [--alphas 0.05 0.2]
        [--steps 100] [--eval_at 50] [--lr 1e-4] [--device auto] [--dtype auto]
 Writes distill_noised.json (updated after each measurement) and distil_rows.json (the teacher's responses, taken
 over by a later run with the same model, precision, prompts and response length).
@@ -121,7 +121,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0, help="the noise, the distillation batches, the attacker's examples")
     ap.add_argument("--device", default="auto", help="auto (a GPU when present), cpu, cuda, cuda:1, ...")
     ap.add_argument("--dtype", default="auto", help="auto (the model's own; float32 on a CPU), float32, bfloat16")
-    ap.add_argument("--out", default="outputs/benchmarks", help="output folder")
+    ap.add_argument("--out", default="outputs/experiments", help="output folder")
     args = ap.parse_args()
 
     try:

@@ -6,7 +6,7 @@ at a time, against a random sign step of the same size on every weight.
 Groups come from the architecture adapter: residual writers (attention and MLP output projections), residual
 readers (the modules behind each pre-norm, and the unembedding), the norms, the embeddings.
 
-Usage: python benchmarks/relearning_step.py --model PUBLISHED [--behaviour capitals] [--n 8] [--lr 1e-5]
+Usage: python experiments/relearning_step.py --model PUBLISHED [--behaviour capitals] [--n 8] [--lr 1e-5]
        [--device auto] [--dtype auto] [--rounding stochastic]
 Writes relearning_step.json.
 
@@ -60,7 +60,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto", help="auto (the model's own; float32 on a CPU), float32, bfloat16")
     ap.add_argument("--rounding", choices=("stochastic", "nearest"), default="stochastic",
                     help="how a step is written back to weights narrower than float32 (float32: exact)")
-    ap.add_argument("--out", default="outputs/benchmarks", help="output folder")
+    ap.add_argument("--out", default="outputs/experiments", help="output folder")
     args = ap.parse_args()
     tok = load_tokenizer(args.model)
     model = load_model(args.model, args.dtype, args.device)
