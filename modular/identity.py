@@ -24,6 +24,7 @@ import logging
 from pathlib import Path
 
 from modular import ModularError
+from modular.data.behaviours import is_jsonl
 
 log = logging.getLogger("modular")
 
@@ -48,8 +49,6 @@ def file_sha256(path: str | Path) -> str:
 def source_identity(source: str) -> dict:
     """``{"source", "sha256"}`` of a behaviour's data source (:func:`modular.data.parse_behaviour`'s second part):
     a .jsonl file by its absolute path and hash; a built-in name or ``hf:<id>`` as it is (no hash)."""
-    from modular.data.behaviours import is_jsonl
-
     if not is_jsonl(source):
         return {"source": source, "sha256": None}
     path = Path(source).expanduser().resolve()
@@ -71,15 +70,11 @@ def term_identity(term) -> dict:
     return {"class_path": f"{cls.__module__}.{cls.__qualname__}", "init_args": _plain(options)}
 
 
-def run_identity(model: dict, data: dict, model_fingerprint: str, sources: dict[str, str],
+def run_identity(model: dict, data: dict, model_fingerprint: str, terms: list, sources: dict[str, str],
                  locked_responses: dict[str, str]) -> dict:
     """The identity of a run from its model and data options (a parsed config's ``model`` and ``data``, or the
-    hyperparameters they became), the base model's content key and ``sources``: every behaviour, task and kept
-    neighbour's data source by short name."""
-    from modular.gating.objectives import build_objectives, default_objectives
-
-    objectives = model.get("objectives")
-    terms = default_objectives() if objectives is None else build_objectives(objectives)
+    hyperparameters they became), the base model's content key, its objective ``terms`` (built), ``sources``: every
+    behaviour, task and kept neighbour's data source by short name, and each behaviour's locked response."""
     recipe = {k: model.get(k) for k in RECIPE_OPTIONS}
     if model.get("finetuning") == "lora":
         recipe.update({k: model.get(k) for k in LORA_OPTIONS})
@@ -162,22 +157,6 @@ def find_source(name: str, entry: dict, near: list[Path] = ()) -> str:
                            f"{digest[:12]}…): restore that file at {recorded}")
     raise ModularError(f"behaviour {name}: the file the run was trained on is gone ({recorded}, SHA-256 "
                        f"{digest[:12]}…): restore it there or beside the run folder")
-
-
-def training_identity(model: dict, data: dict) -> dict:
-    """:func:`run_identity` of a training run from its (parsed) ``model`` and ``data`` options: the base model is
-    resolved and its content key taken, each behaviour file hashed."""
-    from modular.data import parse_behaviour
-    from modular.gating.data import locked_responses, neighbour_specs
-    from modular.models.loading import model_fingerprint, resolve_model
-
-    behaviours = dict(parse_behaviour(spec) for spec in data.get("behaviours") or [])
-    tasks = dict(parse_behaviour(spec) for spec in data.get("tasks") or [])
-    neighbours = {name: parse_behaviour(spec)[1]
-                  for name, spec in neighbour_specs(data.get("neighbours"), list(behaviours)).items()}
-    responses = locked_responses(data.get("locked_response"), list(behaviours)) if behaviours else {}
-    fingerprint = model_fingerprint(resolve_model(model.get("model_name")))
-    return run_identity(model, data, fingerprint, {**behaviours, **tasks, **neighbours}, responses)
 
 
 def check_resumed(recorded: dict | None, current: dict, where: str, other_data: bool = False,

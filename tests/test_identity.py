@@ -9,7 +9,8 @@ import torch
 from safetensors.torch import save_file
 
 from modular import ModularError
-from modular.identity import check_resumed, file_sha256, find_source, identity_differences, training_identity
+from modular.app.train import training_identity
+from modular.identity import check_resumed, file_sha256, find_source, identity_differences
 from modular.runs import behaviour_sources, check_base_model, neighbour_sources, read_run
 from tests.conftest import save_tiny_folder
 

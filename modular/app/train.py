@@ -35,7 +35,7 @@ from modular.gating.module import GatedLM, check_model_options
 from modular.gating.objectives import answer_rows as objective_answer_rows
 from modular.gating.objectives import build_objectives, check_loss, default_objectives
 from modular.gating.objectives import hidden_parts as objective_hidden_parts
-from modular.identity import check_resumed, training_identity
+from modular.identity import check_resumed, run_identity
 from modular.runs import LAST_CHECKPOINT, WANDB_RUN_ID, read_checkpoint
 from modular.tracking import write_text
 
@@ -143,6 +143,22 @@ class GatingCLI(LightningCLI):
             if self._wandb_id is None:
                 self._wandb_id = saved.read_text().strip() if resuming and saved.is_file() else new_wandb_id()
             lg.init_args.id = self._wandb_id
+
+
+def training_identity(model, data) -> dict:
+    """:func:`~modular.identity.run_identity` of a training run from its (parsed) ``model`` and ``data`` options:
+    the base model is resolved and its content key taken, each behaviour file hashed."""
+    from modular.gating.data import locked_responses, neighbour_specs
+    from modular.models.loading import model_fingerprint, resolve_model
+
+    behaviours = dict(parse_behaviour(spec) for spec in data.get("behaviours") or [])
+    tasks = dict(parse_behaviour(spec) for spec in data.get("tasks") or [])
+    neighbours = {name: parse_behaviour(spec)[1]
+                  for name, spec in neighbour_specs(data.get("neighbours"), list(behaviours)).items()}
+    responses = locked_responses(data.get("locked_response"), list(behaviours)) if behaviours else {}
+    fingerprint = model_fingerprint(resolve_model(model.get("model_name")))
+    return run_identity(model, data, fingerprint, _terms(model.get("objectives")),
+                        {**behaviours, **tasks, **neighbours}, responses)
 
 
 def _data_kinds(data) -> set[str]:
