@@ -14,8 +14,13 @@ and of its keys folder (default: ``<published folder>-keys`` beside it; kept by 
 
 Writing is atomic: each folder goes to a temporary sibling that is renamed into place at the end, so an
 interrupted publish never leaves a folder that looks complete; the temporary folders an interrupted publish leaves
-behind are removed by the next one. ``overwrite`` replaces only a folder that modular wrote (it holds
-``modular.json``), never an input folder, one inside an input or one that contains an input.
+behind are removed by the next one. A published folder and its keys folder are replaced together
+(:func:`modular.files.replace_folders`): an interrupt at any point leaves the old pair or the new pair, never a mix;
+the next publish or unlock that touches either finishes what was interrupted (:func:`recover`). A folder being
+written is locked (``.<name>.lock`` beside it, :mod:`modular.locking`): a second command writing it is refused in one
+line. A full disk is one line naming the folder and the space needed, with nothing written. ``overwrite`` replaces
+only a folder that modular wrote (it holds ``modular.json``), never an input folder, one inside an input or one that
+contains an input.
 """
 
 from __future__ import annotations
@@ -25,11 +30,21 @@ import logging
 import os
 import re
 import shutil
+from contextlib import ExitStack
 from pathlib import Path
 
 from modular import ModularError, error_reason
-from modular.files import match_folder_mode, temp_sibling
+from modular.files import (
+    disk_full_error,
+    is_disk_full,
+    match_folder_mode,
+    recover_folders,
+    replace_folders,
+    swap_folders,
+    temp_sibling,
+)
 from modular.keys import apply_key, load_key, lock_weights, produced_hashes, save_key, weights_hash
+from modular.locking import folder_lock, held_here
 
 log = logging.getLogger("modular")
 MANIFEST = "modular.json"  # written into every folder modular publishes: its marker for --overwrite
@@ -149,12 +164,40 @@ def clean_leftovers(out: Path) -> list[Path]:
     return removed
 
 
-def _write_folders(writers: dict[Path, callable], private: tuple[Path, ...] = ()) -> None:
-    """Write each folder into a temporary sibling, then rename them all into place (replacing old ones). A folder in
-    ``private`` is its owner's alone (a keys folder); the others have the permissions of any folder the user makes."""
+def recover(folder: str | Path) -> None:
+    """Finish an interrupted replacement of ``folder`` (and of the folders replaced with it: a published folder and
+    its keys folder) from its journal, holding their locks (:func:`modular.files.recover_folders`): rolled back to
+    the old folders, or completed where every new one was in already. Nothing happens where none was interrupted; a
+    replacement that another command is doing now is one line."""
+    folders = swap_folders(folder)
+    if not folders:
+        return
+    with ExitStack() as locks:
+        for place in folders:
+            if not held_here(place):
+                locks.enter_context(folder_lock(place))
+        done = recover_folders(folder)
+    if done:
+        log.warning("%s an interrupted replacement of %s", done, " and ".join(map(str, folders)))
+
+
+def _tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _write_folders(writers: dict[Path, callable], private: tuple[Path, ...] = (),
+                   needed: dict[Path, int] | None = None) -> None:
+    """Write each folder into a temporary sibling, then move them all into place together, replacing old ones
+    (:func:`modular.files.replace_folders`). A folder in ``private`` is its owner's alone (a keys folder); the
+    others have the permissions of any folder the user makes. The caller holds the folders' locks. A full disk is
+    one line naming the folder and about how much it needs (``needed``), with nothing written."""
     temps: dict[Path, Path] = {}
+    current = next(iter(writers))
     try:
+        for out in writers:
+            recover(out)  # before anything beside it is removed as left over
         for out, write in writers.items():
+            current = out
             out.parent.mkdir(parents=True, exist_ok=True)
             for leftover in clean_leftovers(out):
                 log.info("removed %s, left by an interrupted write", leftover)
@@ -162,17 +205,13 @@ def _write_folders(writers: dict[Path, callable], private: tuple[Path, ...] = ()
             write(temps[out])
             if out not in private:  # safetensors leaves its files readable by their owner only
                 match_folder_mode(temps[out])
-        for out, tmp in temps.items():
-            if out.exists():
-                old = temp_sibling(out, "old", folder=True, private=True)
-                os.replace(out, old / out.name)
-                os.replace(tmp, out)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.replace(tmp, out)
-    except BaseException:
+        replace_folders(temps)
+    except BaseException as err:
         for tmp in temps.values():
             shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(err, Exception) and is_disk_full(err):
+            raise disk_full_error(current.parent, current.name, (needed or {}).get(current),
+                                  "free some space there, or choose another folder; nothing was written") from None
         raise
 
 
@@ -265,6 +304,17 @@ def publish_model(open_model, tokenizer, directions: dict, out: str | Path, base
     if _inside(keys_out, out) or _inside(out, keys_out):
         raise ModularError(f"the keys folder {keys_out} may not lie inside the published folder {out} or contain "
                            "it: the published folder is what users upload")
+    with ExitStack() as locks:  # one writer at a time, from the checks to the last rename
+        for folder in (out, keys_out):
+            locks.enter_context(folder_lock(folder))
+        for folder in (out, keys_out):
+            recover(folder)
+        return _publish_locked(open_model, tokenizer, directions, out, keys_out, base_name, measured, harden,
+                               overwrite, step, locked_responses, inputs, lock_check)
+
+
+def _publish_locked(open_model, tokenizer, directions, out, keys_out, base_name, measured, harden, overwrite, step,
+                    locked_responses, inputs, lock_check) -> tuple[Path, Path]:
     check_output_folder(out, inputs, overwrite)
     check_output_folder(keys_out, inputs, overwrite, option="--keys", kind="keys")
     keys = lock_weights(open_model, directions, harden=harden)
@@ -303,7 +353,9 @@ def publish_model(open_model, tokenizer, directions: dict, out: str | Path, base
         (tmp / MANIFEST).write_text(json.dumps({"kind": "keys", "locked_hash": locked_hash, "behaviours": behaviours,
                                                 "base_model": base_name}, indent=2) + "\n")
 
-    _write_folders({keys_out: write_keys, out: write_model}, private=(keys_out,))
+    needed = {out: _tensor_bytes(open_model.state_dict().values()),
+              keys_out: _tensor_bytes(t for k in keys for c in k.components for t in (c.a, c.b))}
+    _write_folders({keys_out: write_keys, out: write_model}, private=(keys_out,), needed=needed)
     return out, keys_out
 
 
@@ -312,11 +364,19 @@ def unlock_folder(model_dir: str | Path, key_path: str | Path, out: str | Path, 
 
     Refuses, with nothing written, a key of other weights, a damaged key (content digest) and a result that is not
     the weights the key was made to produce (weights digest)."""
-    from modular.models import load_model, load_tokenizer
-
     model_dir, out = Path(model_dir), Path(out)
+    for folder in (model_dir, Path(key_path).parent):  # a publish interrupted while replacing what is read
+        recover(folder)
     if not (model_dir / "config.json").is_file():
         raise ModularError(f"{model_dir} is not a Hugging Face model folder")
+    with folder_lock(out):  # one writer at a time, from the checks to the rename
+        recover(out)
+        return _unlock_locked(model_dir, key_path, out, overwrite)
+
+
+def _unlock_locked(model_dir: Path, key_path: str | Path, out: Path, overwrite: bool) -> Path:
+    from modular.models import load_model, load_tokenizer
+
     check_output_folder(out, [model_dir, key_path], overwrite, sealed=[model_dir], kind="unlocked")
     key, meta = load_key(key_path)
     manifest = read_manifest(model_dir, require=("locked_hash", "weights_hash", "applied_keys"))
@@ -366,5 +426,5 @@ def unlock_folder(model_dir: str | Path, key_path: str | Path, out: str | Path, 
             head, sep, body = card.partition("---\n\n") if card.startswith("---") else ("", "", card)
             (tmp / "README.md").write_text(head + sep + note + body)
 
-    _write_folders({out: write})
+    _write_folders({out: write}, needed={out: _tensor_bytes(model.state_dict().values())})
     return out

@@ -11,6 +11,8 @@ Layout of a run folder (``trainer.default_root_dir``)::
                              or a folder of shards from a sharded run (FSDP2 with save_distributed_checkpoint)
     wandb_run_id             the W&B run's id, so a resumed run continues it
     lock.json, lock.png      the lock evaluation of the checkpoint (``evaluate.py lock``)
+    .modular.lock            while a command trains in the folder: who (pid, host, since when;
+                             :mod:`modular.locking`), so that a second one is refused; removed when it ends
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ LAST_CHECKPOINT = "last.ckpt"
 WANDB_RUN_ID = "wandb_run_id"
 LOCK_REPORT = "lock.json"
 LOCK_FIGURE = "lock.png"
+RUN_LOCK = ".modular.lock"
 
 
 @dataclass

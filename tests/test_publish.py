@@ -2,9 +2,12 @@
 
 import json
 import os
+import re
+import shutil
 import stat
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -303,3 +306,125 @@ def test_the_card_and_manifest_say_whether_the_lock_held_on_the_test_split(tmp_p
     manifest = json.loads((out / "modular.json").read_text())
     assert manifest["lock_verified"] is True and manifest["lock_held_out"] == measured["lock_held_out"]
     assert "**Warning: the lock did not hold on the held-out test split**" in (out / "README.md").read_text()
+
+
+# --- one writer at a time, full disks, the pair replaced together ----------------------------------------------------
+def _tree(folder) -> dict:
+    """Every file and folder under ``folder`` (hidden ones too) with its bytes."""
+    return {str(p.relative_to(folder)): p.read_bytes() if p.is_file() else None for p in sorted(folder.rglob("*"))}
+
+
+def _hashes(out, keys) -> tuple:
+    """The locked hash the published folder's manifest and its keys folder's manifest name (None: no folder)."""
+    return tuple(json.loads((f / "modular.json").read_text())["locked_hash"] if f.is_dir() else None
+                 for f in (out, keys))
+
+
+DEAD_PID = 2**22 + 7  # above Linux's largest pid: never a running process
+
+
+def test_a_folder_another_command_writes_is_refused_and_a_gone_writers_lock_taken_over(tmp_path, tok, caplog):
+    """Two publishes to one folder: the second is refused in one line naming the folder and the holder, with nothing
+    written (without --overwrite both used to finish, one silently replacing the other); so is an unlock into a
+    folder being written. A lock left by a process that is gone is taken over with a log line."""
+    import logging
+    import socket
+
+    from modular.locking import folder_lock
+
+    out, keys = publish_model(make_tiny_model("llama"), tok, _dirs(), tmp_path / "pub", "tiny")
+    before = _tree(tmp_path)
+    for held in (out, keys):
+        with folder_lock(held):
+            with pytest.raises(ModularError) as err:
+                publish_model(make_tiny_model("llama", seed=1), tok, _dirs(), out, "tiny", overwrite=True)
+            line = str(err.value)
+            assert "\n" not in line and str(held) in line and f"pid {os.getpid()}" in line
+        assert _tree(tmp_path) == before
+    with folder_lock(tmp_path / "unlocked"):
+        with pytest.raises(ModularError, match=f"unlocked is being written by another command .pid {os.getpid()}"):
+            unlock_folder(out, keys / "b0.key.safetensors", tmp_path / "unlocked")
+    assert _tree(tmp_path) == before
+    stale = {"pid": DEAD_PID, "host": socket.gethostname(), "since": "2026-01-01T00:00:00+00:00"}
+    (tmp_path / ".pub2.lock").write_text(json.dumps(stale))
+    with caplog.at_level(logging.WARNING, logger="modular"):
+        publish_model(make_tiny_model("llama"), tok, _dirs(), tmp_path / "pub2", "tiny")
+    assert f"took over the lock of pid {DEAD_PID}" in caplog.text
+    assert (tmp_path / "pub2" / "modular.json").is_file() and not (tmp_path / ".pub2.lock").exists()
+
+
+def _full_disk_after(monkeypatch, cls, nbytes=10):
+    """``cls.save_pretrained`` writes a few bytes and fails as a full disk does."""
+    import errno
+
+    def full(self, folder, *args, **kwargs):
+        (Path(folder) / "tokenizer.json").write_bytes(b"x" * nbytes)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(cls, "save_pretrained", full)
+
+
+def test_a_full_disk_is_one_line_naming_the_folder_and_the_space_needed(tmp_path, tok, monkeypatch, capsys):
+    out, keys = publish_model(make_tiny_model("llama"), tok, _dirs(), tmp_path / "pub", "tiny")
+    before = _tree(tmp_path)
+    with monkeypatch.context() as m:
+        _full_disk_after(m, type(tok))
+        with pytest.raises(ModularError) as err:
+            publish_model(make_tiny_model("llama", seed=1), tok, _dirs(), tmp_path / "pub", "tiny", overwrite=True)
+        assert str(err.value).startswith(f"no space left in {tmp_path} for pub (it needs about ")
+        assert re.search(r"about [\d.]+ [kMG]?B, [\d.]+ [kMGT]?B free there\): .*nothing was written", str(err.value))
+        assert _tree(tmp_path) == before  # the old pair, and nothing beside it
+        from modular.app import cli
+
+        assert cli.main(["unlock", "--model", str(out), "--key", str(keys / "b0.key.safetensors"), "--out",
+                         str(tmp_path / "unlocked")]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-1].startswith(f"error: no space left in {tmp_path} for unlocked (it needs about "), lines
+    assert "Traceback" not in "\n".join(lines) and _tree(tmp_path) == before
+
+
+@pytest.mark.parametrize("killed", [False, True])
+def test_an_interrupted_overwrite_leaves_the_old_pair_or_the_new_pair(tmp_path, tok, monkeypatch, killed):
+    """``publish --overwrite`` stopped at each rename it makes (an error, or a process killed there: nothing runs
+    after it) leaves the published folder and its keys folder as the old pair or the new pair, by the manifests'
+    locked hashes; once the next command (an unlock of the published folder with its key) has run, also after a
+    kill, with nothing left beside them. It used to leave the old published folder beside the new keys, the old keys
+    only in a hidden folder that the next write deleted."""
+    pristine = tmp_path / "pristine"
+    publish_model(make_tiny_model("llama"), tok, _dirs(), pristine / "pub", "tiny")
+    place = tmp_path / "place"
+    out, keys = place / "pub", place / "pub-keys"
+    real = os.replace
+    calls = []
+
+    def counting(src, dst):
+        calls.append(dst)
+        return real(src, dst)
+
+    shutil.copytree(pristine, place, symlinks=True)
+    old = _hashes(out, keys)
+    with monkeypatch.context() as m:
+        m.setattr(os, "replace", counting)
+        publish_model(make_tiny_model("llama", seed=1), tok, _dirs(), out, "tiny", overwrite=True)
+    new = _hashes(out, keys)
+    assert old[0] == old[1] and new[0] == new[1] and old != new
+    assert sum(Path(d) in (out, keys) for d in calls) == 2  # each folder moved in once (the rest: aside, journal)
+    for at in range(1, len(calls) + 1):
+        shutil.rmtree(place)
+        shutil.copytree(pristine, place, symlinks=True)
+        def failing(src, dst, seen=[], at=at):  # noqa: B006 - the calls of this attempt
+            seen.append(dst)
+            if len(seen) == at or (killed and len(seen) > at):
+                raise KeyboardInterrupt if not killed else OSError("killed")
+            return real(src, dst)
+
+        with monkeypatch.context() as m:
+            m.setattr(os, "replace", failing)
+            with pytest.raises((KeyboardInterrupt, OSError)):
+                publish_model(make_tiny_model("llama", seed=1), tok, _dirs(), out, "tiny", overwrite=True)
+        if not killed:
+            assert _hashes(out, keys) in (old, new), at
+        unlocked = unlock_folder(out, keys / "b0.key.safetensors", tmp_path / f"unlocked{at}")  # the next command
+        assert _hashes(out, keys) in (old, new), at
+        assert json.loads((unlocked / "modular.json").read_text())["locked_hash"] == _hashes(out, keys)[0]
+        assert sorted(p.name for p in place.iterdir()) == ["pub", "pub-keys"], (at, sorted(place.iterdir()))

@@ -31,12 +31,17 @@ def publish(run: str, out: str, keys: str | None = None, harden: bool = True, ov
             CPU; the keys restore the trained weights in that precision.
     """
     # the library is loaded here, not at the top: help loads no torch, a command loads its modules when it runs
+    from modular.locking import check_unlocked
     from modular.models import load_tokenizer
     from modular.models.precision import DTYPES, cast_model, dtype_name, model_dtype
-    from modular.publish import check_output_folder, keys_folder_for, publish_model
+    from modular.publish import check_output_folder, keys_folder_for, publish_model, recover
     from modular.runs import LOCK_REPORT, checkpoint_step, load_open_model, lock_verdict, read_run
 
     keys = keys or str(keys_folder_for(out))
+    for folder in (out, keys):  # another command writing them: refused before any work (publish_model locks them)
+        check_unlocked(folder)
+    for folder in (out, keys):  # a publish interrupted while replacing them: finished first
+        recover(folder)
     check_output_folder(out, [run], overwrite)  # before any work: nothing is loaded for a refused folder
     check_output_folder(keys, [run], overwrite, option="--keys", kind="keys")
     r = read_run(run)

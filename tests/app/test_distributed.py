@@ -177,6 +177,9 @@ def test_a_killed_run_resumes(tmp_path, runs, strategy, sharded):
     record = json.loads((run / "run.json").read_text())
     assert record["global_step"] == STEPS and record["checkpoint_step"] == STEPS
     assert (run / "directions.safetensors").read_bytes() == directions
+    # the killed run's lock was taken over (the other process, started again by the launcher, took none), and
+    # every checkpoint was written beside its place and renamed: nothing hidden is left
+    assert "took over the lock" in log and not [p.name for p in run.iterdir() if p.name.startswith(".")]
     assert "directions chosen" not in log  # read from the run folder, not chosen again
     # steps 3-5 as the run not killed trained them: the same batches, steering draws and so losses
     assert _records(tmp_path)[0]["losses"] == pytest.approx(runs[strategy]["records"][0]["losses"][2:],
