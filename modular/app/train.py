@@ -8,6 +8,13 @@ status 143 (several processes keep Lightning's handling and resume from their la
 Before anything is instantiated, ``fit`` checks the trainer's length: ``trainer.max_steps`` must be at least 1, or -1
 (unlimited) with ``trainer.max_epochs`` at least 1; ``trainer.max_epochs``, when given, at least 1 or -1. Before
 training starts it checks that the checkpoint it would resume from can be read.
+
+One command trains in a run folder at a time: the launching process holds the folder's lock
+(:data:`~modular.runs.RUN_LOCK`, :mod:`modular.locking`) from before anything is instantiated until the command
+ends; a second command on the same folder is refused in one line, before it writes anything. Checkpoints are
+written whole or not at all (:class:`~modular.gating.checkpoint_io.AtomicCheckpointIO`, unless the config names a
+checkpoint writer of its own): a full disk is one line naming the folder and the space needed, and the previous
+checkpoint stays whole.
 """
 
 from __future__ import annotations
@@ -18,25 +25,29 @@ import os
 import signal
 import sys
 import uuid
+from contextlib import ExitStack
 from pathlib import Path
 
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.callbacks.progress import ProgressBar
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import WandbLogger
+from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from modular import ModularError
 from modular.app.progress import LogProgress
 from modular.data import load_jsonl, parse_behaviour
 from modular.data.behaviours import is_jsonl
+from modular.gating.checkpoint_io import AtomicCheckpointIO
 from modular.gating.data import GatingDataModule, check_data_options, training_data
 from modular.gating.module import GatedLM, check_model_options
 from modular.gating.objectives import answer_rows as objective_answer_rows
 from modular.gating.objectives import build_objectives, check_loss, default_objectives
 from modular.gating.objectives import hidden_parts as objective_hidden_parts
 from modular.identity import check_resumed, run_identity
-from modular.runs import LAST_CHECKPOINT, WANDB_RUN_ID, read_checkpoint
+from modular.locking import folder_lock
+from modular.runs import LAST_CHECKPOINT, RUN_LOCK, WANDB_RUN_ID, read_checkpoint
 from modular.tracking import write_text
 
 
@@ -60,6 +71,13 @@ def answer_rows(objectives) -> bool:
 
 
 class GatingCLI(LightningCLI):
+    """``held``: where the run folder's lock is kept (:meth:`instantiate_classes`); the caller closes it when the
+    command ends (:func:`main`)."""
+
+    def __init__(self, *args, held: ExitStack | None = None, **kwargs):
+        self.held = held if held is not None else ExitStack()
+        super().__init__(*args, **kwargs)
+
     def add_arguments_to_parser(self, parser) -> None:
         parser.link_arguments("model.model_name", "data.model_name")
         parser.link_arguments("model.behaviours", "data.behaviours")
@@ -98,14 +116,29 @@ class GatingCLI(LightningCLI):
                           same_run)
         self._choose_wandb_run(config)
 
+    def instantiate_classes(self) -> None:
+        """Everything is instantiated (and the run trained) holding the run folder's lock, once every check has
+        passed: a second command on the folder is refused here, before it writes anything."""
+        if self.subcommand == "fit" and launching_process():
+            run_dir = str(self.config["fit"]["trainer"].get("default_root_dir") or os.getcwd())
+            if "://" not in run_dir:  # a remote folder (s3://...) has no lock
+                self.held.enter_context(folder_lock(run_dir, Path(run_dir) / RUN_LOCK))
+        super().instantiate_classes()
+
     def instantiate_trainer(self, **kwargs):
         """The trainer, with :class:`~modular.app.progress.LogProgress` in place of Lightning's bar when stderr is not
         a terminal (a log file would get nothing from the bar until the run ends); a progress bar the config names
-        is kept."""
+        is kept. Checkpoints are written by :class:`~modular.gating.checkpoint_io.AtomicCheckpointIO` unless the
+        config names a checkpoint writer (in ``trainer.plugins`` or its strategy's)."""
         config = self._get(self.config_init, "trainer", default={})
         named = [cb for cb in config.get("callbacks") or [] if isinstance(cb, ProgressBar)]
         if config.get("enable_progress_bar") is not False and not named and not sys.stderr.isatty():
             kwargs["callbacks"] = [*(config.get("callbacks") or []), LogProgress()]
+        plugins = config.get("plugins")
+        plugins = [] if plugins is None else list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
+        if not any(isinstance(p, CheckpointIO) for p in plugins) and getattr(config.get("strategy"), "_checkpoint_io",
+                                                                             None) is None:
+            kwargs["plugins"] = [*plugins, AtomicCheckpointIO()]
         return super().instantiate_trainer(**kwargs)
 
     def before_fit(self) -> None:
@@ -177,6 +210,14 @@ def resume_candidate(config) -> Path | None:
         return Path(ckpt) if Path(ckpt).exists() else None
     found = [p for p in Path(config["trainer"].get("default_root_dir") or ".").glob("last*.ckpt")]
     return max(found, key=lambda p: p.stat().st_mtime) if found else None
+
+
+def launching_process() -> bool:
+    """Whether this process launched the run, not one that a multi-process launcher started for another rank (they
+    hold no lock: the launching one holds it for them). Lightning's launcher starts them again from the command line
+    with ``LOCAL_RANK`` set (and, for other nodes, ``NODE_RANK``); torchrun, SLURM and MPI set each process's rank."""
+    ranks = ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+    return all(os.environ.get(name, "0") in ("", "0") for name in ranks)
 
 
 def new_wandb_id() -> str:
@@ -291,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     import __main__
 
     saved, saved_spec = sys.argv, getattr(__main__, "__spec__", None)
+    held = ExitStack()  # the run folder's lock, until the command ends
     # LightningCLI reads the command line (given both it and ``args``, it warns), and multi-process launchers start
     # the other processes from it: this module as the script, whoever called it (train.py, modular main, python -m
     # modular: Lightning's launcher would start a module run with -m as `python -m modular.__main__ fit ...`, which
@@ -299,7 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     __main__.__spec__ = None
     try:
         GatingCLI(GatedLM, GatingDataModule, save_config_callback=RunConfigSave, save_config_kwargs={"overwrite": True},
-                  parser_kwargs={"prog": "modular train", "description": "modular: gate behaviours into residual directions."})
+                  parser_kwargs={"prog": "modular train", "description": "modular: gate behaviours into residual directions."},
+                  held=held)
     except ModularError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -309,7 +352,44 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + signal.SIGTERM
     finally:
         sys.argv, __main__.__spec__ = saved, saved_spec
+        held.close()
     return 0
+
+
+class _Planned(Exception):
+    """Raised by :class:`_PlanningCLI` once every check has passed: the run folder and the identity ``fit`` would
+    train."""
+
+    def __init__(self, run_dir: Path, identity: dict):
+        super().__init__(str(run_dir))
+        self.run_dir, self.identity = run_dir, identity
+
+
+class _PlanningCLI(GatingCLI):
+    """The training CLI stopped before anything is instantiated (nothing loaded, locked or written)."""
+
+    def before_instantiate_classes(self) -> None:
+        super().before_instantiate_classes()
+        if self.subcommand == "fit":
+            raise _Planned(Path(self.config["fit"]["trainer"].get("default_root_dir") or "."), self._identity)
+
+
+def planned_run(argv: list[str]) -> tuple[Path, dict]:
+    """The run folder and the identity (:func:`training_identity`) that ``modular train`` would train with ``argv``
+    (``["fit", ...]``), from its checks alone: a bad option, or a checkpoint in the folder of another run, is the
+    same one line (:class:`~modular.ModularError`); nothing is loaded or written."""
+    argv = list(argv)
+    if argv[:1] == ["fit"] and not any(a.startswith("--ckpt_path") for a in argv):
+        argv[1:1] = ["--ckpt_path", "last"]  # as main() resumes
+    saved = sys.argv
+    sys.argv = [__file__, *argv]
+    try:
+        _PlanningCLI(GatedLM, GatingDataModule, save_config_callback=None, parser_kwargs={"prog": "modular train"})
+    except _Planned as planned:
+        return planned.run_dir, planned.identity
+    finally:
+        sys.argv = saved
+    raise ModularError(f"not a training command: {' '.join(argv)}")
 
 
 if __name__ == "__main__":

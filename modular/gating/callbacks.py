@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import shutil
 from pathlib import Path
 
 import torch
@@ -16,6 +17,7 @@ from modular.data.schema import all_refusals
 from modular.evaluation.behaviour import evaluate_behaviour
 from modular.evaluation.retain import first_token_logp, mean_kl, perplexity
 from modular.evaluation.targets import TARGETS, lock_failures
+from modular.gating.data import data_max_length
 from modular.hooks import ablate_directions
 
 log = logging.getLogger("modular")
@@ -196,7 +198,8 @@ class LockMetricsCallback(Callback):
         try:
             return evaluate_behaviour(pl_module.hf_model, dm.tokenizer, dm.behaviour_data[behaviour]["validation"],
                                       self.max_new_tokens, limit=self.limit, intervention=intervention, desc=False,
-                                      refusals=(dm.locked_responses[behaviour],)).accuracy
+                                      refusals=(dm.locked_responses[behaviour],), max_length=data_max_length(dm),
+                                      name=f"{behaviour} (validation)").accuracy
         finally:
             pl_module.hf_model.train(was_training)
 
@@ -225,7 +228,8 @@ class LockMetricsCallback(Callback):
                 continue
             for state, ctx in (("open", None), ("locked", lambda: ablate_directions(adapter, dirs))):
                 r = evaluate_behaviour(model, tok, data["validation"], self.max_new_tokens, limit=self.limit,
-                                       intervention=ctx, desc=False, refusals=refusals)
+                                       intervention=ctx, desc=False, refusals=refusals,
+                                       max_length=data_max_length(dm), name=f"neighbour {n} (validation)")
                 metrics[f"val/neighbours/{n}/accuracy_{state}"] = r.accuracy
                 metrics[f"val/neighbours/{n}/refusal_{state}"] = r.refusal_rate
         return metrics
@@ -345,7 +349,8 @@ class SparseHeadsCallback(Callback):
         with head_gate_scope(model, active=pl_module.hparams.get("gate_scope", "all") != "tasks"):
             for t in getattr(dm, "tasks", []):
                 r = evaluate_behaviour(model, tok, dm.task_data[t]["validation"], self.max_new_tokens,
-                                       limit=self.limit, desc=False)
+                                       limit=self.limit, desc=False, max_length=data_max_length(dm),
+                                       name=f"task {t} (validation)")
                 metrics[f"val/{t}/accuracy"] = r.accuracy
             texts = list(neutral_text(seed=dm.hparams.seed)["validation"]["text"])
             metrics["val/neutral_perplexity"] = perplexity(model, tok, texts)
@@ -385,6 +390,46 @@ class RunCheckpoint(ModelCheckpoint):
             return False
         self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
         return True
+
+    def _save_checkpoint(self, trainer, filepath: str) -> None:
+        from modular.gating.checkpoint_io import saves_folders
+
+        if not saves_folders(trainer.strategy):  # one file: AtomicCheckpointIO writes it whole or not at all
+            super()._save_checkpoint(trainer, filepath)
+        else:
+            self._save_folder(trainer, filepath)
+
+    def _save_folder(self, trainer, filepath: str) -> None:
+        """A checkpoint saved as a folder of shards, which every process writes its part of: written beside its place
+        (``.<name>.partial``, one name on every process) and renamed into place once whole, so that the previous one
+        stays whole until then (written in place, a failed save left a mix of old and new shards)."""
+        from weakref import proxy
+
+        from modular.files import disk_full_error, is_disk_full
+        from modular.gating.checkpoint_io import REMEDY, checkpoint_bytes, swap_in
+
+        final = Path(filepath)
+        partial = final.with_name(f".{final.name}.partial")
+        if trainer.is_global_zero and partial.is_dir() and not partial.is_symlink():  # left by a save that failed
+            shutil.rmtree(partial)
+        elif trainer.is_global_zero:
+            partial.unlink(missing_ok=True)
+        trainer.strategy.barrier()
+        try:
+            trainer.save_checkpoint(str(partial), self.save_weights_only)
+        except Exception as err:
+            if is_disk_full(err):
+                need = checkpoint_bytes([trainer.lightning_module.state_dict(), [o.state for o in trainer.optimizers]])
+                raise disk_full_error(final.parent, f"the checkpoint {final.name}", need, REMEDY) from None
+            raise
+        if trainer.is_global_zero:
+            swap_in(partial, final)
+        trainer.strategy.barrier()
+        self._last_global_step_saved = trainer.global_step
+        self._last_checkpoint_saved = filepath
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.after_save_checkpoint(proxy(self))
 
 
 def _sources(specs: dict[str, str]) -> dict[str, str]:

@@ -704,3 +704,46 @@ class MyAnswer(LockedAnswer):
 
 class MyHidden(KeepHidden):
     """A user's own term built on KeepHidden."""
+
+
+DEAD_PID = 2**22 + 7  # above Linux's largest pid: never a running process
+
+
+def test_one_command_trains_in_a_run_folder_at_a_time(tmp_path, tiny_env):
+    """A second `modular train fit` on a run folder being trained in is refused in one line naming the folder and the
+    holder, with nothing written (two used to both finish: two W&B runs, last.ckpt and last-v1.ckpt); the lock of a
+    command that is gone (killed) is taken over with a log line, and released when the command ends."""
+    import os
+    import socket
+
+    from modular.locking import folder_lock
+    from modular.runs import RUN_LOCK
+
+    model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
+    cfg, run = tiny_config(tmp_path, model_dir, lock_args={"stop": False})
+    run.mkdir()
+    (run / RUN_LOCK).write_text(json.dumps({"pid": DEAD_PID, "host": socket.gethostname(), "since": "then"}))
+    out = _train(cfg, "--trainer.max_steps", "2", env=tiny_env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"took over the lock of pid {DEAD_PID}" in out.stderr and not (run / RUN_LOCK).exists()
+    with folder_lock(run, run / RUN_LOCK):  # a command training in it now
+        before = _listing(run)
+        out = _train(cfg, "--trainer.max_steps", "3", env=tiny_env)
+        _one_line_error(out, str(run), "being written by another command", f"pid {os.getpid()}")
+        assert _listing(run) == before
+    assert _ckpt_step(run / "last.ckpt") == 2 and not (run / "last-v1.ckpt").exists()
+
+
+def test_training_on_a_full_disk_keeps_the_previous_checkpoint_and_says_so_in_one_line(tmp_path, tiny_env):
+    """The final step's checkpoint fails to write (a full disk): one line naming the run folder and about how much the
+    checkpoint needs, status 2, and last.ckpt is still step 2's, whole (it used to be a truncated file), with no
+    temporary file left beside it."""
+    model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
+    cfg, run = tiny_config(tmp_path, model_dir, lock_args={"stop": False})  # 3 steps, checkpoints every 2
+    data = yaml.safe_load(cfg.read_text())
+    data["trainer"]["callbacks"].append({"class_path": "tests.app.faults.DiskFullAfter", "init_args": {"step": 2}})
+    cfg.write_text(yaml.safe_dump(data))
+    out = _train(cfg, env=tiny_env)
+    _one_line_error(out, f"no space left in {run} for the checkpoint last.ckpt (it needs about ", "previous checkpoint")
+    assert _ckpt_step(run / "last.ckpt") == 2
+    assert not [p.name for p in run.iterdir() if p.name.startswith(".") or p.name.startswith("last-")]
