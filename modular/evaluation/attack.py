@@ -10,7 +10,7 @@
     the weights can do, and greedily continued; the base model prefilled alike is its reference.
 
 :func:`plot_attack` draws every attack: the best accuracy each one recovers, and the recovery curves of the
-relearning sweeps beside the baselines'.
+relearning sweeps beside the baselines', as each attack of :mod:`modular.evaluation.attacks` says.
 """
 
 from __future__ import annotations
@@ -48,9 +48,9 @@ def null_space_direction(model) -> tuple[torch.Tensor, list[float]]:
 def residual_scale(model, tokenizer, prompts, chats) -> float:
     """Typical residual-stream norm at the last prompt position (mid layer), to scale the α scans."""
     adapter = ArchitectureAdapter(model)
-    from modular.data.formatting import batch_prompts
+    from modular.data.formatting import batch_prompts, prompt_limit
 
-    batch = batch_prompts(tokenizer, list(prompts[:16]), list(chats[:16]))
+    batch = batch_prompts(tokenizer, list(prompts[:16]), list(chats[:16]), max_length=prompt_limit(model))
     batch = {k: v.to(next(model.parameters()).device) for k, v in batch.items()}
     with capture_residual(adapter) as states:
         model(**batch, use_cache=False)
@@ -131,53 +131,47 @@ def envelope(sweep_result: dict) -> tuple[list[int], list[float]]:
     return steps, best
 
 
-#: the attacks of a report's behaviour entry, as drawn: (label, how its best accuracy is read)
-ATTACK_BARS = (
-    ("locked", lambda r: r["locked_accuracy"]),
-    ("(a) weights", lambda r: r["a_weights"]["best"]["accuracy"]),
-    ("(b) steering", lambda r: r["b_steering"]["best"]["accuracy"]),
-    ("(c) relearning", lambda r: r["c_relearning"]["worst_case"]["best_accuracy"]),
-    ("(d) neutral", lambda r: r["d_neutral"]["worst_case"]["best_accuracy"]),
-    ("(e) prefill", lambda r: r["e_prefill"]["accuracy"]),
-)
-
-
-def plot_attack(report: dict, path: str | Path) -> Path:
-    """One row per attacked behaviour. Left: the base and open accuracy, and the best held-out accuracy each attack
-    recovers ((c) and (d): the best over their sweep within its step budget). Right: recovery curves, the best
-    accuracy over the sweep by step, for the gated model and each baseline, with 50% and 90% of the open
-    accuracy."""
+def plot_attack(report: dict, path: str | Path, attacks=None) -> Path:
+    """One row per attacked behaviour. Left: the base, open and locked accuracy, and the best held-out accuracy each
+    attack recovers (its :meth:`~modular.evaluation.attacks.Attack.bars`; a sweep's: the best over it within its
+    step budget). Right: recovery curves (each attack's :meth:`~modular.evaluation.attacks.Attack.curves`), the best
+    accuracy over a sweep by step, for the gated model and each baseline, with 50% and 90% of the open accuracy.
+    ``attacks``: those the report holds (default: the built-in ones; an attack a report has no entry of, one written
+    before it existed, is left out)."""
     import matplotlib.pyplot as plt
 
     from modular.plots import save_figure
 
+    if attacks is None:
+        from modular.evaluation.attacks import default_attacks  # modular.evaluation.attacks imports this module
+
+        attacks = default_attacks()
     names = list(report["behaviours"])
     fig, axes = plt.subplots(len(names), 2, figsize=(15, 4.2 * len(names)), squeeze=False,
                              gridspec_kw={"width_ratios": [1.2, 1]})
     for row, b in zip(axes, names):
         r = report["behaviours"][b]
+        shown = [a for a in attacks if a.key in r]
         # a published folder without a measured open accuracy: the base's stands in for it (the label says so)
         open_label = "open (base)" if r.get("open_accuracy_from") == "base model" else "open"
-        bars = [("base", r["base_accuracy"]), (open_label, r["open_accuracy"])]
-        bars += [(label, read(r)) for label, read in ATTACK_BARS if _present(r, label)]
+        bars = [("base", r["base_accuracy"]), (open_label, r["open_accuracy"]), ("locked", r["locked_accuracy"])]
+        bars += [bar for a in shown for bar in a.bars(r[a.key])]
+        curves = [(a, a.curves(r)) for a in shown]
         ax = row[0]
         drawn = ax.bar([lab for lab, _ in bars], [v for _, v in bars],
-                       color=["#8c8c8c", "#55a868"] + ["#c44e52" if lab.startswith("(") else "#4c72b0"
-                                                       for lab, _ in bars[2:]])
+                       color=["#8c8c8c", "#55a868", "#4c72b0"] + ["#c44e52"] * (len(bars) - 3))
         for bar, (_, v) in zip(drawn, bars):
             ax.annotate(f"{v:.2f}", (bar.get_x() + bar.get_width() / 2, v), ha="center", va="bottom", fontsize=8,
                         xytext=(0, 2), textcoords="offset points")
         ax.set_ylim(0, 1.05)
         ax.set_ylabel("held-out accuracy")
         ax.tick_params(axis="x", rotation=20)
-        steps = r.get("c_relearning", {}).get("max_steps")
-        ax.set_title(f"{b}: best accuracy each attack recovers" + (f" ((c), (d): within {steps} steps)" if steps
-                                                                      else ""))
+        swept = [a for a, drawn_curves in curves if drawn_curves]
+        steps = next((r[a.key].get("max_steps") for a in swept if r[a.key].get("max_steps")), None)
+        ax.set_title(f"{b}: best accuracy each attack recovers"
+                     + (f" ({', '.join(a.title for a in swept)}: within {steps} steps)" if steps else ""))
         ax = row[1]
-        curves = [("gated (c) relearning", r.get("c_relearning")), ("gated (d) neutral", r.get("d_neutral"))]
-        curves += [(f"{name} baseline (c) relearning", v.get("c_relearning"))
-                   for name, v in r.get("baselines", {}).items()]
-        for label, sweep_result in curves:
+        for label, sweep_result in (c for _, drawn_curves in curves for c in drawn_curves):
             if sweep_result and sweep_result["settings"]:
                 x, y = envelope(sweep_result)
                 ax.plot(x, y, marker=".", label=f"{label}, {len(sweep_result['settings'])} settings")
@@ -192,10 +186,3 @@ def plot_attack(report: dict, path: str | Path) -> Path:
         ax.set_title(f"{b}: recovery without the key")
         ax.legend(fontsize=7)
     return save_figure(fig, path)
-
-
-def _present(r: dict, label: str) -> bool:
-    if label == "(e) prefill":  # reports written before (e) existed
-        return "e_prefill" in r
-    key = {"(c) relearning": "c_relearning", "(d) neutral": "d_neutral"}.get(label)
-    return key is None or bool(r.get(key, {}).get("settings"))

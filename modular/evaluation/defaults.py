@@ -7,3 +7,6 @@ from __future__ import annotations
 NEIGHBOUR_TOLERANCE = 0.03
 #: the learning rates an attacker tries by default, an order of magnitude apart (LoRA's are higher, as usual)
 DEFAULT_LRS = {"full": (1e-5, 1e-4, 1e-3), "lora": (1e-4, 1e-3, 1e-2)}
+#: the attacks ``modular attack`` runs by default, by short name (:data:`modular.evaluation.attacks.BUILTIN_ATTACKS`);
+#: a list, not a tuple, so that ``--attacks+=X`` adds X to them (jsonargparse replaces a tuple default); never mutated
+DEFAULT_ATTACKS = ["weights", "steering", "relearning", "neutral", "prefill"]
