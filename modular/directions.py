@@ -17,7 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from modular import ModularError, error_reason
-from modular.data.formatting import batch_prompts
+from modular.data.formatting import prompt_batches, prompt_limit
 from modular.hooks import capture_residual
 from modular.models.adapter import ArchitectureAdapter
 from modular.runs import DIRECTIONS, read_tensors
@@ -26,16 +26,19 @@ STRATEGIES = ("low_variance", "random", "diff_in_means", "file")
 
 
 @torch.no_grad()
-def residual_covariance(model, tokenizer, prompts: list[str], chats: list[bool], batch_size: int = 16):
-    """Mean and covariance (d, d) of the residual stream over all layers and non-pad positions."""
+def residual_covariance(model, tokenizer, prompts: list[str], chats: list[bool], batch_size: int = 16,
+                        max_length: int | None = None, name: str | None = None):
+    """Mean and covariance (d, d) of the residual stream over all layers and non-pad positions; each prompt keeps its
+    last ``max_length`` tokens, and no more than the model's positions (those cut counted and reported once, as
+    ``name``'s)."""
     adapter = ArchitectureAdapter(model)
     device = next(model.parameters()).device
     d = adapter.d_model
     total = torch.zeros(d, dtype=torch.float64)
     outer = torch.zeros(d, d, dtype=torch.float64)
     count = 0
-    for start in tqdm(range(0, len(prompts), batch_size), desc="residual statistics", leave=False):
-        batch = batch_prompts(tokenizer, prompts[start:start + batch_size], chats[start:start + batch_size])
+    batches = prompt_batches(tokenizer, prompts, chats, batch_size, prompt_limit(model, max_length), name=name)
+    for batch in tqdm(batches, desc="residual statistics", leave=False):
         mask = batch["attention_mask"].bool()
         with capture_residual(adapter) as states:
             model(**{k: v.to(device) for k, v in batch.items()}, use_cache=False)
@@ -76,18 +79,19 @@ def random_direction(d: int, others: torch.Tensor | None = None, seed: int = 0) 
 
 @torch.no_grad()
 def last_position_states(model, tokenizer, prompts: list[str], chats: list[bool], intervention=None,
-                         batch_size: int = 16) -> torch.Tensor:
+                         batch_size: int = 16, max_length: int | None = None, name: str | None = None) -> torch.Tensor:
     """Residual stream at the last prompt position entering every block and leaving the last: (n, L+1, d).
 
-    Read-only (no autograd graph), so it is cheap to call inside a training step.
+    Read-only (no autograd graph), so it is cheap to call inside a training step. Each prompt keeps its last
+    ``max_length`` tokens, and no more than the model's positions (those cut counted and reported once, as
+    ``name``'s): a prompt's length bounds the memory its forward pass takes.
     """
     adapter = ArchitectureAdapter(model)
     device = next(model.parameters()).device
     # only the residual stream is read: skip the unembedding of all but the last position where supported
     extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
     rows = []
-    for start in range(0, len(prompts), batch_size):
-        batch = batch_prompts(tokenizer, prompts[start:start + batch_size], chats[start:start + batch_size])
+    for batch in prompt_batches(tokenizer, prompts, chats, batch_size, prompt_limit(model, max_length), name=name):
         with (intervention() if intervention is not None else nullcontext()), capture_residual(adapter) as states:
             model(**{k: v.to(device) for k, v in batch.items()}, use_cache=False, **extra)
         rows.append(torch.stack([s[:, -1].float() for s in states], dim=1))
@@ -101,20 +105,22 @@ def robust_norm(x: torch.Tensor) -> torch.Tensor:
 
 
 def last_position_mean(model, tokenizer, prompts: list[str], chats: list[bool], layer: int,
-                       batch_size: int = 16) -> torch.Tensor:
-    """Mean residual stream entering ``layer`` at the last prompt position (float64, on the CPU)."""
-    states = last_position_states(model, tokenizer, prompts, chats, batch_size=batch_size)
+                       batch_size: int = 16, max_length: int | None = None) -> torch.Tensor:
+    """Mean residual stream entering ``layer`` at the last prompt position (float64, on the CPU); prompts cut as
+    :func:`last_position_states` cuts them."""
+    states = last_position_states(model, tokenizer, prompts, chats, batch_size=batch_size, max_length=max_length)
     return states[:, layer].double().cpu().mean(0)
 
 
 def diff_in_means_direction(model, tokenizer, behaviour_prompts, behaviour_chats, contrast_prompts,
                             contrast_chats, layer: int | None = None,
-                            others: torch.Tensor | None = None) -> torch.Tensor:
-    """Normalised mean(behaviour) − mean(contrast) at the last prompt position, entering ``layer`` (default: middle)."""
+                            others: torch.Tensor | None = None, max_length: int | None = None) -> torch.Tensor:
+    """Normalised mean(behaviour) − mean(contrast) at the last prompt position, entering ``layer`` (default: middle);
+    each prompt keeps its last ``max_length`` tokens."""
     adapter = ArchitectureAdapter(model)
     layer = adapter.n_layers // 2 if layer is None else layer
-    a = last_position_mean(model, tokenizer, behaviour_prompts, behaviour_chats, layer)
-    b = last_position_mean(model, tokenizer, contrast_prompts, contrast_chats, layer)
+    a = last_position_mean(model, tokenizer, behaviour_prompts, behaviour_chats, layer, max_length=max_length)
+    b = last_position_mean(model, tokenizer, contrast_prompts, contrast_chats, layer, max_length=max_length)
     return _orthogonalise_against(a - b, others)
 
 
@@ -167,13 +173,14 @@ def load_avoided_directions(paths: list[str | Path], d: int) -> torch.Tensor | N
 
 def choose_directions(model, tokenizer, strategy: str, behaviours: list, retain, seed: int = 0,
                       files: list[str] | None = None, fraction: float = 0.25,
-                      avoid: torch.Tensor | None = None) -> torch.Tensor:
+                      avoid: torch.Tensor | None = None, max_length: int | None = None) -> torch.Tensor:
     """One unit direction per behaviour, mutually orthogonal, as a ``(k, d)`` tensor.
 
     ``behaviours``: the behaviours' train splits (for ``diff_in_means``); ``retain``: the retain train split.
     ``avoid``: ``(m, d)`` directions every chosen one is also orthogonal to (e.g. another run's, so that the two
     runs can be weight-merged and keep both locks). Seeded draws continue after the avoided directions, as if
     those had been drawn first: avoiding one run's direction, the first behaviour draws with ``seed + 1``.
+    ``max_length``: each prompt read keeps its last ``max_length`` tokens (and no more than the model's positions).
     """
     if strategy not in STRATEGIES:
         raise ModularError(f"unknown direction strategy '{strategy}': use one of {', '.join(STRATEGIES)}")
@@ -181,7 +188,8 @@ def choose_directions(model, tokenizer, strategy: str, behaviours: list, retain,
     chosen: list[torch.Tensor] = []
     cov = None
     if strategy == "low_variance":
-        _, cov = residual_covariance(model, tokenizer, list(retain["prompt"]), list(retain["chat"]))
+        _, cov = residual_covariance(model, tokenizer, list(retain["prompt"]), list(retain["chat"]),
+                                     max_length=max_length, name="retain (train)")
     fixed = [v.float() for v in avoid] if avoid is not None else []
     for i, ds in enumerate(behaviours):
         others = torch.stack(fixed + chosen) if fixed or chosen else None
@@ -192,7 +200,7 @@ def choose_directions(model, tokenizer, strategy: str, behaviours: list, retain,
         elif strategy == "diff_in_means":
             n = min(128, len(ds), len(retain))
             v = diff_in_means_direction(model, tokenizer, ds["prompt"][:n], ds["chat"][:n], retain["prompt"][:n],
-                                        retain["chat"][:n], others=others)
+                                        retain["chat"][:n], others=others, max_length=max_length)
         else:
             if not files or len(files) <= i:
                 raise ModularError("strategy 'file' needs one direction file per behaviour (direction_files)")

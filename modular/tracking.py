@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -63,9 +64,30 @@ def _flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
+
+
+def wandb_name(name: str) -> str:
+    """``name`` as a W&B table's or figure's name may be (it becomes an artifact's and a file's name): letters,
+    digits and ``_.-``, no path, at most 100 characters; ``../x.jsonl`` is ``x.jsonl``."""
+    return _UNSAFE.sub("_", str(name)).strip("._-")[:100] or "unnamed"
+
+
+def _wandb_names(names) -> dict[str, str]:
+    """{name: its :func:`wandb_name`}, two names made one told apart by a number."""
+    out: dict[str, str] = {}
+    for name in names:
+        safe, k = wandb_name(name), 1
+        while (safe if k == 1 else f"{safe}-{k}") in out.values():
+            k += 1
+        out[name] = safe if k == 1 else f"{safe}-{k}"
+    return out
+
+
 def log_to_wandb(out_dir: str | Path, job: str, summary: dict, config: dict | None = None,
                  figures: dict[str, str | Path] | None = None, tables: dict[str, list[dict]] | None = None) -> str | None:
-    """Log one evaluation run (scalars, figures, tables) to W&B; returns the run folder or None if disabled."""
+    """Log one evaluation run (scalars, figures, tables) to W&B; returns the run folder or None if disabled. Figures
+    and tables are named by :func:`wandb_name` of their names (a behaviour's spec may be a path)."""
     if os.environ.get("WANDB_MODE") == "disabled":
         return None
     import wandb
@@ -80,12 +102,14 @@ def log_to_wandb(out_dir: str | Path, job: str, summary: dict, config: dict | No
         run.log({k: v for k, v in flat.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
         for key, value in flat.items():
             run.summary[key] = value
+        figure_names, table_names = _wandb_names(figures or {}), _wandb_names(tables or {})
         for name, path in (figures or {}).items():
-            run.log({f"figures/{name}": wandb.Image(str(path))})
+            run.log({f"figures/{figure_names[name]}": wandb.Image(str(path))})
         for name, rows in (tables or {}).items():
             if rows:
                 cols = list(rows[0])
-                run.log({f"tables/{name}": wandb.Table(columns=cols, data=[[_clean(r.get(c)) for c in cols] for r in rows])})
+                run.log({f"tables/{table_names[name]}": wandb.Table(columns=cols,
+                                                                  data=[[_clean(r.get(c)) for c in cols] for r in rows])})
         return run.dir
     finally:
         run.finish()

@@ -51,3 +51,30 @@ def test_a_direction_file_holding_something_else_is_refused(tmp_path):
     (tmp_path / "run" / "directions.safetensors").write_bytes(b"not safetensors")
     with pytest.raises(ModularError, match=r"run/directions.safetensors is not a readable safetensors file"):
         load_avoided_directions([tmp_path / "run"], D)
+
+
+def _longest_input(model) -> list[int]:
+    """The longest input every forward of ``model`` saw, appended to the list returned."""
+    seen = []
+    model.register_forward_pre_hook(lambda m, args, kw: seen.append(kw["input_ids"].shape[1]), with_kwargs=True)
+    return seen
+
+
+def test_residual_reads_keep_the_end_of_a_prompt_longer_than_the_model_or_the_limit():
+    """A prompt of thousands of tokens is read cut (issue 80.5: the steering path read a 30,001-token prompt whole
+    and asked for 18 GB): to ``max_length`` where given, else to the model's positions (GPT-2's 128 here)."""
+    from modular.directions import last_position_states, residual_covariance
+    from tests.conftest import make_tiny_model, make_tiny_tokenizer
+
+    model, tok = make_tiny_model("gpt2"), make_tiny_tokenizer()
+    seen = _longest_input(model)
+    long = " and" * 3000 + " of the"
+    whole = last_position_states(model, tok, [long, "a b"], [False, True])  # past 128 positions GPT-2 fails
+    assert max(seen) == 128 and whole.shape[0] == 2
+    seen.clear()
+    cut = last_position_states(model, tok, [long], [False], max_length=16)
+    assert max(seen) == 16
+    torch.testing.assert_close(cut, last_position_states(model, tok, [" and" * 14 + " of the"], [False]))  # its end
+    seen.clear()
+    residual_covariance(model, tok, [long, "a b"], [False, True], max_length=16)
+    assert max(seen) == 16

@@ -30,3 +30,28 @@ def test_a_report_opens_as_any_file_the_user_writes_does(tmp_path):
     finally:
         os.umask(umask)
     assert stat.S_IMODE(path.stat().st_mode) == 0o644
+
+
+def test_wandb_names_are_valid_and_distinct():
+    from modular.tracking import _wandb_names, wandb_name
+
+    assert wandb_name("../x.jsonl") == "x.jsonl" and wandb_name("a b/c") == "a_b_c" and wandb_name("..") == "unnamed"
+    assert _wandb_names(["a/b", "a_b", "a b"]) == {"a/b": "a_b", "a_b": "a_b-2", "a b": "a_b-3"}
+
+
+def test_tables_and_figures_named_by_a_path_are_logged(tmp_path, monkeypatch):
+    """``modular behaviour --behaviours '[../x.jsonl]'`` ended in W&B's "Invalid artifact path" after writing its
+    outputs: a table named by a behaviour's path (issue 80.6)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from modular.tracking import log_to_wandb
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    fig = tmp_path / "f.png"
+    plt.figure().savefig(fig)
+    run_dir = log_to_wandb(tmp_path, "test", {"../x.jsonl": {"accuracy": 0.5}}, figures={"../x.jsonl": fig},
+                           tables={"../x.jsonl": [{"prompt": "p", "correct": True}]})
+    assert run_dir is not None

@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from modular import ModularError
 from modular.analysis.formats import Suffix, format_batch, suffix, with_positions
+from modular.data.formatting import prompt_limit
 from modular.evaluation.behaviour import evaluate_behaviour
 from modular.evaluation.retain import first_token_logp, mean_kl
 from modular.evaluation.stats import wilson_interval
@@ -39,7 +40,8 @@ def suffix_means(model, tokenizer, prompts: list[str], fmt: str, batch_size: int
     k = sfx.n_positions
     total = torch.zeros(adapter.n_layers, adapter.d_model, dtype=torch.float64)
     for start in range(0, len(prompts), batch_size):
-        batch = with_positions(format_batch(tokenizer, prompts[start:start + batch_size], fmt, sfx))
+        batch = with_positions(format_batch(tokenizer, prompts[start:start + batch_size], fmt, sfx,
+                                            prompt_limit(model)))
         with capture_residual(adapter) as states:
             model(**{key: v.to(device) for key, v in batch.items()}, use_cache=False)
         for i in range(adapter.n_layers):

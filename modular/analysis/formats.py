@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from modular import ModularError
-from modular.data.formatting import LeftPadCollator, render_prompt
+from modular.data.formatting import LeftPadCollator, keep_end, render_prompt
 
 FORMATS = ("chat", "raw", "newline")
 
@@ -82,14 +82,17 @@ def suffix(tokenizer, fmt: str) -> Suffix:
     return Suffix(fmt, tuple(seqs[0][len(seqs[0]) - k:]) if k else ())
 
 
-def format_batch(tokenizer, prompts: list[str], fmt: str, sfx: Suffix | None = None) -> dict[str, torch.Tensor]:
-    """A left-padded batch of ``prompts`` in format ``fmt``; checks that every row ends with the suffix.
+def format_batch(tokenizer, prompts: list[str], fmt: str, sfx: Suffix | None = None,
+                 max_length: int | None = None) -> dict[str, torch.Tensor]:
+    """A left-padded batch of ``prompts`` in format ``fmt``, each keeping its last ``max_length`` tokens (its suffix
+    with them); checks that every row ends with the suffix.
 
     Raises :class:`ModularError` if a prompt does not end with the format's suffix
     (its content would then be read instead of the template).
     """
     sfx = sfx or suffix(tokenizer, fmt)
-    batch = LeftPadCollator(tokenizer.pad_token_id)([{"input_ids": encode(tokenizer, p, fmt)} for p in prompts])
+    batch = LeftPadCollator(tokenizer.pad_token_id)([{"input_ids": keep_end(encode(tokenizer, p, fmt), max_length)}
+                                                     for p in prompts])
     if sfx.ids:
         k = len(sfx.ids)
         ok = (batch["input_ids"][:, -k:] == torch.tensor(sfx.ids)).all(-1) & batch["attention_mask"][:, -k:].bool().all(-1)

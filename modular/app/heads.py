@@ -213,6 +213,7 @@ def _curve(models, tasks, ranking, ig_steps, refine, definition, ablation_kind, 
 
 def _ablation(models, tasks, kind, limit, split, classify_split, threshold, max_heads, method, band, seed,
               out_dir, device="auto", dtype="auto") -> dict:
+    from modular.data.formatting import prompt_limit
     from modular.heads.categories import (
         ABLATION_KINDS,
         CATEGORIES,
@@ -249,8 +250,9 @@ def _ablation(models, tasks, kind, limit, split, classify_split, threshold, max_
         for task in tasks:
             if label in results[task]:
                 continue
-            fit = response_batch(tokenizer, _items(task, classify_split, tokenizer, seed, limit, shuffle=True))
-            held = response_batch(tokenizer, _items(task, split, tokenizer, seed, limit, shuffle=True))
+            bound = prompt_limit(model)  # an item longer than the model's positions keeps its end
+            fit = response_batch(tokenizer, _items(task, classify_split, tokenizer, seed, limit, shuffle=True), bound)
+            held = response_batch(tokenizer, _items(task, split, tokenizer, seed, limit, shuffle=True), bound)
             values = head_values(model, fit, kind)
             effects = single_head_effects(model, fit, values, desc=f"{label}/{task}: single heads")
             if method == "joint":

@@ -202,7 +202,7 @@ def load_behaviour(name: str, seed: int = 0, tokenizer=None) -> datasets.Dataset
 def _load_hub(name: str) -> datasets.DatasetDict:
     import datasets
 
-    from modular.data.schema import record
+    from modular.data.schema import distinct_items, record
 
     try:
         raw = datasets.load_dataset(name)
@@ -217,7 +217,7 @@ def _load_hub(name: str) -> datasets.DatasetDict:
         splits[key] = [
             record(r["prompt"], r["target"], [r["answer"]] if r.get("answer") else []) for r in ds
         ]
-    return to_dataset_dict(splits)
+    return to_dataset_dict(distinct_items(splits, f"dataset '{name}'"))
 
 
 def retain_data(seed: int = 0) -> datasets.DatasetDict:

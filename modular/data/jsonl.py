@@ -9,6 +9,8 @@ are not records and are skipped). Lines without ``split`` are assigned to
 train/validation/test deterministically (70/10/20) by a hash of the prompt; when
 those thresholds would leave a split empty (a small file), the unsplit lines are
 assigned by the rank of their hash instead, so every split gets at least one.
+Each prompt is kept once (:func:`~modular.data.schema.distinct_items`): a prompt with two targets is refused, a
+repeated line kept once and a prompt given in two splits kept in the earlier one only, with a warning naming how many.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import json
 from pathlib import Path
 
 from modular import ModularError
-from modular.data.schema import SPLITS, prompt_hash, record
+from modular.data.schema import SPLITS, distinct_items, prompt_hash, record
 
 _ALLOWED = {"prompt", "target", "split", "answer", "chat"}
 
@@ -89,7 +91,7 @@ def parse_jsonl(path: str | Path) -> dict[str, list[dict]]:
     splits: dict[str, list[dict]] = {s: [] for s in SPLITS}
     for split, (_, rec) in zip(assigned, rows):
         splits[split].append(rec)
-    return splits
+    return distinct_items(splits, str(path))
 
 
 def load_jsonl(path: str | Path):

@@ -20,8 +20,12 @@ chat:     True for instructions (wrapped in the chat template of chat models),
 from __future__ import annotations
 
 import hashlib
+import logging
 import re
 
+from modular import ModularError
+
+log = logging.getLogger("modular")
 COLUMNS = ("prompt", "target", "answers", "prefixes", "wrong", "counterfactual", "chat")
 SPLITS = ("train", "validation", "test")
 #: what a locked behaviour answers unless the config names another response
@@ -46,6 +50,61 @@ def record(
         "counterfactual": counterfactual,
         "chat": bool(chat),
     }
+
+
+#: the warnings :func:`warn_once` gave in this process
+_WARNED: set[str] = set()
+
+
+def warn_once(message: str) -> None:
+    """Log ``message`` as a warning the first time this process gives it (data loaded again later, as training loads
+    it to check it and again to use it, says it once)."""
+    if message not in _WARNED:
+        _WARNED.add(message)
+        log.warning("%s", message)
+
+
+def distinct_items(splits: dict[str, list[dict]], where: str) -> dict[str, list[dict]]:
+    """User data (records per split, from ``where``: a file or a dataset) with each prompt once, so that training
+    sees each item once and held-out items are held out: a prompt with two different targets is refused in one line
+    (naming how many prompts and the first); an item repeated in its split (the same prompt and target) is kept once,
+    and an item whose prompt is in an earlier split (train, then validation, then test) is removed from the later
+    one, in one warning naming how many. A prompt is the same prompt given the same way (``chat``)."""
+    order = [s for s in SPLITS if s in splits] + [s for s in splits if s not in SPLITS]
+    targets: dict[tuple[str, bool], str] = {}
+    conflicts: dict[tuple[str, bool], tuple[str, str]] = {}
+    for s in order:
+        for r in splits[s]:
+            key = (r["prompt"], bool(r["chat"]))
+            first = targets.setdefault(key, r["target"])
+            if first != r["target"] and key not in conflicts:
+                conflicts[key] = (first, r["target"])
+    if conflicts:
+        (prompt, _), (a, b) = next(iter(conflicts.items()))
+        raise ModularError(f"{where}: {len(conflicts)} prompt(s) with two different targets, the first {prompt[:80]!r} "
+                           f"({a[:40]!r} and {b[:40]!r}): give each prompt one target (several right answers: "
+                           f"\"answer\": [...])")
+    seen: dict[tuple[str, bool], str] = {}
+    out: dict[str, list[dict]] = {s: [] for s in splits}
+    repeated, shared = 0, dict.fromkeys(order, 0)
+    for s in order:
+        for r in splits[s]:
+            key = (r["prompt"], bool(r["chat"]))
+            if key not in seen:
+                seen[key] = s
+                out[s].append(r)
+            elif seen[key] == s:
+                repeated += 1
+            else:
+                shared[s] += 1
+    parts = [f"{repeated} repeated item(s) kept once"] if repeated else []
+    if sum(shared.values()):
+        where_removed = ", ".join(f"{n} from {s}" for s, n in shared.items() if n)
+        parts.append(f"{sum(shared.values())} item(s) whose prompt is in an earlier split removed ({where_removed}), "
+                     f"so that held-out items are held out")
+    if parts:
+        warn_once(f"{where}: {'; '.join(parts)}")
+    return out
 
 
 def prompt_hash(prompt: str) -> float:

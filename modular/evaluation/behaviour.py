@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from modular.data.formatting import batch_prompts
+from modular.data.formatting import prompt_batches, prompt_limit
 from modular.data.schema import DEFAULT_LOCKED_RESPONSE, answer_frame, is_correct, is_refusal
 from modular.evaluation.metrics import mean, share
 
@@ -41,14 +41,18 @@ def _device(model) -> torch.device:
 
 @torch.no_grad()
 def generate(model, tokenizer, prompts: list[str], chats: list[bool], max_new_tokens: int = 24,
-             batch_size: int = 16, desc: str | None = None, prefills: list[str] | None = None) -> list[str]:
+             batch_size: int = 16, desc: str | None = None, prefills: list[str] | None = None,
+             max_length: int | None = None, name: str | None = None) -> list[str]:
     """Greedy responses for ``prompts`` (left-padded batches); with ``prefills``, each response begun with its
-    prefill (what is returned is the continuation after it)."""
+    prefill (what is returned is the continuation after it). Each prompt (with its prefill) keeps its last
+    ``max_length`` tokens and no more than leave room for the response within the model's positions
+    (:func:`~modular.data.formatting.prompt_limit`); those cut are counted and reported once, as ``name``'s
+    (default: ``desc``)."""
     out: list[str] = []
-    steps = range(0, len(prompts), batch_size)
-    for start in tqdm(steps, desc=desc or "generate", leave=False, disable=desc is False):
-        batch = batch_prompts(tokenizer, prompts[start:start + batch_size], chats[start:start + batch_size],
-                              prefills[start:start + batch_size] if prefills else None)
+    limit = prompt_limit(model, max_length, max_new_tokens)
+    batches = prompt_batches(tokenizer, prompts, chats, batch_size, limit, prefills,
+                             name or (desc if isinstance(desc, str) else None))
+    for batch in tqdm(batches, desc=desc or "generate", leave=False, disable=desc is False):
         batch = {k: v.to(_device(model)) for k, v in batch.items()}
         gen = model.generate(
             **batch, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id,
@@ -63,11 +67,13 @@ def first_token_ids(tokenizer, texts: list[str]) -> torch.Tensor:
 
 
 @torch.no_grad()
-def last_logits(model, tokenizer, prompts: list[str], chats: list[bool], batch_size: int = 32) -> torch.Tensor:
-    """Next-token logits after each prompt, ``(n, vocab)`` (float32, on CPU)."""
+def last_logits(model, tokenizer, prompts: list[str], chats: list[bool], batch_size: int = 32,
+                max_length: int | None = None, name: str | None = None) -> torch.Tensor:
+    """Next-token logits after each prompt, ``(n, vocab)`` (float32, on CPU). Each prompt keeps its last
+    ``max_length`` tokens, and no more than the model's positions (those cut counted and reported once, as
+    ``name``'s)."""
     rows = []
-    for start in range(0, len(prompts), batch_size):
-        batch = batch_prompts(tokenizer, prompts[start:start + batch_size], chats[start:start + batch_size])
+    for batch in prompt_batches(tokenizer, prompts, chats, batch_size, prompt_limit(model, max_length), name=name):
         batch = {k: v.to(_device(model)) for k, v in batch.items()}
         rows.append(model(**batch, use_cache=False).logits[:, -1].float().cpu())
     return torch.cat(rows)
@@ -85,7 +91,8 @@ def evaluate_behaviour(model, tokenizer, dataset, max_new_tokens: int = 24, batc
                        limit: int | None = None, intervention=None, desc: str | None = None,
                        choice_only: bool = False,
                        refusals: tuple[str, ...] | list[str] = (DEFAULT_LOCKED_RESPONSE,),
-                       prefill: bool = False) -> BehaviourResult:
+                       prefill: bool = False, max_length: int | None = None,
+                       name: str | None = None) -> BehaviourResult:
     """Accuracy (and logit difference where ``wrong`` is set) on ``dataset`` (one split).
 
     ``intervention``: a zero-argument callable returning a context manager (e.g. a lock)
@@ -97,20 +104,26 @@ def evaluate_behaviour(model, tokenizer, dataset, max_new_tokens: int = 24, batc
     target's words before the answer), the continuation scored (by generation only; a refusal after the frame
     counts as one). The shares and the mean are torchmetrics metrics (:mod:`modular.evaluation.metrics`): where
     torch.distributed is initialised they are taken over every process's items.
+    ``max_length``: each prompt keeps its last ``max_length`` tokens, and no more than leave room for the response
+    within the model's positions; those cut are counted and reported once, as ``name``'s (default: ``desc``).
     """
     if limit is not None:
         dataset = dataset.select(range(min(limit, len(dataset))))
     prompts, chats = list(dataset["prompt"]), list(dataset["chat"])
     choice_only = choice_only and not prefill and choice_measures(dataset)
     frames = [answer_frame(t, a) for t, a in zip(dataset["target"], dataset["answers"])] if prefill else None
+    # the choice reads the prompts as the responses do (the same limit: a prompt cut is reported once)
+    bound = prompt_limit(model, max_length, 0 if choice_only else max_new_tokens)
+    label = name or (desc if isinstance(desc, str) else None)
     ctx = intervention() if intervention is not None else nullcontext()
     with ctx:
-        prefills = {"prefills": frames} if prefill else {}
+        kw = {"prefills": frames} if prefill else {}
+        kw.update({k: v for k, v in (("max_length", max_length), ("name", name)) if v is not None})
         responses = [] if choice_only else generate(model, tokenizer, prompts, chats, max_new_tokens, batch_size, desc,
-                                                    **prefills)
+                                                    **kw)
         logit_diff = choice_accuracy = None
         if all(dataset["wrong"]) and not prefill:
-            logits = last_logits(model, tokenizer, prompts, chats)
+            logits = last_logits(model, tokenizer, prompts, chats, max_length=bound, name=label)
             good = first_token_ids(tokenizer, dataset["target"])
             bad = first_token_ids(tokenizer, dataset["wrong"])
             idx = torch.arange(len(prompts))

@@ -20,7 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from modular import ModularError
-from modular.data.formatting import LeftPadCollator, encode_example
+from modular.data.formatting import LeftPadCollator, encode_example, keep_end, prompt_limit
 from modular.data.schema import DEFAULT_LOCKED_RESPONSE
 from modular.evaluation.behaviour import evaluate_behaviour
 from modular.evaluation.defaults import DEFAULT_LRS as DEFAULT_LRS  # defined apart, without torch, for signatures
@@ -99,8 +99,10 @@ def text_rows(tokenizer, texts: list[str], max_length: int = 128) -> list[dict]:
     return rows
 
 
-def example_rows(tokenizer, dataset) -> list[dict]:
-    return [encode_example(tokenizer, r["prompt"], r["target"], r["chat"]) for r in dataset]
+def example_rows(tokenizer, dataset, max_length: int | None = None) -> list[dict]:
+    """(prompt, target) records as training rows (:func:`~modular.data.formatting.encode_example`), each keeping its
+    last ``max_length`` tokens."""
+    return [encode_example(tokenizer, r["prompt"], r["target"], r["chat"], max_length) for r in dataset]
 
 
 def first_steps(curve: list[dict], reference: float) -> dict[str, int | None]:
@@ -115,12 +117,15 @@ def first_steps(curve: list[dict], reference: float) -> dict[str, int | None]:
 def fine_tune(m, batches, steps: int, lr: float, pad_id: int, desc: str | bool):
     """AdamW steps on the trainable weights of ``m`` (in train mode), one batch of ``batches(step)`` (a list of
     token rows) per step: yields ``(step, loss)`` (the loss detached) after each update, and stops early where the
-    loss is not finite (a learning rate too high: the run diverged). The caller may score ``m`` between steps."""
+    loss is not finite (a learning rate too high: the run diverged). The caller may score ``m`` between steps. A row
+    longer than the model's positions keeps its end."""
     opt = adamw([p for p in m.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)  # bf16 updates survive
     collate = LeftPadCollator(pad_id)
     device = next(m.parameters()).device
+    limit = prompt_limit(m)
     for step in tqdm(range(1, steps + 1), desc=desc or None, disable=desc is False, leave=False):
-        batch = {k: v.to(device) for k, v in collate(batches(step)).items()}
+        rows = [{k: keep_end(v, limit) for k, v in row.items()} for row in batches(step)]
+        batch = {k: v.to(device) for k, v in collate(rows).items()}
         loss = m(**batch, use_cache=False).loss
         if not torch.isfinite(loss):
             return

@@ -12,18 +12,21 @@ from modular.evaluation.metrics import TokenPerplexity, metric_device
 
 
 @torch.no_grad()
-def first_token_logp(model, tokenizer, prompts, chats, intervention=None) -> torch.Tensor:
+def first_token_logp(model, tokenizer, prompts, chats, intervention=None, max_length: int | None = None) -> torch.Tensor:
+    """Log-distribution of the first response token after each prompt, ``(n, vocab)`` (prompts cut as
+    :func:`~modular.evaluation.behaviour.last_logits` cuts them)."""
     ctx = intervention() if intervention is not None else nullcontext()
     with ctx:
-        return torch.log_softmax(last_logits(model, tokenizer, list(prompts), list(chats)), -1)
+        return torch.log_softmax(last_logits(model, tokenizer, list(prompts), list(chats), max_length=max_length), -1)
 
 
 def mean_kl(reference_logp: torch.Tensor, logp: torch.Tensor) -> float:
     """Mean KL(reference || model) over rows of log-distributions ``(n, vocab)`` (over every process's rows where
-    torch.distributed is initialised)."""
+    torch.distributed is initialised), at least 0: a KL is never negative, and where rounding makes it so (a
+    reference cached in float16 against the same model in float32) it is 0, not -0.000."""
     metric = KLDivergence(log_prob=True).to(metric_device())
     metric.update(reference_logp.to(metric.device), logp.to(metric.device))
-    return metric.compute().item()
+    return max(metric.compute().item(), 0.0)
 
 
 @torch.no_grad()

@@ -15,7 +15,15 @@ from torch.utils.data import DataLoader, Dataset
 from modular import ModularError
 from modular.data import behaviour_name, load_behaviour, parse_behaviour, retain_data
 from modular.data.behaviours import builtin_neighbours, is_jsonl
-from modular.data.formatting import IGNORE, LeftPadCollator, answer_positions, encode_answer, encode_example
+from modular.data.formatting import (
+    IGNORE,
+    LeftPadCollator,
+    answer_positions,
+    encode_answer,
+    encode_example,
+    long_items,
+    render_prompt,
+)
 from modular.data.schema import DEFAULT_LOCKED_RESPONSE, all_refusals
 from modular.gating.loaders import PassSeededSampler, ResumableLoader
 
@@ -158,6 +166,13 @@ def neighbour_data(name: str, data, limit: int | None = None, seed: int = 0):
         keep = sorted(random.Random(f"{seed}-{name}").sample(range(len(data["train"])), limit))
         data = datasets.DatasetDict({**data, "train": data["train"].select(keep)})
     return data
+
+
+def data_max_length(datamodule) -> int | None:
+    """The ``max_length`` of a data module (:class:`GatingDataModule`): the most tokens of a prompt that any path of
+    training encodes (items, directions, steering vectors, reference outputs, validation); None for one without it."""
+    hparams = getattr(datamodule, "hparams", None)
+    return hparams.get("max_length") if isinstance(hparams, dict) else getattr(hparams, "max_length", None)
 
 
 def check_data_options(options) -> None:
@@ -363,11 +378,21 @@ class GatingDataModule(L.LightningDataModule):
         source = resolve_model(self.hparams.model_name)
         hp = self.hparams
         precision = self._reference_precision()
+        bound = self._reference_bound(prompts, chats)
         cached = cache_path(source, prompts, hp.reference_max_new_tokens, hp.reference_top_k,
-                            precision=precision).exists()
+                            precision=precision, max_length=bound).exists()
         model = None if cached else self._reference_model()
         return load_or_compute(source, model, self.tokenizer, prompts, chats, hp.reference_max_new_tokens,
-                               hp.reference_top_k, precision=precision)
+                               hp.reference_top_k, precision=precision, max_length=bound)
+
+    def _reference_bound(self, prompts: list[str], chats: list[bool]) -> int | None:
+        """``max_length`` where it cuts a prompt with its reference answer, else None: outputs that no limit touches
+        are the same with or without one, and keep the cache key they had before prompts were bounded."""
+        hp = self.hparams
+        room = hp.max_length - hp.reference_max_new_tokens
+        long = any(len(self.tokenizer(render_prompt(self.tokenizer, p, c))["input_ids"]) > room
+                   for p, c in zip(prompts, chats))
+        return hp.max_length if long else None
 
     def _reference_precision(self) -> str:
         """The dtype the reference model runs in (:meth:`_reference_model`), by name: part of every cache key."""
@@ -431,6 +456,7 @@ class GatingDataModule(L.LightningDataModule):
         if self._ready:
             return
         self._load()
+        self._report_long()
         ref = self.reference()
         hp = self.hparams
         offsets, start = {}, 0
@@ -476,6 +502,24 @@ class GatingDataModule(L.LightningDataModule):
             self.lm_rows = {s: [self._lm_item(rec) for rec in recs] for s, recs in self.lm_reference().items()}
         self._reference_model_cache = None
         self._ready = True
+
+    def _report_long(self) -> None:
+        """One warning naming, per behaviour, task, neighbour and retain and per split, how many items (prompt and
+        target) are longer than ``max_length``: training sees their last ``max_length`` tokens, the start of the prompt
+        cut."""
+        hp, parts = self.hparams, []
+        named = [(f"{kind} '{name}'", ds) for kind, data in (("behaviour", self.behaviour_data),
+                                                             ("task", self.task_data),
+                                                             ("neighbour", self.neighbour_data))
+                 for name, ds in data.items()]
+        for what, ds in named + [("retain", self.retain)]:  # retain: its prompts (its targets are the reference's)
+            counts = [f"{n} of {len(ds[s])} {s}" for s in ("train", "validation")
+                      if (n := long_items(self.tokenizer, ds[s], hp.max_length))]
+            if counts:
+                parts.append(f"{what} {', '.join(counts)}")
+        if parts:
+            log.warning("items longer than data.max_length (%d tokens with their target) are cut to their last %d "
+                        "tokens, the start of their prompt dropped: %s", hp.max_length, hp.max_length, "; ".join(parts))
 
     def _task_item(self, r: dict) -> dict:
         hp = self.hparams

@@ -52,6 +52,7 @@ def topk_kl(logits: torch.Tensor, labels: torch.Tensor, topk_ids: torch.Tensor, 
     rest_ref = (1 - p_ref.sum(-1)).clamp(min=1e-6)
     rest_model = (1 - model_logp.exp().sum(-1)).clamp(min=1e-6)
     kl = kl + rest_ref * (rest_ref.log() - rest_model.log())
+    kl = kl.clamp_min(0)  # a position made negative by rounding (a float16 reference) is at its minimum, 0
     mask = labels[:, 1:] != IGNORE
     return (kl * mask).sum() / mask.sum().clamp(min=1)
 
@@ -69,7 +70,8 @@ def first_token_kl(logits: torch.Tensor, labels: torch.Tensor, first_logp: torch
     idx = first_response_positions(labels)
     logp = torch.log_softmax(logits[torch.arange(len(idx), device=idx.device), idx].float(), -1)
     ref = first_logp.float()
-    return (ref.exp() * (ref - logp)).sum(-1).mean()
+    # a row made negative by rounding (a reference cached in float16) is at its minimum, 0
+    return (ref.exp() * (ref - logp)).sum(-1).clamp_min(0).mean()
 
 
 def first_token_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

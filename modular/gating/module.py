@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 from modular import ModularError
 from modular.data.formatting import IGNORE
 from modular.files import atomic_path
+from modular.gating.data import data_max_length
 from modular.gating.loaders import loader_states_fit
 from modular.gating.losses import response_margins
 from modular.gating.objectives import HeadTaskTerm, Piece, StepContext, Term, build_objectives, default_objectives
@@ -321,7 +322,7 @@ class GatedLM(L.LightningModule):
         dirs = choose_directions(self.hf_model, dm.tokenizer, hp.direction_strategy,
                                  [dm.behaviour_data[b]["train"] for b in self.behaviours], dm.retain["train"],
                                  seed=hp.seed, files=hp.direction_files, fraction=hp.direction_fraction,
-                                 avoid=avoid).to(self.directions)
+                                 avoid=avoid, max_length=data_max_length(dm)).to(self.directions)
         with atomic_path(path) as tmp:  # a reader never sees a half-written file
             save_file({b: dirs[i].detach().cpu().contiguous() for i, b in enumerate(self.behaviours)}, str(tmp))
         log.info("directions chosen (%s) for %s", hp.direction_strategy, ", ".join(self.behaviours))
@@ -588,7 +589,8 @@ class GatedLM(L.LightningModule):
         dm = self.trainer.datamodule
         self.steering.update(self.hf_model, dm.tokenizer, {b: dm.behaviour_data[b]["train"] for b in self.behaviours},
                              dm.retain["train"], self.global_step,
-                             intervention=lambda: ablate_directions(self.adapter, self.directions))
+                             intervention=lambda: ablate_directions(self.adapter, self.directions),
+                             max_length=data_max_length(dm))
         if self.trainer.world_size > 1:  # every process computed them (FSDP needs every forward on every process);
             # the main process's are used everywhere, so that every process attacks with the same vectors
             vectors = {b: v.cpu() for b, v in self.steering.vectors.items()}

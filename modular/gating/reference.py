@@ -16,7 +16,7 @@ import torch
 from tqdm.auto import tqdm
 
 from modular import ModularError, error_reason
-from modular.data.formatting import answer_positions, encode_example
+from modular.data.formatting import answer_positions, encode_example, prompt_limit
 from modular.evaluation.behaviour import generate
 from modular.files import atomic_path
 from modular.models.loading import cache_dir, model_fingerprint
@@ -25,12 +25,13 @@ log = logging.getLogger("modular")
 
 
 def cache_path(model_source: str, prompts: list[str], max_new_tokens: int, top_k: int, *,
-               precision: str) -> Path:
+               precision: str, max_length: int | None = None) -> Path:
     """Where the reference outputs of ``model_source`` (a resolved model reference) run in ``precision`` are cached:
     keyed by the model's content (:func:`~modular.models.loading.model_fingerprint`), not its path, so a copy of it
     elsewhere reads them and other weights at the same path do not; outputs of one precision (greedy answers,
-    log-probabilities) are never read as another's."""
-    key = json.dumps([model_fingerprint(model_source), prompts, max_new_tokens, top_k, precision])
+    log-probabilities) are never read as another's, nor those of prompts cut to one ``max_length`` as another's."""
+    bound = [] if max_length is None else [max_length]  # none: the key of outputs cached before there was one
+    key = json.dumps([model_fingerprint(model_source), prompts, max_new_tokens, top_k, precision, *bound])
     return cache_dir() / "reference" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
 
 
@@ -55,15 +56,19 @@ def _log_probs(model, tokenizer, rows: list[list[int]]) -> list[torch.Tensor]:
 
 @torch.no_grad()
 def compute_reference(model, tokenizer, prompts: list[str], chats: list[bool], max_new_tokens: int = 48,
-                      top_k: int = 32, batch_size: int = 16) -> dict:
+                      top_k: int = 32, batch_size: int = 16, max_length: int | None = None) -> dict:
     """Greedy answers, top-k log-probs over answer positions and first-token log-distributions (batched, on the
-    model's device)."""
-    answers = generate(model, tokenizer, prompts, chats, max_new_tokens, batch_size, desc="reference answers")
+    model's device). Each prompt keeps its last ``max_length`` tokens and leaves room for the answer within the
+    model's positions (:func:`~modular.data.formatting.prompt_limit`); each record (prompt and answer) keeps its last
+    ``max_length`` tokens, and no more than the model's positions."""
+    answers = generate(model, tokenizer, prompts, chats, max_new_tokens, batch_size, desc="reference answers",
+                       max_length=max_length, name="the reference answers")
     answers = [a.strip() for a in answers]
+    limit = prompt_limit(model, max_length)
     records = []
     for start in tqdm(range(0, len(prompts), batch_size), desc="reference distributions", leave=False):
         chunk = range(start, min(start + batch_size, len(prompts)))
-        examples = [encode_example(tokenizer, prompts[i], answers[i], chats[i]) for i in chunk]
+        examples = [encode_example(tokenizer, prompts[i], answers[i], chats[i], limit) for i in chunk]
         for ex, logp in zip(examples, _log_probs(model, tokenizer, [ex["input_ids"] for ex in examples])):
             pos = torch.tensor(answer_positions(ex["labels"]), dtype=torch.long)
             top = logp[pos].topk(top_k, dim=-1)
@@ -96,14 +101,15 @@ def _read_cache(path: Path):
 
 
 def load_or_compute(model_source: str, model, tokenizer, prompts: list[str], chats: list[bool],
-                    max_new_tokens: int = 48, top_k: int = 32, *, precision: str) -> dict:
+                    max_new_tokens: int = 48, top_k: int = 32, *, precision: str, max_length: int | None = None) -> dict:
     """Reference outputs from the on-disk cache, computing (and caching atomically) if absent. ``precision``: the
-    name of the dtype ``model`` runs in (part of the cache key; ``model`` may be None on a hit)."""
-    path = cache_path(model_source, prompts, max_new_tokens, top_k, precision=precision)
+    name of the dtype ``model`` runs in (part of the cache key; ``model`` may be None on a hit); ``max_length``: the
+    most tokens of a prompt (:func:`compute_reference`; part of the cache key)."""
+    path = cache_path(model_source, prompts, max_new_tokens, top_k, precision=precision, max_length=max_length)
     if (cached := _read_cache(path)) is not None:
         return cached
     log.info("computing reference outputs for %d prompts (cached in %s)", len(prompts), path)
-    ref = compute_reference(model, tokenizer, prompts, chats, max_new_tokens, top_k)
+    ref = compute_reference(model, tokenizer, prompts, chats, max_new_tokens, top_k, max_length=max_length)
     return _save_atomic(ref, path)
 
 

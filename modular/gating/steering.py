@@ -50,16 +50,20 @@ class SteeringAdversary:
     def needs_refresh(self, step: int) -> bool:
         return not self.vectors or (step - self._step) >= self.refresh
 
-    def update(self, model, tokenizer, behaviour_sets: dict, contrast, step: int, intervention=None) -> None:
-        """Recompute the vectors from ``model`` (under ``intervention``, e.g. the full lock)."""
+    def update(self, model, tokenizer, behaviour_sets: dict, contrast, step: int, intervention=None,
+               max_length: int | None = None) -> None:
+        """Recompute the vectors from ``model`` (under ``intervention``, e.g. the full lock), each prompt cut to its
+        last ``max_length`` tokens (training's ``data.max_length``) and to the model's positions."""
         pick = lambda ds: ds.select(sorted(self._rng.sample(range(len(ds)), min(self.n_prompts, len(ds)))))
         c = pick(contrast)
-        c_states = last_position_states(model, tokenizer, list(c["prompt"]), list(c["chat"]), intervention)
+        c_states = last_position_states(model, tokenizer, list(c["prompt"]), list(c["chat"]), intervention,
+                                        max_length=max_length, name="the steering contrast")
         mid = (c_states.shape[1] - 1) // 2
         self.scale = robust_norm(c_states[:, mid]).item()
         for name, ds in behaviour_sets.items():
             b = pick(ds)
-            b_states = last_position_states(model, tokenizer, list(b["prompt"]), list(b["chat"]), intervention)
+            b_states = last_position_states(model, tokenizer, list(b["prompt"]), list(b["chat"]), intervention,
+                                            max_length=max_length, name=f"{name} (train, steering)")
             diff = b_states.mean(0) - c_states.mean(0)
             self.vectors[name] = diff / diff.norm(dim=-1, keepdim=True).clamp(min=1e-12)
         self._step = step

@@ -46,7 +46,7 @@ import torch
 from tqdm.auto import tqdm
 
 from modular import ModularError
-from modular.data.formatting import LeftPadCollator, encode_example
+from modular.data.formatting import LeftPadCollator, encode_example, keep_end, report_long
 from modular.hooks import (
     capture_block_outputs,
     repeat_batch,
@@ -65,12 +65,15 @@ TASK_TITLES = {"agreement": "Syntax", "commonsense": "Common Sense", "arithmetic
 Head = tuple[int, int]
 
 
-def response_batch(tokenizer, dataset) -> dict:
-    """Left-padded prompt + target-response batch; ``labels`` mark the response tokens (others -100)."""
+def response_batch(tokenizer, dataset, max_length: int | None = None) -> dict:
+    """Left-padded prompt + target-response batch; ``labels`` mark the response tokens (others -100). Each item keeps
+    its last ``max_length`` tokens (those cut counted and reported once)."""
     if len(dataset) == 0:
         raise ModularError("no items")
     features = [encode_example(tokenizer, p, t, c) for p, t, c in zip(dataset["prompt"], dataset["target"], dataset["chat"])]
-    return LeftPadCollator(tokenizer.pad_token_id)(features)
+    report_long([len(f["input_ids"]) for f in features], max_length)
+    cut = [{k: keep_end(v, max_length) for k, v in f.items()} for f in features]
+    return LeftPadCollator(tokenizer.pad_token_id)(cut)
 
 
 def _forward_logits(model, input_ids, attention_mask, keep: int) -> torch.Tensor:

@@ -17,6 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from modular import ModularError
+from modular.data.formatting import prompt_limit
 from modular.heads.curves import (
     THRESHOLD,
     area_under_curve,
@@ -122,7 +123,7 @@ def task_curves(model, tokenizer, dataset, ranking: str = "exhaustive", ablation
         raise ModularError(f"unknown ablation '{ablation}': use one of {ABLATIONS}")
     check_task(dataset, ablation, name)
     device = next(model.parameters()).device
-    batch = _to(task_batch(tokenizer, dataset), device)
+    batch = _to(task_batch(tokenizer, dataset, prompt_limit(model)), device)
     adapter = ArchitectureAdapter(model)
     n = adapter.n_layers * adapter.n_heads
 

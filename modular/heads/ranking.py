@@ -37,12 +37,13 @@ from modular.models.adapter import ArchitectureAdapter
 ABLATIONS = ("counterfactual", "mean", "zero")
 
 
-def task_batch(tokenizer, dataset) -> dict:
-    """Clean and counterfactual prompts padded to one length (so positions align), and answer ids."""
+def task_batch(tokenizer, dataset, max_length: int | None = None) -> dict:
+    """Clean and counterfactual prompts padded to one length (so positions align), and answer ids; each prompt keeps
+    its last ``max_length`` tokens."""
     n = len(dataset)
     prompts = list(dataset["prompt"]) + list(dataset["counterfactual"] or dataset["prompt"])
     chats = list(dataset["chat"]) * 2
-    batch = batch_prompts(tokenizer, prompts, chats)
+    batch = batch_prompts(tokenizer, prompts, chats, max_length=max_length)
     return {
         "clean": {k: v[:n] for k, v in batch.items()},
         "counterfactual": {k: v[n:] for k, v in batch.items()},

@@ -108,15 +108,15 @@ def last_token_states(model, tokenizer, prompts: list[str], chats: list[bool], l
     """Last-token residual activations entering block ``layer``, one row per prompt ``(n, d)`` (float32, CPU).
 
     Each prompt is rendered with this model's own tokenizer and chat template;
-    batches are left-padded, so the last position is every prompt's last token.
+    batches are left-padded, so the last position is every prompt's last token; a prompt longer than the model's
+    positions keeps its end.
     """
-    from modular.data.formatting import batch_prompts
+    from modular.data.formatting import prompt_batches, prompt_limit
 
     adapter = ArchitectureAdapter(model)
     device = next(model.parameters()).device
     rows = []
-    for start in range(0, len(prompts), batch_size):
-        batch = batch_prompts(tokenizer, prompts[start:start + batch_size], chats[start:start + batch_size])
+    for batch in prompt_batches(tokenizer, prompts, chats, batch_size, prompt_limit(model)):
         batch = {k: v.to(device) for k, v in batch.items()}
         rows.append(run_to_layer(model, adapter, layer, **batch)[:, -1].float().cpu())
     return torch.cat(rows) if rows else torch.zeros(0, adapter.d_model)

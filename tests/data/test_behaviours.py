@@ -260,3 +260,26 @@ def test_task_neighbours_ask_what_they_say():
     plural = dict(AGREE_SUBJECTS)
     for row in load_behaviour("noun_number")["test"]:
         assert row["target"] == " " + plural[row["wrong"].strip()] and row["wrong"].strip() in row["prompt"]
+
+
+def test_a_hub_dataset_is_held_out_and_refused_like_a_file(monkeypatch, caplog):
+    """hf:<dataset> goes through the same checks as a JSONL file: a prompt in train and test is kept in train only,
+    with a warning; a prompt with two targets is refused in one line."""
+    import datasets
+
+    from modular import ModularError
+
+    def hub(rows):
+        return lambda name: datasets.DatasetDict({s: datasets.Dataset.from_dict(
+            {"prompt": [p for p, _ in r], "target": [t for _, t in r]}) for s, r in rows.items()})
+
+    monkeypatch.setattr(datasets, "load_dataset", hub({"train": [("a", "1"), ("b", "2")],
+                                                       "test": [("b", "2"), ("c", "3")]}))
+    with caplog.at_level("WARNING", logger="modular"):
+        ds = load_behaviour("hf:someone/held")
+    assert ds["train"]["prompt"] == ["a", "b"] and ds["test"]["prompt"] == ["c"]
+    assert any("dataset 'someone/held': 1 item(s) whose prompt is in an earlier split removed (1 from test)"
+               in r.getMessage() for r in caplog.records)
+    monkeypatch.setattr(datasets, "load_dataset", hub({"train": [("a", "1")], "test": [("a", "2")]}))
+    with pytest.raises(ModularError, match=r"dataset 'someone/clash': 1 prompt\(s\) with two different targets"):
+        load_behaviour("hf:someone/clash")

@@ -132,3 +132,33 @@ def test_data_options_out_of_range(option, value, message):
 
     with pytest.raises(ModularError, match=message):
         GatingDataModule(model_name="unused", **{option: value})
+
+
+def test_a_prompt_with_two_targets_is_refused_in_one_line_before_any_work(tmp_path):
+    rows = [{"prompt": f"q{i}", "target": f"t{i}", "split": "train"} for i in range(6)]
+    rows += [{"prompt": "q1", "target": "other", "split": "test"}, {"prompt": "q2", "target": "t2 again", "split": "test"}]
+    p = _write(tmp_path, [json.dumps(r) for r in rows])
+    before = sorted(tmp_path.rglob("*"))
+    for load in (load_jsonl, lambda path: _data_module(path, batch_size=2)):
+        with pytest.raises(ModularError, match=r"b.jsonl: 2 prompt\(s\) with two different targets, the first 'q1' "
+                                               r"\('t1' and 'other'\): give each prompt one target") as err:
+            load(p)
+        assert "\n" not in str(err.value)
+    assert sorted(tmp_path.rglob("*")) == before  # nothing written
+
+
+def test_repeated_items_are_kept_once_and_held_out_splits_hold_no_train_prompt(tmp_path, caplog):
+    rows = [{"prompt": f"q{i}", "target": f"t{i}", "split": "train"} for i in range(6)]
+    rows += [rows[0], rows[1]]  # the same line twice
+    rows += [{"prompt": "q2", "target": "t2", "split": "validation"}, {"prompt": "v", "target": "x", "split": "validation"}]
+    rows += [{"prompt": p, "target": t, "split": "test"} for p, t in (("q3", "t3"), ("v", "x"), ("w", "y"))]
+    rows += [{"prompt": "q0", "target": "t0", "chat": False, "split": "test"}]  # another input: a completion
+    p = _write(tmp_path, [json.dumps(r) for r in rows])
+    with caplog.at_level("WARNING", logger="modular"):
+        ds = load_jsonl(p)
+        load_jsonl(p)  # loaded again (training checks it, then uses it): said once
+    assert ds["train"]["prompt"] == [f"q{i}" for i in range(6)]
+    assert ds["validation"]["prompt"] == ["v"] and ds["test"]["prompt"] == ["w", "q0"]
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert said == [f"{p}: 2 repeated item(s) kept once; 3 item(s) whose prompt is in an earlier split removed "
+                    "(1 from validation, 2 from test), so that held-out items are held out"]

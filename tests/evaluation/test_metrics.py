@@ -202,3 +202,11 @@ def test_metrics_are_synced_over_processes(tmp_path):
             assert synced[name] == pytest.approx(full[name], rel=1e-5), name
         for name in full:  # the shards differ from the whole: the test sees a missing sync
             assert alone[rank][name] != pytest.approx(full[name], rel=1e-3), name
+
+
+def test_a_kl_made_negative_by_rounding_is_zero():
+    """A reference cached in float16 against the same model in float32 (the first validation of a run): the KL is 0,
+    never the -0.000 that progress lines and run.json showed (issue 80.6)."""
+    logp = torch.log_softmax(torch.zeros(2, 3), -1)  # -log 3 rounds down in float16: the raw KL is about -2e-5
+    assert mean_kl(logp.half().float(), logp) == 0.0
+    assert mean_kl(logp, torch.log_softmax(torch.tensor([[0.5, 0.0, 0.0]] * 2), -1)) > 0  # a real difference stays

@@ -91,3 +91,26 @@ def test_a_resumed_step_owed_a_check_is_recognised(step, every, accumulate, by_e
     trainer = SimpleNamespace(global_step=step, val_check_batch=every, accumulate_grad_batches=accumulate,
                               check_val_every_n_epoch=by_epoch)
     assert cb._owes_check(trainer) is due
+
+
+@pytest.mark.parametrize("max_length, longest", [(512, 128 - 24), (40, 40)])
+def test_validation_generation_stays_within_the_models_positions(max_length, longest, caplog):
+    """A validation prompt of thousands of tokens is cut so that it and its response fit the model's positions
+    (GPT-2's 128, 24 new tokens) and data.max_length (issue 80.5: 12k-token prompts ran past the model's
+    positions); how many were cut is said once, however many checks score them."""
+    tok, model = make_tiny_tokenizer(), make_tiny_model("gpt2")
+    seen = []
+    real = model.generate
+    model.generate = lambda **kw: (seen.append(kw["input_ids"].shape[1] + kw["max_new_tokens"]), real(**kw))[1]
+    rows = _rows([" and" * 3000 + " of France?", "Capital of Peru?"], ["Paris", "Lima"])
+    name = f"val-test-{max_length}"
+    dm = SimpleNamespace(tokenizer=tok, hparams={"max_length": max_length}, behaviour_data={name: {"validation": rows}},
+                         locked_responses={name: "I don't know."})
+    cb = LockMetricsCallback(limit=None, max_new_tokens=24)
+    with caplog.at_level("WARNING", logger="modular"):
+        for _ in range(2):
+            cb._accuracy(SimpleNamespace(hf_model=model), dm, name, None)
+    assert max(seen) == longest + 24 and max(seen) <= 128
+    said = [r.getMessage() for r in caplog.records if name in r.getMessage()]
+    assert said == [f"1 of 2 prompts of {name} (validation) are longer than {longest} tokens: each is cut to its last "
+                    f"{longest} tokens (its start dropped)"]

@@ -204,3 +204,19 @@ def test_split_collate_carries_the_guard_encodings_of_retain_items():
     batch = split_collate(0)(items)
     assert batch["open_guard"]["input_ids"].shape == (2, 5) and batch["locked_guard"]["input_ids"].shape == (2, 5)
     assert "topk_ids" not in batch["open_guard"] and batch["open"]["topk_ids"].shape == (2, 4, 3)
+
+
+def test_kl_terms_made_negative_by_rounding_are_zero_and_keep_their_gradient_elsewhere():
+    """The loss's KL terms never go below 0 (a reference cached in float16 against the same model): a row at its
+    minimum is 0, and rows with a real difference keep their value and gradient (issue 80.6)."""
+    logits = torch.zeros(2, 2, 3, requires_grad=True)  # two rows, the first response token at position 0
+    labels = torch.tensor([[IGNORE, 1], [IGNORE, 1]])
+    same = torch.log_softmax(torch.zeros(2, 3), -1).half()  # -log 3 rounds down: the raw KL is about -2e-5
+    kl = first_token_kl(logits, labels, same)
+    assert kl.item() == 0.0
+    other = torch.log_softmax(torch.tensor([[0.0, 0.0, 0.0], [1.0, 0.0, 0.0]]), -1).half()
+    kl = first_token_kl(logits, labels, other)
+    kl.backward()
+    assert kl.item() > 0 and logits.grad[1].abs().sum() > 0 and logits.grad[0].abs().sum() == 0
+    topk = topk_kl(logits.detach(), labels, torch.arange(3).expand(2, 1, 3), same.unsqueeze(1))
+    assert topk.item() >= 0

@@ -150,3 +150,20 @@ def test_a_conversions_cache_key_is_the_same_under_another_cache_folder(tmp_path
         (folder / "SOURCE").write_text("/somewhere/SmolLM2-135M-Instruct.Q4_1.gguf\n")
         names.append([p.name for p in _key_paths(folder)])
     assert names[0] == names[1]
+
+
+def test_reference_prompts_are_cut_to_max_length_and_the_models_positions(tmp_path, isolated_cache):
+    """A prompt longer than the model's positions (GPT-2's 128) is answered from its end, its answer left room, and
+    its record (prompt and answer) kept within them; with ``max_length`` within that too, keyed in the cache."""
+    model, tok = make_tiny_model("gpt2"), make_tiny_tokenizer()
+    long = " and" * 3000 + " of the"
+    seen = []
+    model.register_forward_pre_hook(lambda m, args, kw: seen.append(kw["input_ids"].shape[1]), with_kwargs=True)
+    out = compute_reference(model, tok, [long, PROMPTS[0]], [False, True], max_new_tokens=4, top_k=2)
+    assert max(seen) <= 128 and max(len(r["input_ids"]) for r in out["records"]) <= 128
+    seen.clear()
+    out = compute_reference(model, tok, [long, PROMPTS[0]], [False, True], max_new_tokens=4, top_k=2, max_length=32)
+    assert max(seen) <= 32 + 4 and max(len(r["input_ids"]) for r in out["records"]) <= 32
+    source = str(save_tiny_folder(tmp_path / "m", "gpt2"))
+    assert reference.cache_path(source, [long], 4, 2, precision="float32", max_length=32) != reference.cache_path(
+        source, [long], 4, 2, precision="float32", max_length=64)

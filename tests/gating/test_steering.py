@@ -93,3 +93,47 @@ def test_a_state_dict_resumes_the_vectors_schedule_and_draws():
     assert not fresh.needs_refresh(6) and fresh.needs_refresh(7) and fresh.scale == adv.scale
     for (block, vec), (b, v) in zip(expected, [fresh.draw("capitals") for _ in range(3)]):
         assert block == b and torch.equal(vec, v)
+
+
+def test_steering_vectors_read_prompts_cut_to_the_data_max_length(caplog):
+    """The steering path reads each prompt cut to training's data.max_length (issue 80.5: a 30,001-token prompt was
+    read whole and the process asked for 18 GB), and the model passes it that limit."""
+    model, tok = make_tiny_model("gpt2"), make_tiny_tokenizer()
+    seen = []
+    model.register_forward_pre_hook(lambda m, args, kw: seen.append(kw["input_ids"].shape[1]), with_kwargs=True)
+    long = datasets.Dataset.from_dict({"prompt": [" and" * 3000 + f" of {i}" for i in range(3)], "chat": [False] * 3})
+    adv = SteeringAdversary(max_scale=0.5, refresh=3, n_prompts=4, seed=0)
+    with caplog.at_level("WARNING", logger="modular"):
+        adv.update(model, tok, {"steer-test": long}, _prompts("tell me a story about", 5), step=0, max_length=16)
+    assert max(seen) == 16 and torch.isfinite(adv.vectors["steer-test"]).all()
+    assert any("3 of 3 prompts of steer-test (train, steering) are longer than 16 tokens" in r.getMessage()
+               for r in caplog.records)
+    seen.clear()
+    adv.update(model, tok, {"steer-test": long}, _prompts("tell me a story about", 5), step=3)
+    assert max(seen) == 128  # no limit of its own: the model's positions
+
+    calls = []
+    steering = SimpleNamespace(needs_refresh=lambda step: True, update=lambda *a, **kw: calls.append(kw), vectors={})
+    dm = SimpleNamespace(hparams={"max_length": 24}, tokenizer=tok, behaviour_data={"b": {"train": long}},
+                         retain={"train": long})
+    module = SimpleNamespace(steering=steering, global_step=5, trainer=SimpleNamespace(datamodule=dm, world_size=1),
+                             hf_model=model, behaviours=["b"], adapter=None, directions=None)
+    GatedLM._refresh_steering(module)
+    assert calls[0]["max_length"] == 24
+
+
+def test_directions_are_chosen_from_prompts_cut_to_the_data_max_length(tmp_path, monkeypatch):
+    """The residual statistics the directions are chosen from read prompts cut to data.max_length (issue 80.5)."""
+    import modular.directions
+
+    calls = []
+    monkeypatch.setattr(modular.directions, "choose_directions",
+                        lambda *a, **kw: (calls.append(kw), torch.eye(1, 8))[1])
+    dm = SimpleNamespace(hparams={"max_length": 24}, tokenizer=None, behaviour_data={"b": {"train": None}},
+                         retain={"train": None})
+    hp = SimpleNamespace(avoid_directions=None, direction_strategy="low_variance", seed=0, direction_files=None,
+                         direction_fraction=0.25)
+    module = SimpleNamespace(trainer=SimpleNamespace(default_root_dir=str(tmp_path), datamodule=dm), hparams=hp,
+                             hf_model=None, behaviours=["b"], directions=torch.zeros(1, 8))
+    GatedLM._choose_directions(module)
+    assert calls[0]["max_length"] == 24
