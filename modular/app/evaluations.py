@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import json
 import logging
-import random
 from functools import partial
 from pathlib import Path
 from typing import Literal
 
 from modular import ModularError
 from modular.app.options import Split, output_folder
-from modular.data import BEHAVIOURS, load_behaviour, neutral_text, parse_behaviour, retain_data
+from modular.data import BEHAVIOURS, load_behaviour, parse_behaviour, retain_data
 from modular.data.behaviours import builtin_neighbours
 from modular.data.schema import DEFAULT_LOCKED_RESPONSE
-from modular.evaluation.defaults import DEFAULT_LRS, NEIGHBOUR_TOLERANCE
+from modular.evaluation.defaults import DEFAULT_ATTACKS, DEFAULT_LRS, NEIGHBOUR_TOLERANCE
 from modular.models.names import DTypeName, Scheme
 from modular.tracking import log_to_wandb, read_json_if_valid, write_json
 
@@ -51,24 +50,32 @@ def behaviour(
     from modular.plots import bar_chart
     from modular.runs import load_model_or_run, load_tokenizer_or_run
 
-    names = list(behaviours)
-    if not names:
+    if not list(behaviours):
         raise ModularError("give at least one behaviour with --behaviours")
+    specs: dict[str, str] = {}  # short name (report keys, W&B names) -> spec (where the data is)
+    for spec in behaviours:
+        name = parse_behaviour(spec)[0]
+        if name in specs:
+            raise ModularError(f"--behaviours: '{specs[name]}' and '{spec}' are both named '{name}'; name one of them "
+                               f"(NAME=<source>)")
+        specs[name] = str(spec)
     tokenizer = load_tokenizer_or_run(model)
-    datasets_ = {name: load_behaviour(name, seed=seed, tokenizer=tokenizer)[split] for name in names}
+    datasets_ = {name: load_behaviour(spec, seed=seed, tokenizer=tokenizer)[split] for name, spec in specs.items()}
+    empty = [name for name, ds in datasets_.items() if len(ds) == 0]
+    if empty:
+        raise ModularError(f"behaviour '{empty[0]}' has no '{split}' items")
     m = load_model_or_run(model, dtype, device)
     out_dir = output_folder(out, "behaviour", model)
     results, items = {}, {}
     for name, ds in datasets_.items():
-        if len(ds) == 0:
-            raise ModularError(f"behaviour '{name}' has no '{split}' items")
-        r = evaluate_behaviour(m, tokenizer, ds, max_new_tokens, batch_size, limit, desc=name)
+        r = evaluate_behaviour(m, tokenizer, ds, max_new_tokens, batch_size, limit, desc=name, name=f"{name} ({split})")
         correct = sum(i["correct"] for i in r.items)
         results[name] = {**r.summary(), "ci95": wilson_interval(correct, r.n)}
         items[name] = r.items
         extra = f", mean logit diff {r.logit_diff:.3f}" if r.logit_diff is not None else ""
         log.info("%s (%s, n=%d): accuracy %.3f%s", name, split, r.n, r.accuracy, extra)
-    report = {"model": model, "split": split, "seed": seed, "dtype": dtype_name(model_dtype(m)), "results": results}
+    report = {"model": model, "split": split, "seed": seed, "dtype": dtype_name(model_dtype(m)), "results": results,
+              "sources": specs}
     write_json(out_dir / "behaviour.json", {**report, "items": items})
     fig = bar_chart(out_dir / "behaviour.png", list(results), [v["accuracy"] for v in results.values()],
                     f"{Path(model).name}: accuracy on the {split} split", "accuracy",
@@ -147,7 +154,8 @@ def lock(run: str, out: str | None = None, other_limit: int = 64, harden: bool =
     return report
 
 
-def attack(model: str, behaviours: list[str] | None = None, alphas: list[float] = (-1, -0.5, -0.25, -0.1, 0.1, 0.25, 0.5, 1),
+def attack(model: str, behaviours: list[str] | None = None, attacks: list[str] = DEFAULT_ATTACKS,
+           alphas: list[float] = (-1, -0.5, -0.25, -0.1, 0.1, 0.25, 0.5, 1),
            n_pairs: int = 128, n_examples: list[int] = (8, 32, 128), seeds: list[int] = (0, 1),
            relearn_modes: list[RelearnMode] = ("full", "lora"), full_lrs: list[float] = DEFAULT_LRS["full"],
            lora_lrs: list[float] = DEFAULT_LRS["lora"], relearn_steps: int = 40, prune: bool = False, neutral: bool = True,
@@ -161,7 +169,7 @@ def attack(model: str, behaviours: list[str] | None = None, alphas: list[float] 
     relearning sweep on baselines trained from the same base (a plain refusal fine-tune, and the base itself).
     Headline: the worst case over the sweep, the fewest steps to 50% / 90% of the open accuracy on held-out items
     (the open accuracy the published folder records from ``modular lock``; without one, the base's, said in a
-    warning and in ``open_accuracy_from``).
+    warning and in ``open_accuracy_from``). Each attack is a plug-in (``--attacks``; your own is one class).
     Writes attack.json beside attack.png. What is measured is saved as it comes (attack.partial.json, removed at the
     end): an attack cut short and started again with the same options on the same weights measures only the rest.
 
@@ -169,6 +177,10 @@ def attack(model: str, behaviours: list[str] | None = None, alphas: list[float] 
         model: A published folder (from ``modular publish``).
         behaviours: The locked behaviours to attack (default: every behaviour listed in the folder's modular.json).
             A behaviour gated from user data is given with its data: NAME=<.jsonl file or hf:dataset>.
+        attacks: The attacks, in their order in attack.json, the log line and the figure (the fine-tuning sweeps
+            run after the others): weights (a), steering (b), relearning (c), neutral (d), prefill (e), or the class
+            path of your own (a subclass of modular.evaluation.attacks.Attack, e.g. mypackage.attacks.MyAttack).
+            --attacks+=mypackage.attacks.MyAttack adds one to the five; --attacks '[weights, prefill]' runs those two.
         alphas: Scales scanned in (a) and (b), in units of the typical residual norm.
         n_pairs: Prompt pairs used for the difference-in-means direction in (b) (at most 128).
         n_examples: Training-set sizes N of the relearning sweep (c); (d) uses the largest.
@@ -180,10 +192,10 @@ def attack(model: str, behaviours: list[str] | None = None, alphas: list[float] 
         prune: Once a setting of a sweep has reached 90% of the open accuracy in k steps, give the others k steps
             (highest learning rates first): the worst case is the same, the sweep much cheaper, the other curves
             shorter.
-        neutral: Run (d), fine-tuning on neutral prose only (every mode and learning rate, the largest N, the first
-            seed).
-        baselines: Run the relearning sweep also on: refusal (a copy of the base fine-tuned to answer the behaviour
-            with the locked response, retain answers kept; no direction), base (the base model itself).
+        neutral: Run (d)'s settings, fine-tuning on neutral prose only (every mode and learning rate, the largest N,
+            the first seed); false records (d) with none.
+        baselines: Run the relearning sweep (and (e)) also on: refusal (a copy of the base fine-tuned to answer the
+            behaviour with the locked response, retain answers kept; no direction), base (the base model itself).
         refusal_steps: Fine-tuning steps of the refusal baseline.
         refusal_lr: Learning rate of the refusal baseline.
         limit: Test items per evaluation.
@@ -191,27 +203,31 @@ def attack(model: str, behaviours: list[str] | None = None, alphas: list[float] 
         base: Default: the one the folder's modular.json names; a
             base given as a local folder is named there by its last part only, so give it here).
     """
-    from modular.evaluation.attack import plot_attack, prefill_attack, residual_scale, steering_attack, weight_attack
-    from modular.evaluation.relearning import cost_ratio, eval_steps, example_rows, sweep, text_rows
+    from modular.evaluation.attack import plot_attack
+    from modular.evaluation.attacks import BASELINES, AttackOptions, build_attacks
+    from modular.evaluation.relearning import eval_steps, sweep
     from modular.models import load_model, load_tokenizer
     from modular.models.precision import dtype_name, model_dtype
 
     folder = Path(model)
     manifest, sources = _published(folder, behaviours)
-    refusals = manifest.get("locked_responses", {})
+    chosen = build_attacks(attacks)  # an unknown attack: one line, now
     if n_pairs > 128:
         raise ModularError("n_pairs is at most 128")
     if relearn_steps < 1 or not n_examples or min(n_examples) < 1 or not seeds:
         raise ModularError("the relearning sweep needs relearn_steps >= 1, at least one N >= 1 and one seed")
+    if set(baselines) - set(BASELINES):
+        raise ModularError(f"baselines must be among {', '.join(BASELINES)}, got {', '.join(baselines)}")
     lrs = {"full": list(full_lrs), "lora": list(lora_lrs)}
-    settings_c = sweep("behaviour", relearn_modes, lrs, n_examples, seeds)  # bad modes or rates: one line, now
-    settings_d = sweep("neutral", relearn_modes, lrs, [max(n_examples)], seeds[:1]) if neutral else []
+    options = AttackOptions(  # bad modes or rates: one line, now
+        alphas=tuple(alphas), n_pairs=n_pairs, relearning=tuple(sweep("behaviour", relearn_modes, lrs, n_examples, seeds)),
+        neutral=tuple(sweep("neutral", relearn_modes, lrs, [max(n_examples)], seeds[:1]) if neutral else ()),
+        max_steps=relearn_steps, prune=prune, refusal_steps=refusal_steps, refusal_lr=refusal_lr)
     tokenizer = load_tokenizer(folder)
     locked = load_model(folder, dtype, device)
     base_name = base or manifest["base_model"]
     base = load_model(base_name, model_dtype(locked), locked.device)
     retain = retain_data(seed)
-    neutral_texts = list(neutral_text(seed)["train"]["text"])
     out_dir = output_folder(out, "attack", str(folder))
     report = {"model": str(folder), "base": base_name, "dtype": dtype_name(model_dtype(locked)),
               "sweep": {"modes": list(relearn_modes), "lrs": {m: lrs[m] for m in relearn_modes},
@@ -224,84 +240,69 @@ def attack(model: str, behaviours: list[str] | None = None, alphas: list[float] 
                 "seed": seed}
     progress = _AttackProgress(out_dir / ATTACK_PARTIAL, identity)
     for b, source in sources.items():
-        data = load_behaviour(source, seed=seed, tokenizer=tokenizer)
-        test = data["test"] if limit is None else data["test"].select(range(min(limit, len(data["test"]))))
-        refuse = (refusals.get(b, DEFAULT_LOCKED_RESPONSE),)
-        part = partial(progress.part, b)  # each part measured once, also over a restart
-        base_acc = part("base_accuracy", _accuracy, base, tokenizer, test, batch_size=batch_size, desc="base",
-                        refusals=refuse)
-        locked_acc = part("locked_accuracy", _accuracy, locked, tokenizer, test, batch_size=batch_size, desc="locked",
-                          refusals=refuse)
-        open_acc = manifest.get("measured_accuracy", {}).get("open", {}).get(b)
-        open_from = "published folder"
-        if open_acc is None:  # published before `modular lock`: the base's accuracy is the relearning target
-            open_acc, open_from = base_acc, "base model"
-            log.warning("%s records no measured open accuracy for %s (published before `modular lock`): the base "
-                        "model's %.3f stands in for it, in the bars and as the relearning target", folder, b, base_acc)
-        scale = part("residual_scale", residual_scale, locked, tokenizer, retain["train"]["prompt"],
-                     retain["train"]["chat"])
-        a = part("a_weights", weight_attack, locked, tokenizer, test, list(alphas), scale, refusals=refuse,
-                 batch_size=batch_size)
-        s = part("b_steering", steering_attack, locked, tokenizer, data["train"], retain["train"], test, list(alphas),
-                 scale, n_pairs, refusals=refuse, batch_size=batch_size)
-        e = part("e_prefill", prefill_attack, locked, base, tokenizer, test, refusals=refuse, batch_size=batch_size)
-
-        def rows_for(setting, train=data["train"]):
-            if setting.data == "neutral":
-                return text_rows(tokenizer, random.Random(setting.seed).sample(neutral_texts,
-                                                                               min(setting.n, len(neutral_texts))))
-            return example_rows(tokenizer, train.shuffle(seed=setting.seed).select(range(min(setting.n, len(train)))))
-
-        relearn = partial(progress.run_sweep, b, tokenizer=tokenizer, rows_for=rows_for, test=test,
-                          settings=settings_c, reference=open_acc, max_steps=relearn_steps, prune=prune,
-                          eval_batch_size=batch_size, refusals=refuse)
-        c = relearn("c_relearning", locked, start=locked_acc)
-        d = relearn("d_neutral", locked, start=locked_acc, settings=settings_d)
-        entry = {
-            "base_accuracy": base_acc, "open_accuracy": open_acc, "open_accuracy_from": open_from,
-            "locked_accuracy": locked_acc,
-            "residual_scale": scale,
-            "a_weights": {**a, "recovered_fraction_of_base": a["best"]["accuracy"] / max(base_acc, 1e-9)},
-            "b_steering": {**s, "recovered_fraction_of_base": s["best"]["accuracy"] / max(base_acc, 1e-9)},
-            "c_relearning": c, "d_neutral": d, "e_prefill": e, "baselines": {},
-        }
-        for name in baselines:
-            entry["baselines"][name] = _baseline(name, base, tokenizer, data["train"], retain, test, refuse[0],
-                                                 base_acc, refusal_steps, refusal_lr, seed, batch_size,
-                                                 partial(relearn, f"{name}/c_relearning"))
-            entry["baselines"][name]["cost_ratio"] = {
-                k: cost_ratio(c["worst_case"], entry["baselines"][name]["c_relearning"]["worst_case"], k)
-                for k in ("steps_to_50pct_open", "steps_to_90pct_open")}
-        report["behaviours"][b] = entry
-        w = c["worst_case"]
-        log.info("%s: base %.3f open %.3f locked %.3f | (a) best %.3f | (b) best %.3f | (c) worst case over %d "
-                 "settings: %s steps to 50%% of open, %s to 90%% | (d) best %s | (e) prefilled %.3f (base prefilled "
-                 "%.3f)", b, base_acc, open_acc, locked_acc,
-                 a["best"]["accuracy"], s["best"]["accuracy"], len(settings_c), _steps(w["steps_to_50pct_open"]),
-                 _steps(w["steps_to_90pct_open"]),
-                 "-" if not settings_d else f"{d['worst_case']['best_accuracy']:.3f}", e["accuracy"],
-                 e["base_accuracy"])
-        for name, v in entry["baselines"].items():
-            log.info("%s baseline: start %.3f | (c) worst case %s steps to 50%% of open, %s to 90%%%s", name,
-                     v["start_accuracy"], _steps(v["c_relearning"]["worst_case"]["steps_to_50pct_open"]),
-                     _steps(v["c_relearning"]["worst_case"]["steps_to_90pct_open"]),
-                     f" | (e) prefilled {v['e_prefill_accuracy']:.3f}" if "e_prefill_accuracy" in v else "")
+        ctx = _attack_context(b, source, folder, manifest, progress, locked, base, tokenizer, retain, options, limit,
+                              seed, batch_size)
+        report["behaviours"][b] = _attack_entry(ctx, chosen, baselines)
     write_json(out_dir / ATTACK_REPORT, report)
     progress.finish()
-    fig = plot_attack(report, out_dir / ATTACK_FIGURE)
+    fig = plot_attack(report, out_dir / ATTACK_FIGURE, chosen)
     log_to_wandb(out_dir, "evaluate-attack", report, config={"model": str(folder)}, figures={"attack": fig})
     log.info("wrote %s and %s", out_dir / ATTACK_REPORT, fig)
     return report
+
+
+def _attack_entry(ctx, attacks: list, baselines: list[str]) -> dict:
+    """Behaviour ``ctx.behaviour``'s entry of attack.json: its accuracies, each attack's entry and the baselines';
+    logged in one line, and one line per baseline."""
+    from modular.evaluation.attacks import run_attacks, run_baseline
+
+    entry = {"base_accuracy": ctx.base_accuracy, "open_accuracy": ctx.open_accuracy,
+             "open_accuracy_from": ctx.open_accuracy_from, "locked_accuracy": ctx.locked_accuracy,
+             "residual_scale": ctx.residual_scale, **run_attacks(attacks, ctx)}
+    entry["baselines"] = {name: run_baseline(name, ctx, attacks) for name in baselines}
+    log.info("%s: base %.3f open %.3f locked %.3f | %s", ctx.behaviour, ctx.base_accuracy, ctx.open_accuracy,
+             ctx.locked_accuracy, " | ".join(a.summary(entry[a.key]) for a in attacks))
+    for name, v in entry["baselines"].items():
+        log.info("%s baseline: start %.3f%s", name, v["start_accuracy"],
+                 "".join(f" | {s}" for s in (a.baseline_summary(v) for a in attacks) if s))
+    return entry
+
+
+def _attack_context(b: str, source: str, folder: Path, manifest: dict, progress: _AttackProgress, locked, base,
+                    tokenizer, retain, options, limit: int | None, seed: int, batch_size: int):
+    """What the attacks on behaviour ``b`` (data ``source``) share: its data and test items, and the base's, the
+    locked model's and the open model's accuracy on them and the residual scale (measured once, also over a
+    restart)."""
+    from modular.evaluation.attack import residual_scale
+    from modular.evaluation.attacks import AttackContext
+
+    data = load_behaviour(source, seed=seed, tokenizer=tokenizer)
+    test = data["test"] if limit is None else data["test"].select(range(min(limit, len(data["test"]))))
+    refuse = (manifest.get("locked_responses", {}).get(b, DEFAULT_LOCKED_RESPONSE),)
+    part = partial(progress.part, b)  # each part measured once, also over a restart
+    base_acc = part("base_accuracy", _accuracy, base, tokenizer, test, batch_size=batch_size, desc="base",
+                    refusals=refuse)
+    locked_acc = part("locked_accuracy", _accuracy, locked, tokenizer, test, batch_size=batch_size, desc="locked",
+                      refusals=refuse)
+    open_acc = manifest.get("measured_accuracy", {}).get("open", {}).get(b)
+    open_from = "published folder"
+    if open_acc is None:  # published before `modular lock`: the base's accuracy is the relearning target
+        open_acc, open_from = base_acc, "base model"
+        log.warning("%s records no measured open accuracy for %s (published before `modular lock`): the base "
+                    "model's %.3f stands in for it, in the bars and as the relearning target", folder, b, base_acc)
+    scale = part("residual_scale", residual_scale, locked, tokenizer, retain["train"]["prompt"],
+                 retain["train"]["chat"])
+    return AttackContext(behaviour=b, locked=locked, base=base, tokenizer=tokenizer, data=data, test=test,
+                         retain=retain, refusals=refuse, residual_scale=scale, base_accuracy=base_acc,
+                         open_accuracy=open_acc, open_accuracy_from=open_from, locked_accuracy=locked_acc,
+                         options=options, batch_size=batch_size, seed=seed, part=part,
+                         run_sweep=partial(progress.run_sweep, b))
 
 
 def _accuracy(model, tokenizer, test, **kw) -> float:
     from modular.evaluation.behaviour import evaluate_behaviour
 
     return evaluate_behaviour(model, tokenizer, test, **kw).accuracy
-
-
-def _steps(w: dict) -> str:
-    return str(w["steps"]) if w["steps"] is not None else f"none within {w['more_than']}"
 
 
 class _AttackProgress:
@@ -354,29 +355,6 @@ class _AttackProgress:
 
     def finish(self) -> None:
         self.path.unlink(missing_ok=True)
-
-
-def _baseline(name: str, base, tokenizer, behaviour_train, retain, test, locked_response: str, base_acc: float,
-              steps: int, lr: float, seed: int, batch_size: int, relearn) -> dict:
-    """A baseline's accuracy before the attack and its relearning sweep (``relearn(model, start=accuracy)``)."""
-    from modular.evaluation.baselines import refusal_finetune
-    from modular.evaluation.behaviour import evaluate_behaviour
-    from modular.evaluation.retain import first_token_logp, mean_kl
-
-    if name == "base":
-        return {"kind": "the base model", "start_accuracy": base_acc, "c_relearning": relearn(base, start=base_acc)}
-    model, info = refusal_finetune(base, tokenizer, behaviour_train, retain["train"], locked_response, steps, lr,
-                                   seed=seed)
-    r = evaluate_behaviour(model, tokenizer, test, batch_size=batch_size, desc="refusal baseline",
-                           refusals=(locked_response,))
-    prompts, chats = retain["test"]["prompt"][:64], retain["test"]["chat"][:64]
-    kl = mean_kl(first_token_logp(base, tokenizer, prompts, chats), first_token_logp(model, tokenizer, prompts, chats))
-    prefilled = evaluate_behaviour(model, tokenizer, test, max_new_tokens=16, batch_size=batch_size, prefill=True,
-                                   desc="refusal baseline (e)", refusals=(locked_response,))
-    out = {**info, "start_accuracy": r.accuracy, "refusal_rate": r.refusal_rate, "retain_first_token_kl": kl,
-           "e_prefill_accuracy": prefilled.accuracy, "c_relearning": relearn(model, start=r.accuracy)}
-    del model
-    return out
 
 
 def _published(folder: Path, behaviours: list[str] | None) -> tuple[dict, dict[str, str]]:

@@ -44,7 +44,7 @@ SHARED: dict[str, tuple[object, str]] = {
 
 def shared_help(name: str, own: str | None) -> str:
     """The help of a shared option, then the command's own line for it."""
-    text = SHARED[name][1]
+    text = SHARED[name][1].replace("{name}", name)
     return f"{text} {own.strip()}" if own and own.strip() and own.strip() != text else text
 
 

@@ -48,45 +48,104 @@ def run_folder_of(config: Path) -> Path:
     return Path(root)
 
 
-def main_job(config: str | None = None, out: str | None = None, skip_attack: bool = False, device: str = "auto",
-             dtype: DTypeName = "auto") -> None:
+def main_job(config: str | None = None, behaviours: list[str] | None = None, neighbours: list[str] | None = None,
+             model: str | None = None, run: str | None = None, max_steps: int | None = None, out: str | None = None,
+             skip_attack: bool = False, device: str = "auto", dtype: DTypeName = "auto") -> None:
     """The default pipeline: train the gated model, evaluate the lock, publish (keys in their own folder), unlock
     with the key(s), attack the published weights, and print a table of the results with the paths of the figures.
+
+    A run folder that already holds a finished run is used only when it holds this run (the same base model, data,
+    recipe and locked responses: :mod:`modular.identity`); one holding another run is refused in one line.
 
     Args:
         config: Training config (YAML), resolved from the current directory; its ``trainer.default_root_dir`` is the
             run folder (relative to the current directory). Default: the built-in capitals config
-            (gate_capitals_smollm2.yaml, shipped with the package).
+            (gate_capitals_smollm2.yaml, shipped with the package), the default recipe.
+        behaviours: The behaviours to lock instead of the config's: built-in names, .jsonl files (named by their
+            stem), NAME=<file>, hf:<dataset>.
+        neighbours: Close behaviours kept as the base answers them, instead of the config's (``[]``: none).
+        model: The base model instead of the config's (an alias, a .gguf file, a Hugging Face folder or hub id).
+        run: The run folder instead of the config's; with ``behaviours`` or ``model`` and no ``run``:
+            ``runs/<behaviours>-<model>``.
+        max_steps: The step budget instead of the config's (training stops earlier once the lock holds).
         out: Folder for the published and unlocked models, the keys and the attack (default: the run folder).
         skip_attack: Skip the attack evaluation.
         device: For the evaluations (training runs where the config's ``trainer.accelerator`` says).
         dtype: For the evaluations; the published weights keep the precision the run was trained in.
     """
-    run_pipeline(config, out, skip_attack, device, dtype)
+    run_pipeline(config, out, skip_attack, device, dtype, behaviours=behaviours, neighbours=neighbours, model=model,
+                 run=run, max_steps=max_steps)
+
+
+def default_run_folder(behaviours: list[str], model: str) -> Path:
+    """``runs/<behaviour names>-<model name>``: the run folder of ``modular main --behaviours ... [--model ...]``."""
+    from modular.data import parse_behaviour
+
+    names = "+".join(parse_behaviour(b)[0] for b in behaviours) or "none"
+    return Path("runs") / f"{names}-{Path(str(model).rstrip('/')).name}"
+
+
+def training_arguments(config: Path, behaviours: list[str] | None = None, neighbours: list[str] | None = None,
+                       model: str | None = None, run: str | None = None,
+                       max_steps: int | None = None) -> tuple[list[str], Path]:
+    """The ``modular train`` arguments of the main job and its run folder: the config with the options given."""
+    run_dir = Path(run) if run else None
+    args = ["fit", "--config", str(config)]
+    if behaviours is not None:
+        if not behaviours:
+            raise ModularError("behaviours: give at least one behaviour to lock")
+        args += ["--model.behaviours", json.dumps(list(behaviours))]
+    if neighbours is not None:
+        args += ["--data.neighbours", json.dumps(list(neighbours))]
+    if model is not None:
+        args += ["--model.model_name", str(model)]
+    if max_steps is not None:
+        args += ["--trainer.max_steps", str(max_steps)]
+    if run_dir is None and (behaviours is not None or model is not None):
+        cfg = yaml.safe_load(config.read_text()) or {}
+        run_dir = default_run_folder(list(behaviours if behaviours is not None else cfg["model"]["behaviours"]),
+                                     model or cfg["model"]["model_name"])
+    if run_dir is None:
+        return args, run_folder_of(config)
+    return args + ["--trainer.default_root_dir", str(run_dir)], run_dir
 
 
 def run_pipeline(config: str | None = None, out: str | None = None, skip_attack: bool = False, device: str = "auto",
-                 dtype: DTypeName = "auto") -> dict:
-    """Run every stage for ``config`` (default: the built-in capitals config) and return the summary's numbers."""
+                 dtype: DTypeName = "auto", **options) -> dict:
+    """Run every stage for ``config`` (default: the built-in capitals config) with the options of
+    :func:`training_arguments` and return the summary's numbers."""
     # training (lightning) and the library are loaded here, not at the top: help loads no torch, a command loads its
     # modules when it runs
     from modular.app.train import main as train
+    from modular.app.train import planned_run
+    from modular.identity import identity_differences
     from modular.publish import key_path, keys_folder_for, read_manifest
     from modular.runs import RUN_RECORD, behaviour_sources, checkpoint_step, lock_verdict, read_run
 
     config = Path(config) if config else builtin_config()
     if not config.is_file():
         raise ModularError(f"config not found: {config}")
-    run_dir = run_folder_of(config)
+    if options.get("behaviours") is not None or options.get("model") is not None:
+        run_folder_of(config)  # a config that is not one: one line naming what is wrong
+    train_args, run_dir = training_arguments(config, **options)
     out_dir = Path(out) if out else run_dir
     published, unlocked = out_dir / PUBLISHED, out_dir / UNLOCKED
     keys_dir = keys_folder_for(published)
-    if not (run_dir / RUN_RECORD).is_file():
-        log.info("training: %s -> %s", config, run_dir)
-        status = train(["fit", "--config", str(config)])
+    finished = (run_dir / RUN_RECORD).is_file()
+    # every option checked, nothing written (a finished run's checkpoint is compared below, by its record)
+    _, identity = planned_run(train_args + (["--ckpt_path", "null"] if finished else []))
+    if not finished:
+        log.info("training: %s -> %s", " ".join(train_args[1:]), run_dir)
+        status = train(train_args)
         if status != 0 or not (run_dir / RUN_RECORD).is_file():
             raise ModularError(f"training with {config} did not finish (status {status}); see the lines above")
     else:
+        recorded = read_run(run_dir).record.get("identity")
+        differs = sum(identity_differences(recorded, identity).values(), []) if recorded else [
+            "it was recorded before runs had identities"]
+        if differs:
+            raise ModularError(f"{run_dir} holds another run ({'; '.join(differs)}): give another run folder (--run), "
+                               "or delete it to train this one")
         log.info("training already finished in %s (delete it to retrain)", run_dir)
     lock(run=str(run_dir), device=device, dtype=dtype)
     run = read_run(run_dir)
@@ -116,6 +175,7 @@ def _steps(w: dict) -> str:
 
 
 def summarise(run_dir: Path, out_dir: Path) -> dict:
+    from modular.evaluation.attacks import default_attacks
     from modular.evaluation.lock import shift_text, verdict_text
     from modular.publish import keys_folder_for
     from modular.runs import LOCK_FIGURE, LOCK_REPORT
@@ -151,13 +211,11 @@ def summarise(run_dir: Path, out_dir: Path) -> dict:
     if attack_path.is_file():
         attack = json.loads(attack_path.read_text())
         for b, r in attack["behaviours"].items():
-            lines.append(f"attack on {b}: (a) weights best {r['a_weights']['best']['accuracy']:.3f}, "
-                         f"(b) steering best {r['b_steering']['best']['accuracy']:.3f} (base {r['base_accuracy']:.3f})"
-                         + (f", (e) prefilled {r['e_prefill']['accuracy']:.3f} (base prefilled "
-                            f"{r['e_prefill']['base_accuracy']:.3f})" if "e_prefill" in r else ""))
-            sweeps = [("gated (c) relearning", r["c_relearning"]), ("gated (d) neutral", r.get("d_neutral"))]
-            sweeps += [(f"{n} baseline (c) relearning", v["c_relearning"]) for n, v in r.get("baselines", {}).items()]
-            for label, sw in sweeps:
+            # each attack the report holds says its result: one line for those without sweeps, one per sweep
+            shown = [(a, a.curves(r)) for a in default_attacks() if a.key in r]
+            lines.append(f"attack on {b} (base {r['base_accuracy']:.3f}): "
+                         + ", ".join(a.summary(r[a.key]) for a, sweeps in shown if not sweeps))
+            for label, sw in (c for _, sweeps in shown for c in sweeps):
                 if sw and sw["settings"]:
                     w = sw["worst_case"]
                     lines.append(f"  {label}: worst case over {len(sw['settings'])} settings, steps to 50% / 90% of "

@@ -48,6 +48,7 @@ def test_a_shared_option_has_one_type_and_one_help_everywhere():
             declared, text = SHARED[name]
             got = _strip_optional(hints[name])
             assert got == _strip_optional(declared), f"{label}: --{name} is {hints[name]}, declared {declared}"
+            text = text.replace("{name}", name)  # the list syntax names the option
             assert helps[name].startswith(text), f"{label}: --{name} help does not start with the shared help"
             seen.setdefault(name, []).append(label)
     assert {"model", "models", "run", "behaviours", "limit", "out", "seed", "max_new_tokens"} <= set(seen)

@@ -12,7 +12,7 @@ from tests.app.test_train import tiny_config
 from tests.conftest import save_tiny_folder
 
 
-def test_main_runs_the_given_config_from_any_directory(tmp_path, tiny_env):
+def test_main_runs_the_given_config_from_any_directory(tmp_path, tiny_env, monkeypatch, capsys):
     """The config is the one given (resolved from the working directory, not the repository), its run folder is
     relative to the working directory, the published folder holds no key, and the keys restore the weights."""
     from modular.runs import load_model_or_run
@@ -43,11 +43,44 @@ def test_main_runs_the_given_config_from_any_directory(tmp_path, tiny_env):
                           "--skip_attack", "true"], capture_output=True, text=True, cwd=work, env=tiny_env)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "training already finished" in res.stderr
+    # the same run folder asked to hold another run (another behaviour, or another base model): one line naming what
+    # differs, nothing written
+    from modular.app import cli
+
+    before = {p: p.stat().st_mtime_ns for p in run.rglob("*")}
+    other = save_tiny_folder(tmp_path / "tiny2", "llama", seed=1)
+    monkeypatch.chdir(work)
+    for args, words in ((["--behaviours", "[arithmetic]"], "behaviour arithmetic: added"),
+                        (["--model", str(other)], "base model")):
+        capsys.readouterr()
+        assert cli.main(["main", "--config", "configs/mine.yaml", "--run", "runs/mine", *args]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: runs/mine holds another run") and words in err and "\n" not in err, err
+    assert {p: p.stat().st_mtime_ns for p in run.rglob("*")} == before
+
+
+def test_main_takes_the_behaviour_and_the_model_without_a_config(tmp_path):
+    """`modular main --behaviours '[my.jsonl]'`: the built-in config with those behaviours, in a run folder named
+    from them and the model; every option given reaches training."""
+    from modular.app.pipeline import builtin_config, default_run_folder, training_arguments
+
+    config = builtin_config()
+    assert default_run_folder(["data/my.jsonl", "capitals"], "smollm2-135m-instruct") == \
+        Path("runs/my+capitals-smollm2-135m-instruct")
+    args, run = training_arguments(config, behaviours=["data/my.jsonl"], neighbours=[], max_steps=50)
+    assert run == Path("runs/my-smollm2-135m-instruct")
+    assert args == ["fit", "--config", str(config), "--model.behaviours", '["data/my.jsonl"]', "--data.neighbours",
+                    "[]", "--trainer.max_steps", "50", "--trainer.default_root_dir", str(run)]
+    args, run = training_arguments(config, model=str(tmp_path / "tiny/"), run="elsewhere")
+    assert run == Path("elsewhere") and args[-4:] == ["--model.model_name", str(tmp_path / "tiny/"),
+                                                      "--trainer.default_root_dir", "elsewhere"]
+    assert training_arguments(config) == (["fit", "--config", str(config)], Path("checkpoints/gate_capitals_smollm2"))
 
 
 def test_the_summary_names_every_sweeps_worst_case(tmp_path, capsys):
-    """The main job's table ends with each attack: (a), (b), (e), and the worst case of every relearning sweep (the
-    gated model's (c) and (d), each baseline's (c)), a threshold never reached shown as more than the budget."""
+    """The main job's table ends with each attack, as the attack says it: (a), (b), (e) on one line, and the worst
+    case of every relearning sweep (the gated model's (c) and (d), each baseline's (c)), a threshold never reached
+    shown as more than the budget."""
     import json
 
     from modular.app.pipeline import summarise
@@ -76,8 +109,8 @@ def test_the_summary_names_every_sweeps_worst_case(tmp_path, capsys):
         "baselines": {"refusal": {"c_relearning": sw(36, 2, 4)}}}}}))
     lines = summarise(tmp_path, tmp_path)["table"]
     text = "\n".join(lines)
-    assert ("(a) weights best 0.000, (b) steering best 0.100 (base 0.500), (e) prefilled 0.450 (base prefilled "
-            "0.550)") in text
+    assert ("attack on capitals (base 0.500): (a) weights best 0.000, (b) steering best 0.100, (e) prefilled 0.450 "
+            "(base prefilled 0.550)") in lines
     assert "NOT LOCKED on the held-out test split: capitals locked accuracy 0.62 > 0.05" in lines
     # not "never trained on": a named file may ask a trained relation; what the run knows is its training neighbours
     assert [x for x in lines if "not in training" in x] == ["neighbours not in training: currencies"]
