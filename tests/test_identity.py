@@ -138,3 +138,20 @@ def test_identity_differences_name_what_changed(tmp_path, caplog):
 def test_find_source_keeps_built_in_and_hub_sources():
     assert find_source("capitals", {"source": "capitals", "sha256": None}) == "capitals"
     assert find_source("x", {"source": "hf:me/x", "sha256": None}) == "hf:me/x"
+
+
+def test_the_lock_evaluation_refuses_a_run_folder_another_command_writes(tmp_path):
+    """`modular lock` reads the run and writes lock.json into its folder: while a training (or another evaluation)
+    holds the folder's lock it is refused in one line, before it loads or writes anything."""
+    from modular.app.evaluations import lock
+    from modular.locking import folder_lock
+    from modular.runs import RUN_LOCK
+
+    model_dir = save_tiny_folder(tmp_path / "tiny")
+    run = _run_folder(tmp_path / "run", model_dir, _data(tmp_path / "mine.jsonl"))
+    before = sorted(p.name for p in run.iterdir())
+    with folder_lock(run, run / RUN_LOCK):
+        with pytest.raises(ModularError, match="is being written by another command"):
+            lock(str(run))
+        assert sorted(p.name for p in run.iterdir()) == sorted([*before, RUN_LOCK])
+    assert sorted(p.name for p in run.iterdir()) == before

@@ -107,11 +107,13 @@ def lock(run: str, out: str | None = None, other_limit: int = 64, harden: bool =
             (``neighbour_shifts`` in lock.json).
     """
     from modular.evaluation.lock import held_out_verdict, lock_report, plot_lock, shift_text, verdict_text
+    from modular.locking import folder_lock
     from modular.models import load_model, load_tokenizer
     from modular.models.precision import dtype_name, model_dtype
     from modular.runs import (
         LOCK_FIGURE,
         LOCK_REPORT,
+        RUN_LOCK,
         behaviour_sources,
         checkpoint_step,
         load_open_model,
@@ -121,37 +123,40 @@ def lock(run: str, out: str | None = None, other_limit: int = 64, harden: bool =
     )
 
     r = read_run(run)
-    trained = neighbour_sources(r)
-    named = {n: n for n in builtin_neighbours(r.behaviours, "evaluate")}
-    named.update(trained)
-    named.update(dict(parse_behaviour(spec) for spec in (neighbours or [])))  # an unknown one: one line, now
-    out_dir = Path(out or run)
-    tokenizer = load_tokenizer(r.model_name)
-    step = checkpoint_step(r)
-    open_model = load_open_model(r, dtype, device)
-    base = load_model(r.model_name, model_dtype(open_model), open_model.device)  # compared in the same precision
-    report = lock_report(base, open_model, tokenizer, r.directions,
-                         seed=int(r.record.get("seed", 0)), other_limit=other_limit, harden=harden,
-                         max_new_tokens=max_new_tokens, sources=behaviour_sources(r),
-                         locked_responses=r.record.get("locked_responses"), neighbours=named,
-                         trained_neighbours=list(trained), batch_size=batch_size,
-                         neighbour_tolerance=neighbour_tolerance)
-    if report["neighbour_shifts"]:
-        log.warning("neighbours moved more than %.0f points from base: %s", 100 * neighbour_tolerance,
-                    "; ".join(shift_text(x) for x in report["neighbour_shifts"]))
-    verified, why = lock_verdict(r, step)
-    held_out = held_out_verdict(report, (r.record.get("lock") or {}).get("targets"))
-    (log.info if held_out["held"] else log.warning)("%s", verdict_text(held_out))
-    if not verified:
-        log.warning("training did not verify the lock: %s", why)
-    report = {"run": str(run), "model": r.model_name, "step": step, "dtype": dtype_name(model_dtype(open_model)),
-              "lock_held_out": held_out, "lock_in_training": {"verified": verified, "check": why},
-              **report}  # the checkpoint step it describes
-    write_json(out_dir / LOCK_REPORT, report)
-    fig = plot_lock(report, out_dir / LOCK_FIGURE)
-    log_to_wandb(out_dir, "evaluate-lock", report, config={"run": str(run)}, figures={"lock": fig})
-    log.info("wrote %s and %s", out_dir / LOCK_REPORT, fig)
-    return report
+    # the run folder is read and written (lock.json) by this command alone: a training in it is refused, as this
+    # is while one trains there
+    with folder_lock(run, Path(run) / RUN_LOCK):
+        trained = neighbour_sources(r)
+        named = {n: n for n in builtin_neighbours(r.behaviours, "evaluate")}
+        named.update(trained)
+        named.update(dict(parse_behaviour(spec) for spec in (neighbours or [])))  # an unknown one: one line, now
+        out_dir = Path(out or run)
+        tokenizer = load_tokenizer(r.model_name)
+        step = checkpoint_step(r)
+        open_model = load_open_model(r, dtype, device)
+        base = load_model(r.model_name, model_dtype(open_model), open_model.device)  # compared in the same precision
+        report = lock_report(base, open_model, tokenizer, r.directions,
+                             seed=int(r.record.get("seed", 0)), other_limit=other_limit, harden=harden,
+                             max_new_tokens=max_new_tokens, sources=behaviour_sources(r),
+                             locked_responses=r.record.get("locked_responses"), neighbours=named,
+                             trained_neighbours=list(trained), batch_size=batch_size,
+                             neighbour_tolerance=neighbour_tolerance)
+        if report["neighbour_shifts"]:
+            log.warning("neighbours moved more than %.0f points from base: %s", 100 * neighbour_tolerance,
+                        "; ".join(shift_text(x) for x in report["neighbour_shifts"]))
+        verified, why = lock_verdict(r, step)
+        held_out = held_out_verdict(report, (r.record.get("lock") or {}).get("targets"))
+        (log.info if held_out["held"] else log.warning)("%s", verdict_text(held_out))
+        if not verified:
+            log.warning("training did not verify the lock: %s", why)
+        report = {"run": str(run), "model": r.model_name, "step": step, "dtype": dtype_name(model_dtype(open_model)),
+                  "lock_held_out": held_out, "lock_in_training": {"verified": verified, "check": why},
+                  **report}  # the checkpoint step it describes
+        write_json(out_dir / LOCK_REPORT, report)
+        fig = plot_lock(report, out_dir / LOCK_FIGURE)
+        log_to_wandb(out_dir, "evaluate-lock", report, config={"run": str(run)}, figures={"lock": fig})
+        log.info("wrote %s and %s", out_dir / LOCK_REPORT, fig)
+        return report
 
 
 def attack(model: str, behaviours: list[str] | None = None, attacks: list[str] = DEFAULT_ATTACKS,

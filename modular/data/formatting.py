@@ -108,8 +108,14 @@ def long_items(tokenizer, rows, max_length: int | None) -> int:
     ``max_length`` tokens: those a limit cuts."""
     if max_length is None:
         return 0
-    return sum(len(encode_example(tokenizer, r["prompt"], r["target"], r["chat"])["input_ids"]) > max_length
-               for r in rows)
+    n = 0
+    for r in rows:
+        # a token covers at least one byte of the text, so an item whose text (with a few special tokens) fits in
+        # max_length bytes fits in max_length tokens: only the others are encoded
+        if len((render_prompt(tokenizer, r["prompt"], r["chat"]) + r["target"]).encode()) + 8 <= max_length:
+            continue
+        n += len(encode_example(tokenizer, r["prompt"], r["target"], r["chat"])["input_ids"]) > max_length
+    return n
 
 
 def encode_answer(tokenizer, prompt: str, target: str, answers: list[str], chat: bool,

@@ -507,6 +507,8 @@ class GatingDataModule(L.LightningDataModule):
         """One warning naming, per behaviour, task, neighbour and retain and per split, how many items (prompt and
         target) are longer than ``max_length``: training sees their last ``max_length`` tokens, the start of the prompt
         cut."""
+        if self.trainer is not None and not self.trainer.is_global_zero:
+            return  # one process says it
         hp, parts = self.hparams, []
         named = [(f"{kind} '{name}'", ds) for kind, data in (("behaviour", self.behaviour_data),
                                                              ("task", self.task_data),
