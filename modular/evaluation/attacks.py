@@ -22,7 +22,6 @@ mymodule.Noise]'`` for those two alone).
 
 from __future__ import annotations
 
-import importlib
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -36,6 +35,7 @@ from modular.evaluation.behaviour import evaluate_behaviour
 from modular.evaluation.defaults import DEFAULT_ATTACKS
 from modular.evaluation.relearning import Setting, cost_ratio, example_rows, run_sweep, text_rows
 from modular.evaluation.retain import first_token_logp, mean_kl
+from modular.specs import build_from_specs
 
 #: the fields of a behaviour's entry in attack.json that are not an attack's
 ROW_FIELDS = ("base_accuracy", "open_accuracy", "open_accuracy_from", "locked_accuracy", "residual_scale", "baselines")
@@ -331,29 +331,9 @@ def build_attacks(specs) -> list[Attack]:
     """The attacks ``specs`` name: a built-in short name (:data:`BUILTIN_ATTACKS`), the class path of an
     :class:`Attack` (``mymodule.MyAttack``), a dict or Namespace of ``class_path`` and ``init_args``, or an attack
     itself. A name that is none of these, or two attacks of one key, is one line (:class:`~modular.ModularError`)."""
-    attacks = []
-    for spec in specs or []:
-        if hasattr(spec, "as_dict"):  # a parsed config's Namespace
-            spec = spec.as_dict()
-        if isinstance(spec, Attack):
-            attacks.append(spec)
-            continue
-        path = spec.get("class_path", "") if isinstance(spec, dict) else str(spec)
-        args = (spec.get("init_args") if isinstance(spec, dict) else None) or {}
-        cls = BUILTIN_ATTACKS.get(path)
-        if cls is None:
-            module, _, name = path.rpartition(".")
-            try:
-                cls = getattr(importlib.import_module(module), name)
-            except (ImportError, AttributeError, ValueError):
-                raise ModularError(f"attacks: no attack {path!r} (built-in: {', '.join(BUILTIN_ATTACKS)}; or the "
-                                   "class path of a modular.evaluation.attacks.Attack)") from None
-        if not (isinstance(cls, type) and issubclass(cls, Attack)):
-            raise ModularError(f"attacks: {path} is not a modular.evaluation.attacks.Attack")
-        try:
-            attacks.append(cls(**args))
-        except TypeError as err:
-            raise ModularError(f"attacks: {path}: {err}") from None
+    attacks = build_from_specs(specs, Attack, "attacks", lambda path: (
+        f"no attack {path!r} (built-in: {', '.join(BUILTIN_ATTACKS)}; or the class path of a "
+        "modular.evaluation.attacks.Attack)"), BUILTIN_ATTACKS)
     keys = [a.key for a in attacks]
     for a in attacks:
         if not a.key or not a.title:

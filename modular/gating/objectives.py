@@ -19,7 +19,6 @@ A new experiment is a new class here (or anywhere importable), named by class pa
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, field
 
 import torch
@@ -39,6 +38,7 @@ from modular.gating.losses import (
     topk_kl,
     unlikelihood,
 )
+from modular.specs import build_from_specs
 
 LOCKED_OBJECTIVES = ("refusal", "unlikelihood")
 
@@ -806,23 +806,7 @@ class ClosedAttribution(HeadTaskTerm):
 def build_objectives(specs) -> list[Term]:
     """The terms of ``model.objectives`` as the config names them (``class_path``, ``init_args``; a parsed config's
     Namespaces or dicts; built terms are kept): a bad option is one line (:class:`~modular.ModularError`)."""
-    terms = []
-    for spec in specs or []:
-        if hasattr(spec, "as_dict"):  # a parsed config's Namespace
-            spec = spec.as_dict()
-        if isinstance(spec, Term):
-            terms.append(spec)
-            continue
-        path = spec.get("class_path", "") if isinstance(spec, dict) else spec
-        module, _, name = str(path).rpartition(".")
-        try:
-            cls = getattr(importlib.import_module(module), name)
-        except (ImportError, AttributeError, ValueError):
-            raise ModularError(f"model.objectives: no class {path!r}") from None
-        if not (isinstance(cls, type) and issubclass(cls, Term)):
-            raise ModularError(f"model.objectives: {path} is not a modular.gating.objectives.Term")
-        terms.append(cls(**((spec.get("init_args") if isinstance(spec, dict) else None) or {})))
-    return terms
+    return build_from_specs(specs, Term, "model.objectives", lambda path: f"no class {path!r}")
 
 
 def check_loss(terms: list[Term], data: set[str]) -> None:
