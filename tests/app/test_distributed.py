@@ -240,18 +240,20 @@ def test_fsdp_matches_ddp_with_post_norms_and_head_gates(tmp_path):
 
 @pytest.fixture(scope="module")
 def hidden_runs(tmp_path_factory):
-    """The default config's KeepHidden on: DDP, FSDP2, and FSDP2 with gradient checkpointing, each run's weights and
-    losses; one reference cache."""
+    """The default config's KeepHidden on, LoRA on a Gemma model (tied embeddings, rotary buffers): DDP, FSDP2 (its
+    empty_init on, as configs/strategy_fsdp.yaml sets it), FSDP2 with every process reading the weights, and FSDP2
+    with gradient checkpointing; each run's weights, losses and log; one reference cache."""
     root = tmp_path_factory.mktemp("hidden")
     out = {"cache": root / "cache"}
     for name, args in (("ddp", STRATEGIES["ddp"]), ("fsdp", STRATEGIES["fsdp"]),
+                       ("read", [*STRATEGIES["fsdp"], "--model.empty_init", "false"]),
                        ("checkpointed", [*STRATEGIES["fsdp"], "--model.gradient_checkpointing", "true"])):
-        cfg, run = _config(root / name, keep_hidden=True)
+        cfg, run = _config(root / name, "gemma", {"finetuning": "lora"}, keep_hidden=True)
         assert any(o["class_path"].endswith(".KeepHidden") for o in yaml.safe_load(cfg.read_text())["model"]["objectives"])
         done = _train(cfg, *args, env=_env(out["cache"]))
         assert done.returncode == 0, done.stderr[-3000:]
         out[name] = {"weights": _weights(run), "losses": _records(root / name)[0]["losses"],
-                     "config": yaml.safe_load((run / "config.yaml").read_text())}
+                     "config": yaml.safe_load((run / "config.yaml").read_text()), "log": done.stderr + done.stdout}
     return out
 
 
@@ -263,6 +265,7 @@ def test_fsdp_with_the_hidden_state_term_matches_ddp(hidden_runs):
     fraction of a step). A broken sharding of the term changes the losses beyond SAME_STEP_REL."""
     ddp, fsdp = hidden_runs["ddp"], hidden_runs["fsdp"]
     assert list((hidden_runs["cache"] / "reference").glob("hidden-*.pt"))  # the reference's residual stream, cached
+    assert any(".lora_" in k for k in fsdp["weights"])
     assert ddp["losses"] == pytest.approx(fsdp["losses"], rel=SAME_STEP_REL)
     assert _largest_difference(ddp["weights"], fsdp["weights"]) <= 5e-6
 
@@ -278,25 +281,18 @@ def test_fsdp_with_gradient_checkpointing_takes_the_same_steps(hidden_runs):
     assert _largest_difference(plain["weights"], checkpointed["weights"]) <= 1e-6
 
 
-def test_fsdp_with_empty_init_takes_the_steps_of_every_process_reading_the_weights(tmp_path):
+def test_fsdp_with_empty_init_takes_the_steps_of_every_process_reading_the_weights(hidden_runs):
     """``model.empty_init`` (on in configs/strategy_fsdp.yaml): the second process builds the model on the meta
     device and receives its shards and buffers from the first after sharding; the steps are those of every process
-    reading the weights itself, bit for bit (LoRA's adapters, Gemma's tied embeddings and rotary buffers, in one
-    run)."""
-    arch, extra_model = "gemma", {"finetuning": "lora"}
-    weights, losses, logs = {}, {}, {}
-    for name, flag in (("read", "false"), ("empty", "true")):
-        cfg, run = _config(tmp_path / name, arch, extra_model)
-        done = _train(cfg, *STRATEGIES["fsdp"], "--model.empty_init", flag, env=_env(tmp_path / "cache"))
-        assert done.returncode == 0, done.stderr[-3000:]
-        weights[name], losses[name] = _weights(run), _records(tmp_path / name)[0]["losses"]
-        logs[name] = done.stderr + done.stdout
+    reading the weights itself, bit for bit (LoRA's adapters, Gemma's tied embeddings and rotary buffers)."""
+    empty, read = hidden_runs["fsdp"], hidden_runs["read"]
+    assert empty["config"]["model"]["empty_init"] is True and read["config"]["model"]["empty_init"] is False
     built_empty = "process 1: model built on the meta device"
-    assert built_empty in logs["empty"] and built_empty not in logs["read"]
-    assert "process 0: model built" not in logs["empty"]
-    assert losses["empty"] == losses["read"]
-    assert weights["empty"].keys() == weights["read"].keys()
-    assert all(torch.equal(weights["empty"][k], weights["read"][k]) for k in weights["read"])
+    assert built_empty in empty["log"] and built_empty not in read["log"]
+    assert "process 0: model built" not in empty["log"]
+    assert empty["losses"] == read["losses"]
+    assert empty["weights"].keys() == read["weights"].keys()
+    assert all(torch.equal(empty["weights"][k], read["weights"][k]) for k in read["weights"])
 
 
 def test_python_dash_m_modular_starts_the_other_processes_with_every_default_term(tmp_path):
@@ -323,27 +319,44 @@ def test_empty_init_is_refused_under_ddp(tmp_path):
     assert not (run / "last.ckpt").exists()
 
 
-def test_the_large_model_lora_recipe_under_fsdp_publishes_its_checkpoint_in_bf16(tmp_path):
+@pytest.fixture(scope="module")
+def lora_recipe_runs(tmp_path_factory):
     """configs/gate_capitals_lora_large.yaml's recipe (LoRA, weights loaded and trained in bfloat16, blocks
-    recomputed) on two processes under FSDP2 (configs/strategy_fsdp.yaml, empty_init on), in bf16-true: the
-    adapters train and stay bfloat16, and the run publishes the same bfloat16 weights, bit for bit, whether its
-    checkpoint is one file or a folder of shards."""
+    recomputed) on two processes under FSDP2 (configs/strategy_fsdp.yaml, empty_init on), in its precision
+    (bf16-true), its checkpoint one file and a folder of shards; each run's trained weights and what
+    ``modular publish`` wrote from it."""
+    root = tmp_path_factory.mktemp("lora_recipe")
     large = yaml.safe_load((ROOT / "configs" / "gate_capitals_lora_large.yaml").read_text())
     recipe = {k: large["model"][k] for k in ("finetuning", "load_dtype", "gradient_checkpointing")}
     assert recipe == {"finetuning": "lora", "load_dtype": "bfloat16", "gradient_checkpointing": True}
-    env, published = _env(tmp_path / "cache"), {}
+    env, out = _env(root / "cache"), {}
     for name, sharded in (("file", "false"), ("shards", "true")):
-        cfg, run = _config(tmp_path / name, extra_model=recipe)
+        cfg, run = _config(root / name, extra_model=recipe)
         done = _train(cfg, "--config", str(ROOT / "configs" / "strategy_fsdp.yaml"), "--data.batch_size", "2",
                       "--trainer.precision", large["trainer"]["precision"],
                       "--trainer.strategy.save_distributed_checkpoint", sharded, env=env)
         assert done.returncode == 0, done.stderr[-3000:]
-        assert (run / "last.ckpt").is_dir() == (sharded == "true")
-        adapters = {k: v for k, v in _weights(run).items() if ".lora_" in k}
-        assert adapters and {v.dtype for v in adapters.values()} == {torch.bfloat16}
-        assert any(v.abs().max() > 0 for k, v in adapters.items() if ".lora_B." in k)  # B starts at zero
-        _publish(run, tmp_path / f"published-{name}")
-        published[name] = load_file(str(tmp_path / f"published-{name}" / "model.safetensors"))
+        _publish(run, root / f"published-{name}")
+        out[name] = {"run": run, "weights": _weights(run),
+                     "published": load_file(str(root / f"published-{name}" / "model.safetensors"))}
+    return out
+
+
+@pytest.mark.parametrize("name", ["file", "shards"])
+def test_the_large_model_lora_recipe_under_fsdp_trains_its_adapters_in_bf16(lora_recipe_runs, name):
+    """Under the large model's recipe the adapters train and stay bfloat16, whether the checkpoint is one file or a
+    folder of shards."""
+    run = lora_recipe_runs[name]
+    assert (run["run"] / "last.ckpt").is_dir() == (name == "shards")
+    adapters = {k: v for k, v in run["weights"].items() if ".lora_" in k}
+    assert adapters and {v.dtype for v in adapters.values()} == {torch.bfloat16}
+    assert any(v.abs().max() > 0 for k, v in adapters.items() if ".lora_B." in k)  # B starts at zero
+
+
+def test_the_large_model_lora_recipe_under_fsdp_publishes_its_checkpoint_in_bf16(lora_recipe_runs):
+    """The run publishes the same bfloat16 weights, bit for bit, whether its checkpoint is one file or a folder of
+    shards."""
+    published = {name: run["published"] for name, run in lora_recipe_runs.items()}
     assert {v.dtype for v in published["file"].values()} == {torch.bfloat16}
     assert published["file"].keys() == published["shards"].keys()
     assert all(torch.equal(published["file"][k], published["shards"][k]) for k in published["file"])

@@ -136,7 +136,7 @@ def test_a_config_writing_into_another_folder_is_refused_before_anything_is_writ
     assert not run.exists()
 
 
-def test_gated_training_runs_checkpoints_and_resumes(tmp_path, tiny_env, isolated_cache):
+def test_gated_training_runs_checkpoints_and_resumes(tmp_path, tiny_env, isolated_cache, train_here):
     model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
     cfg, run = tiny_config(tmp_path, model_dir, lock_args={"stop": False})  # trains to max_steps whatever the lock
     out = _train(cfg, env=tiny_env)
@@ -167,7 +167,7 @@ def test_gated_training_runs_checkpoints_and_resumes(tmp_path, tiny_env, isolate
     # a truncated last.ckpt (a run killed while saving): one line naming it and how to start afresh
     ckpt = run / "last.ckpt"
     ckpt.write_bytes(ckpt.read_bytes()[: ckpt.stat().st_size // 2])
-    out = _train(cfg, "--trainer.max_steps", "6", env=tiny_env)
+    out = train_here(cfg, "--trainer.max_steps", "6", env=tiny_env)  # refused before training: in this process
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
     line = out.stderr.strip().splitlines()[-1]
     assert line.startswith("error: ") and str(ckpt) in line and "--ckpt_path null" in line
