@@ -75,6 +75,33 @@ def quantized_layers(model) -> dict[str, torch.nn.Linear]:
             if isinstance(module, torch.nn.Linear) and module is not unembed}
 
 
+_UNPACK_ON_CPU: list = []  # the torch.library registration below, made once per process
+
+
+def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """quanto's ``unpack`` (``bits``-bit values packed in uint8, the lowest bits first, stacked along the first axis),
+    in torch operations: the values of quanto's own reference implementation."""
+    per = 8 // bits
+    return torch.cat([(packed & (2 ** (bits * (i + 1)) - 1)) >> (bits * i) for i in range(per)]).to(torch.uint8)
+
+
+def _unpack_without_a_build() -> None:
+    """On the CPU, quanto unpacks int4 weights with a C++ kernel it compiles at first use into its own package folder:
+    every new environment waits about a minute for the compiler (and fails without one). Unpacking is a few bit
+    operations; the CPU kernel is replaced by :func:`_unpack`, which gives the same values, once per process."""
+    if _UNPACK_ON_CPU:
+        return
+    import warnings
+
+    import optimum.quanto.library  # noqa: F401  (defines quanto::unpack and registers its CPU kernel)
+
+    library = torch.library.Library("quanto", "IMPL")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*Overriding a previously registered kernel.*")
+        library.impl("unpack", _unpack, "CPU")
+    _UNPACK_ON_CPU.append(library)  # the registration lasts as long as its Library object
+
+
 def dequantized(weight: torch.Tensor, scheme: str, group_size: int | None = None) -> torch.Tensor:
     """``weight`` (a linear layer's, ``(out, in)``) as :func:`quantize_weights` leaves it, read back in its own
     precision: the same quantiser (optimum-quanto's int8: absmax per output channel; int4: min-max in groups of
@@ -89,6 +116,8 @@ def dequantized(weight: torch.Tensor, scheme: str, group_size: int | None = None
     from optimum.quanto import qint4, qint8
     from optimum.quanto.tensor.optimizers import AbsmaxOptimizer, MaxOptimizer
     from optimum.quanto.tensor.weights import quantize_weight
+
+    _unpack_without_a_build()
 
     w = weight.detach()
     with torch.no_grad():
@@ -133,6 +162,7 @@ def quantize_weights(model, scheme: str, group_size: int | None = None):
         from optimum.quanto.nn import QModuleMixin
     except ImportError as err:  # a dependency of modular; a broken install says so in one line
         raise ModularError(f"quantisation needs optimum-quanto (pip install optimum-quanto): {err}") from None
+    _unpack_without_a_build()
     unembed = model.get_output_embeddings()
     keep = [name for name, module in model.named_modules() if module is unembed]
     quantize(model, weights={"int8": qint8, "int4": qint4}[scheme], exclude=keep or None)

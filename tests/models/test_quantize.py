@@ -168,3 +168,23 @@ def test_gguf_schemes_check_the_block_width_before_anything_changes():
     with pytest.raises(ModularError, match="a group size applies to int4 only, not to 'q8_0'"):
         quantize_weights(model, "q8_0", group_size=32)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_int4_on_the_cpu_builds_no_extension(monkeypatch, tokens):
+    """quanto would compile a C++ kernel to unpack int4 weights on the CPU at first use (a minute per new
+    environment, a compiler needed): int4 quantisation, its forward pass and its read-back run without it, and the
+    unpacked values are the packed ones."""
+    from optimum.quanto.library.extensions import extension
+    from optimum.quanto.tensor.packed import pack_weights
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("quanto's C++ extension was built")
+
+    monkeypatch.setattr(extension, "load", no_build)
+    monkeypatch.setattr(extension.get_extension("quanto_cpp"), "_lib", None)
+    model = quantize_weights(make_tiny_model("llama"), "int4")
+    with torch.no_grad():
+        assert torch.isfinite(model(tokens).logits).all()
+    for bits in (2, 4):
+        values = torch.randint(0, 2**bits, (24, 16), dtype=torch.uint8)
+        assert torch.equal(torch.ops.quanto.unpack(pack_weights(values, bits), bits), values)
