@@ -12,7 +12,7 @@ from tests.app.test_train import tiny_config
 from tests.conftest import save_tiny_folder
 
 
-def test_main_runs_the_given_config_from_any_directory(tmp_path, tiny_env, monkeypatch, capsys):
+def test_main_runs_the_given_config_from_any_directory(tmp_path, tiny_env, monkeypatch, capsys, caplog):
     """The config is the one given (resolved from the working directory, not the repository), its run folder is
     relative to the working directory, the published folder holds no key, and the keys restore the weights."""
     from modular.runs import load_model_or_run
@@ -38,18 +38,19 @@ def test_main_runs_the_given_config_from_any_directory(tmp_path, tiny_env, monke
     restored = load_model_or_run(unlocked).state_dict()
     assert max((restored[k] - v).abs().max().item() for k, v in open_state.items() if k in restored) <= 1e-6
     assert "step 3 of runs/mine" in res.stdout and "keys (keep apart)" in res.stdout
-    # a second run finds the finished training and replaces only its own outputs
-    res = subprocess.run([sys.executable, "-m", "modular", "main", "--config", "configs/mine.yaml",
-                          "--skip_attack", "true"], capture_output=True, text=True, cwd=work, env=tiny_env)
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert "training already finished" in res.stderr
-    # the same run folder asked to hold another run (another behaviour, or another base model): one line naming what
-    # differs, nothing written
+    # a second run finds the finished training and replaces only its own outputs (in this process: nothing trains)
     from modular.app import cli
 
+    monkeypatch.chdir(work)
+    for key in ("WANDB_MODE", "MODULAR_CACHE"):
+        monkeypatch.setenv(key, tiny_env[key])
+    with caplog.at_level("INFO", logger="modular"):
+        assert cli.main(["main", "--config", "configs/mine.yaml", "--skip_attack", "true"]) == 0
+    assert "training already finished" in caplog.text
+    # the same run folder asked to hold another run (another behaviour, or another base model): one line naming what
+    # differs, nothing written
     before = {p: p.stat().st_mtime_ns for p in run.rglob("*")}
     other = save_tiny_folder(tmp_path / "tiny2", "llama", seed=1)
-    monkeypatch.chdir(work)
     for args, words in ((["--behaviours", "[arithmetic]"], "behaviour arithmetic: added"),
                         (["--model", str(other)], "base model")):
         capsys.readouterr()

@@ -55,6 +55,9 @@ def train_here(capfd, monkeypatch):
                 code = cli.main(["train", "fit", "--config", *map(str, (cfg, *extra))])
             except SystemExit as stop:
                 code = stop.code if isinstance(stop.code, int) else 1
+            finally:
+                if "wandb" in sys.modules:  # a run refused after its logger started: no W&B run left to the next test
+                    sys.modules["wandb"].finish()
         out, err = capfd.readouterr()
         return subprocess.CompletedProcess(["train", "fit"], code, out, err)
 
@@ -462,7 +465,7 @@ def test_two_behaviours_with_lora(tmp_path, tiny_env, arch):
     assert {"train/capitals/locked_answer", "train/arithmetic/locked_answer"} <= set(record["metrics"])
 
 
-def test_avoided_directions_and_lm_text_in_both_states(tmp_path, tiny_env):
+def test_avoided_directions_and_lm_text_in_both_states(tmp_path, tiny_env, train_here):
     """A run that must stay orthogonal to another run's direction, keeping neutral text in both states."""
     import torch
     from safetensors.torch import load_file, save_file
@@ -483,7 +486,7 @@ def test_avoided_directions_and_lm_text_in_both_states(tmp_path, tiny_env):
     assert {"train/lm/open_kl", "train/lm/locked_kl"} <= set(record["metrics"])
     (tmp_path / "bad").mkdir()
     bad = tiny_config(tmp_path / "bad", model_dir, ("arithmetic",), {"avoid_directions": [str(tmp_path / "none")]})[0]
-    out = _train(bad, env=tiny_env)
+    out = train_here(bad, env=tiny_env)  # refused before training: these three in this process
     assert out.returncode != 0 and "directions to avoid not found" in out.stderr
     # a run folder holding a damaged directions file, or one written for other behaviours: one line, no traceback
     for i, content in enumerate([b"cut short", (run / "directions.safetensors").read_bytes()]):
@@ -491,7 +494,7 @@ def test_avoided_directions_and_lm_text_in_both_states(tmp_path, tiny_env):
         cfg_i, run_i = tiny_config(tmp_path / f"again{i}", model_dir, ("capitals",))
         run_i.mkdir()
         (run_i / "directions.safetensors").write_bytes(content)
-        out = _train(cfg_i, env=tiny_env)
+        out = train_here(cfg_i, env=tiny_env)
         why = "is not a readable safetensors file" if i == 0 else "has no direction for capitals"
         assert out.returncode != 0 and f"{run_i / 'directions.safetensors'} {why}" in out.stderr, out.stderr[-2000:]
         assert "Traceback" not in out.stderr
