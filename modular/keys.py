@@ -73,6 +73,9 @@ ADDING_FORMATS = ("modular-key/3", "modular-key/2")
 GRID_DTYPES = (torch.bfloat16, torch.float16)
 MAX_GAP = 2**16 - 1  # the largest gap between two corrected entries a uint16 holds; 0 marks a skip of MAX_GAP
 MANTISSA_BITS = {torch.float64: 52, torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}
+#: how a key file is named (``<behaviour>.key.safetensors``); :func:`is_key_file` also knows one renamed
+KEY_SUFFIX = ".key.safetensors"
+_MAX_HEADER = 100 * 2**20  # a safetensors header longer than this is not read for a key's marker
 #: corrections are recorded for every ordered prefix of the other keys up to this many behaviours (beyond it only
 #: for each key applied first: a 5th key would need 65 sets)
 MAX_PREFIX_BEHAVIOURS = 4
@@ -606,6 +609,25 @@ def save_key(key: Key, path: str | Path, locked_hash: str,
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path), metadata={"modular": json.dumps(meta)})
     return path
+
+
+def is_key_file(path: str | Path) -> bool:
+    """Whether ``path`` is a key file: named as one (:data:`KEY_SUFFIX`) or, under any name, a safetensors file
+    whose metadata marks a modular key (any format, ``modular-key/N``). Only the file's header is read; a file
+    that cannot be read is not taken for a key."""
+    path = Path(path)
+    if path.name.endswith(KEY_SUFFIX):
+        return True
+    try:
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            if not 2 <= size <= _MAX_HEADER:
+                return False
+            header = json.loads(f.read(size))
+        meta = json.loads(header["__metadata__"]["modular"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return isinstance(meta, dict) and str(meta.get("format", "")).startswith("modular-key/")
 
 
 def load_key(path: str | Path) -> tuple[Key, dict]:

@@ -3,7 +3,9 @@
 Layout of a published folder (the folder a user uploads: it holds no key material)::
 
     config.json, model.safetensors, tokenizer files, generation_config.json
-    README.md            model card: which behaviours are locked, that the keys are distributed apart, measured numbers
+    README.md            model card (huggingface_hub ModelCard; front matter: the base's hub id and licence, transformers,
+                         text generation): which behaviours are locked, that the keys are distributed apart (by file
+                         name), measured numbers
     modular.json         modular's marker and manifest: locked-weights hash, behaviours, keys applied so far,
                          current weights hash
 
@@ -43,12 +45,22 @@ from modular.files import (
     swap_folders,
     temp_sibling,
 )
-from modular.keys import apply_key, load_key, lock_weights, produced_hashes, save_key, weights_hash
-from modular.locking import folder_lock, held_here
+from modular.keys import (
+    KEY_SUFFIX,
+    apply_key,
+    is_key_file,
+    load_key,
+    lock_weights,
+    produced_hashes,
+    save_key,
+    weights_hash,
+)
+from modular.locking import check_unlocked, folder_lock, held_here
+from modular.models.loading import HubOrigin, hub_origin
 
 log = logging.getLogger("modular")
 MANIFEST = "modular.json"  # written into every folder modular publishes: its marker for --overwrite
-KEY_SUFFIX = ".key.safetensors"
+CARD_TAGS = ["modular", "locked-behaviour"]
 
 
 def keys_folder_for(out: str | Path) -> Path:
@@ -215,15 +227,30 @@ def _write_folders(writers: dict[Path, callable], private: tuple[Path, ...] = ()
         raise
 
 
+def card_data(base: str, origin: HubOrigin | None = None):
+    """The model card's front matter (a :class:`huggingface_hub.ModelCardData`): the base model as a hub id and its
+    licence where they are known (``origin``; default :func:`modular.models.loading.hub_origin` of ``base``),
+    ``transformers``, text generation, modular's tags."""
+    from huggingface_hub import ModelCardData
+
+    origin = hub_origin(base) if origin is None else origin
+    return ModelCardData(base_model=origin.hub_id, license=origin.license, library_name="transformers",
+                         pipeline_tag="text-generation", tags=list(CARD_TAGS))
+
+
 def model_card(behaviours: list[str], base: str, measured: dict | None, hardened: bool,
-               step: int | None = None, lock_check: dict | None = None, dtype: str | None = None) -> str:
+               step: int | None = None, lock_check: dict | None = None, dtype: str | None = None,
+               origin: HubOrigin | None = None) -> str:
+    """The published folder's ``README.md``: front matter the hub reads (:func:`card_data`; ``origin``: where the
+    base model comes from, default read from ``base``), which behaviours are locked, that the keys are distributed
+    apart (by file name, never a path), warnings where the lock was not verified or did not hold, and the measured
+    numbers (``measured``, a lock report)."""
+    from huggingface_hub import ModelCard
+
     failed = lock_check is not None and not lock_check.get("verified", False)
     held_out = (measured or {}).get("lock_held_out")  # the lock evaluation's verdict on the test split
     not_held = held_out is not None and not held_out["held"]
-    lines = [
-        "---", "library_name: transformers", "tags: [modular, locked-behaviour]", "---", "",
-        f"# Locked model (base: {base})", "",
-    ]
+    lines = [f"# Locked model (base: {base})", ""]
     if failed:
         lines += ["> **Warning: the lock was not verified.** Training did not reach the lock on held-out",
                   f"> validation data ({lock_check.get('detail', 'unknown')}). The behaviours below were projected",
@@ -284,7 +311,8 @@ def model_card(behaviours: list[str], base: str, measured: dict | None, hardened
                 lines += [f"- {x['neighbour']}, {x['state']}: {100 * x['change']:+.1f} points ({x['lost']} lost, "
                           f"{x['gained']} gained of {x['n']}; p = {x['p_value']:.2g})" for x in shifts]
                 lines.append("")
-    return "\n".join(lines)
+    front = card_data(base, origin).to_yaml()
+    return str(ModelCard(f"---\n{front}\n---\n\n" + "\n".join(lines)))
 
 
 def publish_model(open_model, tokenizer, directions: dict, out: str | Path, base_name: str,
@@ -321,6 +349,7 @@ def _publish_locked(open_model, tokenizer, directions, out, keys_out, base_name,
     locked_hash = weights_hash(open_model)
     produces = produced_hashes(open_model, keys)
     behaviours = list(directions)
+    origin = hub_origin(base_name)  # from the reference as given: a local folder's config names its hub model
     base_name = public_model_name(base_name)
     open_model.config._name_or_path = base_name
 
@@ -345,7 +374,8 @@ def _publish_locked(open_model, tokenizer, directions, out, keys_out, base_name,
             }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         dtype = str(next(open_model.parameters()).dtype).removeprefix("torch.")
-        (tmp / "README.md").write_text(model_card(behaviours, base_name, measured, harden, step, lock_check, dtype))
+        (tmp / "README.md").write_text(model_card(behaviours, base_name, measured, harden, step, lock_check, dtype,
+                                                     origin))
 
     def write_keys(tmp: Path) -> None:  # its owner's alone, as a private key is: the folder and each key file
         for key in keys:
@@ -428,3 +458,70 @@ def _unlock_locked(model_dir: Path, key_path: str | Path, out: Path, overwrite: 
 
     _write_folders({out: write}, needed={out: _tensor_bytes(model.state_dict().values())})
     return out
+
+
+def key_files(folder: str | Path) -> list[Path]:
+    """The key files anywhere in ``folder`` (:func:`modular.keys.is_key_file`: by name, or by content under any
+    name)."""
+    return sorted(p for p in Path(folder).rglob("*") if p.is_file() and is_key_file(p))
+
+
+def hub_token() -> str:
+    """The Hugging Face token an upload sends (``HF_TOKEN`` or ``hf auth login``'s); none is huggingface_hub's own
+    error, as one :class:`ModularError` line. Nothing is sent."""
+    from huggingface_hub.errors import LocalTokenNotFoundError
+    from huggingface_hub.utils import get_token_to_send
+
+    try:
+        return get_token_to_send(True)
+    except LocalTokenNotFoundError as err:
+        raise ModularError(f"cannot upload to the Hugging Face hub: {error_reason(err)}") from None
+
+
+def check_upload(repo_id: str, folder: str | Path | None = None) -> None:
+    """Refuse an upload to ``repo_id`` before anything is written or sent: a repo id the hub would refuse, no token
+    (:func:`hub_token`), and, where ``folder`` is given: one that is not a folder, holds a key file or is modular's
+    keys folder (keys are never uploaded), or that another command is writing now."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as err:
+        raise ModularError(f"--push_to_hub {repo_id!r} is not a hub repo id such as user/name ({error_reason(err)})"
+                           ) from None
+    if folder is not None:
+        _check_keyless(Path(folder), repo_id)
+        check_unlocked(folder)
+    hub_token()
+
+
+def _check_keyless(folder: Path, repo_id: str) -> None:
+    if not folder.is_dir():
+        raise ModularError(f"{folder} is not a folder; nothing was uploaded to {repo_id}")
+    found = key_files(folder)
+    if found or folder_kind(folder) == "keys":
+        what = f"holds the key file {found[0].relative_to(folder)}" if found else "is a keys folder"
+        raise ModularError(f"{folder} {what}; keys are never uploaded (hand them out apart): nothing was uploaded "
+                           f"to {repo_id}")
+
+
+def push_folder(folder: str | Path, repo_id: str, private: bool = False) -> str:
+    """Upload a published folder to the hub model repo ``repo_id`` (created where missing, ``private`` then), with
+    :class:`huggingface_hub.HfApi`; the folder is locked meanwhile, so no command rewrites it. Refused before
+    anything is sent (:func:`check_upload`): a folder holding a key, no token, a bad repo id. What the hub answers
+    (no access, no network) is one :class:`ModularError` line. Returns the URL of the commit."""
+    from huggingface_hub import HfApi
+
+    folder = Path(folder)
+    check_upload(repo_id, folder)
+    with folder_lock(folder):
+        _check_keyless(folder, repo_id)  # as it is now that no command writes it
+        api = HfApi()
+        try:
+            api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)
+            commit = api.upload_folder(repo_id=repo_id, repo_type="model", folder_path=str(folder),
+                                       commit_message="Upload locked weights (modular publish)")
+        except Exception as err:  # noqa: BLE001 - the hub's HTTP errors, no network, a refused token: one line
+            raise ModularError(f"uploading {folder} to {repo_id} failed: {error_reason(err)}") from None
+    return str(getattr(commit, "commit_url", None) or f"https://huggingface.co/{repo_id}")

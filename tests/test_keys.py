@@ -169,3 +169,25 @@ def test_keys_in_turn_without_their_order_are_not_exact():
     apply_key(model, keys[1])  # corrections for b1 alone, not for b1 after b0
     worst = max((v - open_state[k]).abs().max().item() for k, v in model.state_dict().items() if k in open_state)
     assert worst > 1e-7
+
+
+def test_a_key_file_is_known_by_its_name_or_by_its_header(tmp_path):
+    """What an upload refuses: a file named as a key, or one renamed whose safetensors header carries modular's key
+    marker (every format, the old ones too); weights, other safetensors files and junk are not keys."""
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from modular.keys import KEY_SUFFIX, is_key_file
+
+    fixtures = sorted((Path(__file__).parent / "fixtures").glob(f"*{KEY_SUFFIX}"))
+    assert fixtures and all(is_key_file(f) for f in fixtures)
+    for i, key in enumerate(fixtures):
+        assert is_key_file(shutil.copy(key, tmp_path / f"renamed{i}.bin"))
+    save_file({"w": torch.zeros(3)}, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    save_file({"w": torch.zeros(3)}, str(tmp_path / "other.safetensors"), metadata={"modular": '{"format": "x/1"}'})
+    (tmp_path / "junk.safetensors").write_bytes(b"\xff" * 64)
+    (tmp_path / "empty").write_bytes(b"")
+    assert not any(is_key_file(tmp_path / n) for n in ("model.safetensors", "other.safetensors", "junk.safetensors",
+                                                       "empty", "missing"))

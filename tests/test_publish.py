@@ -428,3 +428,138 @@ def test_an_interrupted_overwrite_leaves_the_old_pair_or_the_new_pair(tmp_path, 
         assert _hashes(out, keys) in (old, new), at
         assert json.loads((unlocked / "modular.json").read_text())["locked_hash"] == _hashes(out, keys)[0]
         assert sorted(p.name for p in place.iterdir()) == ["pub", "pub-keys"], (at, sorted(place.iterdir()))
+
+
+# --- a Hub-ready card, and uploads that never carry a key ------------------------------------------------------------
+@pytest.mark.parametrize("alias, hub_id, licence", [("smollm2-135m-instruct", "HuggingFaceTB/SmolLM2-135M-Instruct",
+                                                     "apache-2.0"), ("gemma3-270m", "google/gemma-3-270m", "gemma")])
+def test_the_card_of_a_built_in_model_is_one_the_hub_reads(tmp_path, alias, hub_id, licence):
+    """The front matter is huggingface_hub's own (ModelCard loads it back): the base model's hub id and licence,
+    transformers, text generation, modular's tags; the body keeps what the card says (no network)."""
+    from huggingface_hub import ModelCard
+
+    from modular.publish import model_card
+
+    row = lambda acc: {"behaviours": {"capitals": {"accuracy": acc}}, "retain_first_token_kl": 0.02,  # noqa: E731
+                       "perplexity_ratio": 1.0}
+    text = model_card(["capitals"], alias, {"states": {"base": row(0.5), "locked": row(0.0)}}, hardened=True,
+                      lock_check={"verified": False, "detail": "not reached"})
+    (tmp_path / "README.md").write_text(text)
+    card = ModelCard.load(tmp_path / "README.md")
+    data = card.data.to_dict()
+    assert (data["base_model"], data["license"]) == (hub_id, licence)
+    assert (data["library_name"], data["pipeline_tag"], data["tags"]) == ("transformers", "text-generation",
+                                                                          ["modular", "locked-behaviour"])
+    assert card.text.lstrip().startswith(f"# Locked model (base: {alias})")
+    assert "**Warning: the lock was not verified.**" in card.text and "| capitals | not verified |" in card.text
+    assert "`capitals.key.safetensors`" in card.text and "## Measured (held-out test split)" in card.text
+    assert "| locked | 0.000 | 0.0200 | 1.000 |" in card.text
+
+
+def test_the_card_names_key_files_never_a_path_and_a_local_bases_hub_model(tmp_path, tok):
+    """Published from a local folder whose config names its hub model: the card's base_model is that hub id, its
+    license the folder's card's; neither the keys folder's path nor the base's appears in any file of the folder."""
+    from huggingface_hub import ModelCard
+
+    from tests.conftest import save_tiny_folder
+
+    base = save_tiny_folder(tmp_path / "models" / "my-base")
+    config = json.loads((base / "config.json").read_text())
+    (base / "config.json").write_text(json.dumps({**config, "_name_or_path": "someone/tiny-base"}))
+    (base / "README.md").write_text("---\nlicense: mit\n---\n\nThe base.\n")
+    keys_dir = tmp_path / "secret place" / "keys"
+    out, keys = publish_model(make_tiny_model("llama"), tok, _dirs(2), tmp_path / "pub", str(base), keys_out=keys_dir)
+    assert keys == keys_dir and sorted(p.name for p in keys.iterdir()) == ["b0.key.safetensors", "b1.key.safetensors",
+                                                                           "modular.json"]
+    card = ModelCard.load(out / "README.md")
+    assert (card.data.base_model, card.data.license) == ("someone/tiny-base", "mit")
+    assert "`b0.key.safetensors`" in card.text and "`b1.key.safetensors`" in card.text
+    assert "# Locked model (base: my-base)" in card.text
+    for path in out.rglob("*"):
+        if path.is_file():
+            data = path.read_bytes()
+            for secret in {str(keys_dir), str(keys_dir.resolve()), str(tmp_path), str(tmp_path.resolve())}:
+                assert secret.encode() not in data, (path.name, secret)
+
+
+class _Hub:
+    """A stand-in for huggingface_hub.HfApi (no network): the calls made, each as (name, args, kwargs)."""
+
+    def __init__(self):
+        self.calls = []
+        self.instances = 0
+
+    def __call__(self, *args, **kwargs):  # HfApi(...)
+        self.instances += 1
+        return self
+
+    def create_repo(self, *args, **kwargs):
+        self.calls.append(("create_repo", args, kwargs))
+
+    def upload_folder(self, *args, **kwargs):
+        self.calls.append(("upload_folder", args, kwargs))
+        return type("Commit", (), {"commit_url": f"https://huggingface.co/{kwargs['repo_id']}/commit/abc"})()
+
+
+@pytest.fixture
+def hub(monkeypatch):
+    import huggingface_hub
+
+    fake = _Hub()
+    monkeypatch.setattr(huggingface_hub, "HfApi", fake)
+    monkeypatch.setenv("HF_TOKEN", "hf_not_a_real_token")
+    return fake
+
+
+def test_push_uploads_the_published_folder_to_the_repo(tmp_path, tok, hub):
+    from modular.publish import push_folder
+
+    out, _ = publish_model(make_tiny_model("llama"), tok, _dirs(), tmp_path / "pub", "tiny")
+    url = push_folder(out, "user/locked-tiny", private=True)
+    assert url == "https://huggingface.co/user/locked-tiny/commit/abc"
+    (create, c_args, c_kw), (upload, _, u_kw) = hub.calls
+    assert create == "create_repo" and c_args == ("user/locked-tiny",)
+    assert c_kw["exist_ok"] is True and c_kw["private"] is True
+    assert upload == "upload_folder" and u_kw["repo_id"] == "user/locked-tiny" and Path(u_kw["folder_path"]) == out
+    assert not list(tmp_path.glob(".*.lock"))  # the folder's lock, held while it uploads, is released
+
+
+def test_a_folder_holding_a_key_is_refused_with_nothing_uploaded(tmp_path, tok, hub):
+    """A key file in the folder, by its name or renamed (modular's key marker in its header), and the keys folder
+    itself: one line, before the hub is called at all."""
+    from modular import ModularError
+    from modular.keys import is_key_file
+    from modular.publish import push_folder
+
+    out, keys = publish_model(make_tiny_model("llama"), tok, _dirs(), tmp_path / "pub", "tiny")
+    assert not any(is_key_file(p) for p in out.rglob("*") if p.is_file())
+    key = keys / "b0.key.safetensors"
+    shutil.copy(key, out / "b0.key.safetensors")
+    with pytest.raises(ModularError, match=r"holds the key file b0\.key\.safetensors; keys are never uploaded") as err:
+        push_folder(out, "user/name")
+    assert "\n" not in str(err.value)
+    (out / "b0.key.safetensors").unlink()
+    (out / "extra").mkdir()
+    shutil.copy(key, out / "extra" / "weights.bin")  # renamed: still a key
+    with pytest.raises(ModularError, match=r"holds the key file extra/weights\.bin"):
+        push_folder(out, "user/name")
+    with pytest.raises(ModularError, match="holds the key file b0.key.safetensors"):
+        push_folder(keys, "user/name")
+    assert hub.calls == [] and hub.instances == 0
+
+
+def test_push_without_a_token_is_huggingface_hubs_error_in_one_line(tmp_path, tok, hub, monkeypatch):
+    from huggingface_hub.utils import _headers
+
+    from modular import ModularError
+    from modular.publish import push_folder
+
+    out, _ = publish_model(make_tiny_model("llama"), tok, _dirs(), tmp_path / "pub", "tiny")
+    monkeypatch.delenv("HF_TOKEN")
+    monkeypatch.setattr(_headers, "get_token", lambda: None)  # no token saved by `hf auth login` either
+    with pytest.raises(ModularError, match="cannot upload to the Hugging Face hub: Token is required") as err:
+        push_folder(out, "user/name")
+    assert "\n" not in str(err.value)
+    with pytest.raises(ModularError, match="is not a hub repo id"):
+        push_folder(out, "not a repo")
+    assert hub.calls == [] and hub.instances == 0

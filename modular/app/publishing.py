@@ -13,7 +13,8 @@ log = logging.getLogger("modular")
 
 
 def publish(run: str, out: str, keys: str | None = None, harden: bool = True, overwrite: bool = False,
-            allow_failed_lock: bool = False, dtype: DTypeName = "auto") -> str:
+            allow_failed_lock: bool = False, dtype: DTypeName = "auto", push_to_hub: str | None = None,
+            private: bool = False, wandb_artifact: bool = False) -> str:
     """Write a gated run's locked weights as a plain Hugging Face folder (what users upload; it holds no key), and
     the keys, one file per behaviour, in a folder of their own (kept by the publisher and handed out apart).
 
@@ -29,14 +30,24 @@ def publish(run: str, out: str, keys: str | None = None, harden: bool = True, ov
             bf16 run publishes bf16). A narrower one than the trained one is reached by seeded stochastic rounding,
             the weights `modular lock --dtype` scores. The lock is computed in float64 and rounded once to it, on the
             CPU; the keys restore the trained weights in that precision.
+        push_to_hub: Then upload the published folder (never the keys) to this Hugging Face model repo, user/name,
+            created where missing: `hf upload user/name <out>` does the same. Needs a token (HF_TOKEN or
+            `hf auth login`): none is refused before anything is written, a folder holding a key file before
+            anything is uploaded.
+        private: With --push_to_hub: a repo it creates is private (an existing repo keeps its visibility).
+        wandb_artifact: Also log the published folder's files (never a key file) as a W&B artifact, in a run of the
+            training run's W&B group (its files under the run folder; WANDB_MODE as for every run).
     """
     # the library is loaded here, not at the top: help loads no torch, a command loads its modules when it runs
+    from modular.keys import KEY_SUFFIX
     from modular.locking import check_unlocked
     from modular.models import load_tokenizer
     from modular.models.precision import DTYPES, cast_model, dtype_name, model_dtype
-    from modular.publish import check_output_folder, keys_folder_for, publish_model, recover
+    from modular.publish import check_output_folder, check_upload, keys_folder_for, publish_model, push_folder, recover
     from modular.runs import LOCK_REPORT, checkpoint_step, load_open_model, lock_verdict, read_run
 
+    if push_to_hub is not None:  # no token, a bad repo id: refused before anything is written
+        check_upload(push_to_hub)
     keys = keys or str(keys_folder_for(out))
     for folder in (out, keys):  # another command writing them: refused before any work (publish_model locks them)
         check_unlocked(folder)
@@ -91,11 +102,20 @@ def publish(run: str, out: str, keys: str | None = None, harden: bool = True, ov
                                      step=step, locked_responses=r.record.get("locked_responses"), inputs=[run],
                                      lock_check={"verified": verified, "detail": why})
     weights = sum(f.stat().st_size for f in Path(folder).glob("*.safetensors"))
-    for key in sorted(Path(keys_dir).glob("*.key.safetensors")):
+    for key in sorted(Path(keys_dir).glob(f"*{KEY_SUFFIX}")):
         log.info("%s: %.2f MB, %.2f%% of the published weights (%s)", key.name, key.stat().st_size / 1e6,
                  100 * key.stat().st_size / weights, dtype_name(model_dtype(open_model)))
     print(folder)
     print(f"keys: {keys_dir}  (secret: hand them out apart from the published folder)")
+    if push_to_hub is not None:
+        log.info("uploading %s to the hub repo %s%s", folder, push_to_hub, " (private)" if private else "")
+        print(f"uploaded: {push_folder(folder, push_to_hub, private=private)}")
+    if wandb_artifact:
+        from modular.runs import training_wandb_run
+        from modular.tracking import log_folder_artifact
+
+        log_folder_artifact(folder, run, "publish", config={"run": str(run), "published": str(folder)},
+                            training=training_wandb_run(run))
     return str(folder)
 
 

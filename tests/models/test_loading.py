@@ -279,3 +279,43 @@ def test_a_hub_ids_fingerprint_is_the_id_and_its_cached_revision(tmp_path, monke
     (repo / "snapshots" / commit).mkdir(parents=True)
     (repo / "snapshots" / commit / "config.json").write_text("{}")
     assert model_fingerprint("org/model") == f"hub:org/model@{commit}"
+
+
+def test_hub_origin_is_each_aliases_hub_model_and_licence_and_what_a_reference_names(tmp_path, monkeypatch):
+    """A published card's base_model and license (read offline): a built-in alias's own, a hub id itself (with an
+    alias's licence, or its cached card's), a local folder's config ``_name_or_path`` and its README's licence, a hub
+    cache snapshot's model; nothing where nothing names a hub model."""
+    from huggingface_hub import constants
+
+    from modular.models.loading import ALIASES, HubOrigin, hub_origin
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert hub_origin("smollm2-135m-instruct") == HubOrigin("HuggingFaceTB/SmolLM2-135M-Instruct", "apache-2.0")
+    assert hub_origin("gemma3-270m") == HubOrigin("google/gemma-3-270m", "gemma")
+    assert all(a.hub_id.count("/") == 1 and a.license for a in ALIASES.values())
+    assert hub_origin("HuggingFaceTB/SmolLM2-135M-Instruct").license == "apache-2.0"
+    assert hub_origin("org/model") == HubOrigin("org/model", None)
+    repo = tmp_path / "hub" / "models--org--model"  # a card in the local hub cache gives its licence
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    (repo / "snapshots" / commit).mkdir(parents=True)
+    (repo / "snapshots" / commit / "README.md").write_text("---\nlicense: mit\n---\n# card\n")
+    assert hub_origin("org/model") == HubOrigin("org/model", "mit")
+    (repo / "snapshots" / commit / "config.json").write_text("{}")
+    assert hub_origin(repo / "snapshots" / commit) == HubOrigin("org/model", "mit")  # the snapshot folder itself
+
+    folder = tmp_path / "local"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"_name_or_path": "someone/base"}))
+    assert hub_origin(folder) == HubOrigin("someone/base", None)
+    (folder / "README.md").write_text("---\nlicense: cc-by-4.0\ntags: [x]\n---\n\nA model.\n")
+    assert hub_origin(folder) == HubOrigin("someone/base", "cc-by-4.0")
+    (folder / "config.json").write_text(json.dumps({"_name_or_path": "gemma3-270m"}))
+    assert hub_origin(folder) == HubOrigin("google/gemma-3-270m", "cc-by-4.0")  # the folder's own card first
+    (folder / "README.md").unlink()
+    assert hub_origin(folder) == HubOrigin("google/gemma-3-270m", "gemma")
+    for name in ("/home/me/models/base", "base", "", None):  # a path, a plain name, none: no base_model
+        (folder / "config.json").write_text(json.dumps({"_name_or_path": name}))
+        assert hub_origin(folder) == HubOrigin(), name
+    assert hub_origin(tmp_path / "missing.gguf") == HubOrigin() and hub_origin("tiny") == HubOrigin()
