@@ -5,7 +5,8 @@ Layout of a run folder (``trainer.default_root_dir``)::
     run.json                 the run record, written when fitting ends (behaviours and their data sources, the
                              run's identity: base model, data hashes, recipe and locked responses,
                              :mod:`modular.identity`; the checkpoint and its step, the last logged metrics, whether
-                             the lock held on validation at that step: ``lock``)
+                             the lock held on validation at that step: ``lock``; the W&B run that logged the
+                             training, its id, group and project: ``wandb``, what evaluations of the run join)
     directions.safetensors   one designated direction per gated behaviour
     last.ckpt                the checkpoint of the last step (what publish and the evaluations read): one file,
                              or a folder of shards from a sharded run (FSDP2 with save_distributed_checkpoint)
@@ -33,6 +34,8 @@ WANDB_RUN_ID = "wandb_run_id"
 LOCK_REPORT = "lock.json"
 LOCK_FIGURE = "lock.png"
 RUN_LOCK = ".modular.lock"
+#: the entry of ``run.json`` naming the training's W&B run (:func:`wandb_record`, :func:`training_wandb_run`)
+WANDB_ENTRY = "wandb"
 
 
 @dataclass
@@ -278,3 +281,52 @@ def load_tokenizer_or_run(ref: str | Path):
     from modular.models import load_tokenizer
 
     return load_tokenizer(base_model_name(ref))
+
+
+def wandb_record(loggers) -> dict | None:
+    """The W&B run among a trainer's ``loggers`` as ``run.json`` records it (:data:`WANDB_ENTRY`): its ``id``,
+    ``group`` and ``project``; None without a W&B logger, or with W&B disabled (its run is a stand-in)."""
+    from lightning.pytorch.loggers import WandbLogger
+
+    for logger in loggers:
+        if isinstance(logger, WandbLogger):
+            run = logger.experiment
+            if getattr(run, "disabled", False) or not getattr(run, "id", None):
+                return None
+            return {"id": str(run.id), "group": getattr(run, "group", None) or None,
+                    "project": getattr(run, "project", None) or None}
+    return None
+
+
+def training_run_folder(ref: str | Path) -> Path | None:
+    """The training run folder a model reference comes from: the run folder ``ref`` is, or the one a folder modular
+    published or unlocked lies in (``modular main`` writes ``RUN/published`` and ``RUN/unlocked``); None for any
+    other reference (a published folder elsewhere does not name its run)."""
+    from modular.publish import MANIFEST
+
+    path = Path(str(ref)).expanduser()
+    if is_run_folder(path):
+        return path
+    if (path / MANIFEST).is_file() and is_run_folder(path.parent):
+        return path.parent
+    return None
+
+
+def training_wandb_run(ref: str | Path | None) -> dict | None:
+    """The W&B run that trained a model reference (:func:`training_run_folder`): ``{"id", "group", "project"}`` as
+    its ``run.json`` records it (a run recorded before that: the id kept in :data:`WANDB_RUN_ID`, no group); None
+    when there is none (not a run, W&B off in training, a record that cannot be read)."""
+    run_dir = training_run_folder(ref) if ref is not None else None
+    if run_dir is None:
+        return None
+    try:
+        entry = json.loads((run_dir / RUN_RECORD).read_text()).get(WANDB_ENTRY)
+    except (OSError, ValueError, AttributeError):
+        entry = None
+    if isinstance(entry, dict) and entry.get("id"):
+        return {"id": str(entry["id"]), "group": entry.get("group") or None, "project": entry.get("project") or None}
+    try:
+        saved = (run_dir / WANDB_RUN_ID).read_text().strip()
+    except OSError:
+        return None
+    return {"id": saved, "group": None, "project": None} if saved else None

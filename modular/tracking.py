@@ -1,7 +1,8 @@
 """Outputs a user can open: JSON written atomically beside PNG figures, and the same numbers in W&B.
 
-W&B runs offline by default (``WANDB_MODE=offline``, files under the output folder);
-set ``WANDB_MODE=online`` (and log in) to sync.
+W&B's mode is the ``WANDB_MODE`` environment variable (``online``, ``offline``, ``disabled``; :func:`wandb_mode`),
+offline when it is unset (files under the output folder); set ``WANDB_MODE=online`` (and log in) to sync. An
+evaluation of a training run joins that run's W&B group and names its run id (``training_run_id``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from modular import ModularError
 from modular.files import atomic_path
 
 
@@ -84,19 +86,40 @@ def _wandb_names(names) -> dict[str, str]:
     return out
 
 
-def log_to_wandb(out_dir: str | Path, job: str, summary: dict, config: dict | None = None,
-                 figures: dict[str, str | Path] | None = None, tables: dict[str, list[dict]] | None = None) -> str | None:
-    """Log one evaluation run (scalars, figures, tables) to W&B; returns the run folder or None if disabled. Figures
-    and tables are named by :func:`wandb_name` of their names (a behaviour's spec may be a path)."""
-    if os.environ.get("WANDB_MODE") == "disabled":
-        return None
+def wandb_mode() -> str:
+    """The W&B mode every run takes: ``WANDB_MODE`` as the environment sets it (``online``, ``offline``,
+    ``disabled``), ``offline`` when it is unset or empty."""
+    return os.environ.get("WANDB_MODE") or "offline"
+
+
+def _init_wandb(job: str, out_dir: str | Path, config: dict | None, training: dict | None):
+    """A W&B run of ``job`` (files under ``out_dir``), in :func:`wandb_mode`. With ``training`` (the training run's
+    W&B record, :func:`modular.runs.training_wandb_run`): in its group (its id where it has none) and project (unless
+    ``WANDB_PROJECT`` names one), its id in the config as ``training_run_id``."""
     import wandb
 
     os.environ.setdefault("WANDB_SILENT", "true")
-    run = wandb.init(
-        project=os.environ.get("WANDB_PROJECT", "modular"), job_type=job, dir=str(out_dir),
-        mode=os.environ.get("WANDB_MODE", "offline"), config=_clean(config or {}), reinit="finish_previous",
-    )
+    config = _clean(config or {})
+    group = None
+    if training and training.get("id"):
+        config["training_run_id"] = training["id"]
+        group = training.get("group") or training["id"]
+    project = os.environ.get("WANDB_PROJECT") or (training or {}).get("project") or "modular"
+    return wandb.init(project=project, job_type=job, dir=str(out_dir), mode=wandb_mode(), group=group,
+                      config=config, reinit="finish_previous")
+
+
+def log_to_wandb(out_dir: str | Path, job: str, summary: dict, config: dict | None = None,
+                 figures: dict[str, str | Path] | None = None, tables: dict[str, list[dict]] | None = None,
+                 training: dict | None = None) -> str | None:
+    """Log one evaluation run (scalars, figures, tables) to W&B; returns the run folder or None if disabled. Figures
+    and tables are named by :func:`wandb_name` of their names (a behaviour's spec may be a path). ``training``: the
+    W&B run of the training run evaluated (:func:`modular.runs.training_wandb_run`), whose group this run joins."""
+    if wandb_mode() == "disabled":
+        return None
+    import wandb
+
+    run = _init_wandb(job, out_dir, config, training)
     try:
         flat = _flatten(_clean(summary))
         run.log({k: v for k, v in flat.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
@@ -111,5 +134,37 @@ def log_to_wandb(out_dir: str | Path, job: str, summary: dict, config: dict | No
                 run.log({f"tables/{table_names[name]}": wandb.Table(columns=cols,
                                                                   data=[[_clean(r.get(c)) for c in cols] for r in rows])})
         return run.dir
+    finally:
+        run.finish()
+
+
+def log_folder_artifact(folder: str | Path, out_dir: str | Path, job: str, kind: str = "model",
+                        config: dict | None = None, training: dict | None = None) -> list[str] | None:
+    """Log the files of ``folder`` (a published folder) as one W&B artifact named by the folder
+    (:func:`wandb_name`), in a run of ``job`` whose files go under ``out_dir`` (never ``folder`` itself: it is what
+    a user uploads) and which joins ``training``'s group as :func:`log_to_wandb`'s does. A key file is never added,
+    under any name (:func:`modular.keys.is_key_file`). Returns the files added (paths inside ``folder``), or None if
+    W&B is disabled."""
+    if wandb_mode() == "disabled":
+        return None
+    import wandb
+
+    from modular.keys import is_key_file
+
+    folder = Path(folder)
+    if Path(out_dir).resolve() == folder.resolve() or folder.resolve() in Path(out_dir).resolve().parents:
+        raise ModularError(f"W&B's files for the artifact of {folder} may not go inside it (it is what a user "
+                           f"uploads): {out_dir}")
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and not is_key_file(p))
+    run = _init_wandb(job, out_dir, config, training)
+    try:
+        artifact = wandb.Artifact(wandb_name(folder.name), type=kind)
+        added = []
+        for path in files:
+            name = path.relative_to(folder).as_posix()
+            artifact.add_file(str(path), name=name)
+            added.append(name)
+        run.log_artifact(artifact)
+        return added
     finally:
         run.finish()

@@ -76,7 +76,7 @@ def directions(
     from modular.evaluation.behaviour import evaluate_behaviour
     from modular.evaluation.retain import first_token_logp
     from modular.evaluation.stats import wilson_interval
-    from modular.runs import load_model_or_run, load_open_model, load_tokenizer_or_run, read_run
+    from modular.runs import load_model_or_run, load_open_model, load_tokenizer_or_run, read_run, training_wandb_run
 
     fmts = list(dict.fromkeys(formats))
     if not fmts:
@@ -163,7 +163,8 @@ def directions(
         summary["max_abs_designated_cosine"] = {f: max(abs(c) for c in report_formats[f]["designated_cosine"])
                                                 for f in fmts}
     log_to_wandb(out_dir, "evaluate-directions", summary, config=settings, figures=figures,
-                 tables={f"ablation_{f}": c["layers"] for f, c in curves.items()})
+                 tables={f"ablation_{f}": c["layers"] for f, c in curves.items()},
+                 training=training_wandb_run(run if run is not None else model))
     log.info("wrote %s, %s", out_dir / "directions.json", ", ".join(str(p) for p in figures.values()))
     return report
 
@@ -244,7 +245,7 @@ def attention(
     from modular.analysis.attention import plot_attention, plot_sweep, span_attention
     from modular.analysis.insertion import LABELS, filler, insertion_accuracy, length_sweep, pooled_items
     from modular.plots import bar_chart
-    from modular.runs import load_model_or_run, load_tokenizer_or_run
+    from modular.runs import load_model_or_run, load_tokenizer_or_run, training_wandb_run
 
     kinds = list(dict.fromkeys(insert))
     split_names = list(dict.fromkeys(splits))
@@ -300,7 +301,8 @@ def attention(
     summary = {"accuracy": {k: v["accuracy"] for k, v in accuracy.items()}, "span_mass": att["span_mass"]}
     log_to_wandb(out_dir, "evaluate-attention", summary,
                  config={k: report[k] for k in ("model", "task", "length", "kinds", "splits", "seeds", "n_items")},
-                 figures=figures, tables={f"sweep_{k}": v for k, v in report["sweep"].items()})
+                 figures=figures, tables={f"sweep_{k}": v for k, v in report["sweep"].items()},
+                 training=training_wandb_run(model))
     log.info("wrote %s, %s", out_dir / "attention.json", ", ".join(str(p) for p in figures.values()))
     return report
 

@@ -48,7 +48,7 @@ def behaviour(
     from modular.evaluation.stats import wilson_interval
     from modular.models.precision import dtype_name, model_dtype
     from modular.plots import bar_chart
-    from modular.runs import load_model_or_run, load_tokenizer_or_run
+    from modular.runs import load_model_or_run, load_tokenizer_or_run, training_wandb_run
 
     if not list(behaviours):
         raise ModularError("give at least one behaviour with --behaviours")
@@ -81,7 +81,8 @@ def behaviour(
                     f"{Path(model).name}: accuracy on the {split} split", "accuracy",
                     [tuple(v["ci95"]) for v in results.values()])
     log_to_wandb(out_dir, "evaluate-behaviour", results, config={"model": model, "split": split, "seed": seed},
-                 figures={"behaviour": fig}, tables={n: rows for n, rows in items.items()})
+                 figures={"behaviour": fig}, tables={n: rows for n, rows in items.items()},
+                 training=training_wandb_run(model))
     log.info("wrote %s and %s", out_dir / "behaviour.json", fig)
     return report
 
@@ -120,6 +121,7 @@ def lock(run: str, out: str | None = None, other_limit: int = 64, harden: bool =
         lock_verdict,
         neighbour_sources,
         read_run,
+        training_wandb_run,
     )
 
     r = read_run(run)
@@ -154,7 +156,8 @@ def lock(run: str, out: str | None = None, other_limit: int = 64, harden: bool =
                   **report}  # the checkpoint step it describes
         write_json(out_dir / LOCK_REPORT, report)
         fig = plot_lock(report, out_dir / LOCK_FIGURE)
-        log_to_wandb(out_dir, "evaluate-lock", report, config={"run": str(run)}, figures={"lock": fig})
+        log_to_wandb(out_dir, "evaluate-lock", report, config={"run": str(run)}, figures={"lock": fig},
+                     training=training_wandb_run(run))
         log.info("wrote %s and %s", out_dir / LOCK_REPORT, fig)
         return report
 
@@ -213,6 +216,7 @@ def attack(model: str, behaviours: list[str] | None = None, attacks: list[str] =
     from modular.evaluation.relearning import eval_steps, sweep
     from modular.models import load_model, load_tokenizer
     from modular.models.precision import dtype_name, model_dtype
+    from modular.runs import training_wandb_run
 
     folder = Path(model)
     manifest, sources = _published(folder, behaviours)
@@ -251,7 +255,8 @@ def attack(model: str, behaviours: list[str] | None = None, attacks: list[str] =
     write_json(out_dir / ATTACK_REPORT, report)
     progress.finish()
     fig = plot_attack(report, out_dir / ATTACK_FIGURE, chosen)
-    log_to_wandb(out_dir, "evaluate-attack", report, config={"model": str(folder)}, figures={"attack": fig})
+    log_to_wandb(out_dir, "evaluate-attack", report, config={"model": str(folder)}, figures={"attack": fig},
+                 training=training_wandb_run(folder))
     log.info("wrote %s and %s", out_dir / ATTACK_REPORT, fig)
     return report
 
@@ -412,6 +417,7 @@ def quantized(model: str, behaviours: list[str] | None = None, schemes: list[Sch
     from modular.models.precision import dtype_name, model_dtype
     from modular.models.quantize import check_scheme
     from modular.plots import bar_chart
+    from modular.runs import training_wandb_run
 
     folder = Path(model)
     manifest, sources = _published(folder, behaviours)
@@ -449,7 +455,7 @@ def quantized(model: str, behaviours: list[str] | None = None, schemes: list[Sch
                     f"{folder.name}: locked behaviours after weight-only quantisation (base quantised alike)",
                     "accuracy", intervals)
     log_to_wandb(out_dir, "evaluate-quantized", report, config={"model": str(folder), "schemes": list(schemes)},
-                 figures={"quantized": fig})
+                 figures={"quantized": fig}, training=training_wandb_run(folder))
     if failing:
         log.warning("the lock did not hold under %s (locked accuracy > %.2f or retain KL > %.2f): see %s",
                     ", ".join(failing), QUANTIZED_LOCKED_MAX, QUANTIZED_KL_MAX, out_dir / "quantized.json")

@@ -15,6 +15,9 @@ ends; a second command on the same folder is refused in one line, before it writ
 written whole or not at all (:class:`~modular.gating.checkpoint_io.AtomicCheckpointIO`, unless the config names a
 checkpoint writer of its own): a full disk is one line naming the folder and the space needed, and the previous
 checkpoint stays whole.
+
+W&B: the environment's ``WANDB_MODE`` decides over the config's logger, offline when unset
+(:func:`follow_wandb_mode`); the run's W&B run is in a group named by the run folder, which its evaluations join.
 """
 
 from __future__ import annotations
@@ -48,7 +51,9 @@ from modular.gating.objectives import hidden_parts as objective_hidden_parts
 from modular.identity import check_resumed, run_identity
 from modular.locking import folder_lock
 from modular.runs import LAST_CHECKPOINT, RUN_LOCK, WANDB_RUN_ID, read_checkpoint
-from modular.tracking import write_text
+from modular.tracking import wandb_mode, write_text
+
+log = logging.getLogger("modular")
 
 
 def _terms(objectives) -> list:
@@ -91,6 +96,7 @@ class GatingCLI(LightningCLI):
                                  "refused. Another base model, recipe or locked response is always refused.")
 
     def before_instantiate_classes(self) -> None:
+        follow_wandb_mode((self.config[self.subcommand] if self.subcommand else self.config).get("trainer") or {})
         if self.subcommand != "fit":
             return
         config = self.config["fit"]
@@ -163,8 +169,16 @@ class GatingCLI(LightningCLI):
     # --- one W&B run per training run, continued when a killed run resumes --------------------------------------
     def _choose_wandb_run(self, config) -> None:
         """Give every W&B logger the run id kept in the run folder when resuming, a new one otherwise (the user's
-        own ``id`` is kept); Lightning passes ``resume="allow"``, so the same id continues the same run."""
+        own ``id`` is kept), with ``resume="allow"`` (Lightning's default, which the parsed config's ``resume: null``
+        would replace), so the same id continues the same run. Its group is the run folder's name unless the config
+        names one: the evaluations of the run join it (``run.json`` records the id and group,
+        :func:`modular.runs.wandb_record`)."""
         run_dir = Path(config.trainer.default_root_dir or ".")
+        for lg in _wandb_loggers(config.trainer):
+            if not lg.init_args.get("group"):
+                lg.init_args.group = run_dir.resolve().name or None
+            if "resume" in lg.init_args and lg.init_args.get("resume") is None:
+                lg.init_args.resume = "allow"
         ckpt = config.ckpt_path
         resuming = ckpt == "last" and (run_dir / LAST_CHECKPOINT).exists() or (
             ckpt not in (None, "last", "best", "hpc") and Path(str(ckpt)).exists())
@@ -232,6 +246,26 @@ def _wandb_loggers(trainer) -> list:
     loggers = trainer.get("logger")
     return [lg for lg in (loggers if isinstance(loggers, list) else [loggers])
             if hasattr(lg, "class_path") and str(lg.class_path).endswith("WandbLogger")]
+
+
+def follow_wandb_mode(trainer) -> str:
+    """The W&B mode of the run's loggers: ``WANDB_MODE`` as the environment sets it (``online``, ``offline``,
+    ``disabled``), offline when it is unset (:func:`modular.tracking.wandb_mode`; set in the environment, for the
+    evaluations of ``modular main`` and the processes a launcher starts). Every W&B logger of the trainer config
+    follows it: its ``offline`` is cleared (Lightning's ``offline: true`` sets ``WANDB_MODE=dryrun`` over the
+    environment's) and so is its ``mode`` (``wandb.init``'s mode wins over the environment's), said in one line when
+    the config named another."""
+    given, mode = os.environ.get("WANDB_MODE"), wandb_mode()
+    os.environ["WANDB_MODE"] = mode
+    for lg in _wandb_loggers(trainer):
+        named = "offline" if lg.init_args.get("offline") else lg.init_args.get("mode")
+        if named and named != mode and {named, mode} != {"offline", "dryrun"}:
+            log.warning("W&B logs %s (%s), not %s as the config's logger says: the environment's WANDB_MODE decides",
+                        mode, f"WANDB_MODE={given}" if given else "WANDB_MODE unset", named)
+        lg.init_args.offline = False
+        if "mode" in lg.init_args:
+            lg.init_args.mode = None
+    return mode
 
 
 def _run_folder_options(trainer) -> list[tuple[object, str]]:

@@ -445,13 +445,14 @@ def _sources(specs: dict[str, str]) -> dict[str, str]:
 class RunRecordCallback(Callback):
     """Writes ``run.json`` in the run folder when fitting ends: what was gated (short names and where their data
     is), where the weights are and the step they hold, the last logged metrics (the lock evaluation reads it) and
-    whether the lock held on validation at that step (``lock``, from :class:`LockMetricsCallback`; publish reads it)."""
+    whether the lock held on validation at that step (``lock``, from :class:`LockMetricsCallback`; publish reads it)
+    and the W&B run that logged it (``wandb``: :func:`modular.runs.wandb_record`)."""
 
     def on_fit_end(self, trainer, pl_module) -> None:
         if not trainer.is_global_zero:
             return
 
-        from modular.runs import RUN_RECORD, read_checkpoint
+        from modular.runs import RUN_RECORD, WANDB_ENTRY, read_checkpoint, wandb_record
         from modular.tracking import write_json
 
         run_dir = Path(trainer.default_root_dir)
@@ -484,5 +485,7 @@ class RunRecordCallback(Callback):
             "metrics": metrics,
             # whether the lock held on validation at the final step (None: not checked, no LockMetricsCallback)
             "lock": lock,
+            # the W&B run that logged the training (id, group, project): evaluations of the run join its group
+            WANDB_ENTRY: wandb_record(trainer.loggers),
             **gates,
         })
