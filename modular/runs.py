@@ -219,14 +219,14 @@ def load_open_model(run: Run, dtype: str | torch.dtype | None = "auto", device: 
         hp = ckpt.get("hyper_parameters", {})
         model = with_lora(model, hp.get("lora_rank", 16), hp.get("lora_alpha", 32))
         if gated:  # the gates wrap the LoRA-wrapped projections, as in training
-            from modular.heads.gates import install_head_gates
+            from modular.models.head_gates import install_head_gates
 
             install_head_gates(model.get_base_model())
         missing = model.load_state_dict(state, strict=False)
         if missing.unexpected_keys:
             raise ModularError(f"checkpoint does not fit the model: {missing.unexpected_keys[:3]}")
         if gated:  # unwrap the gates before merging, fold them into the merged weights after
-            from modular.heads.gates import deterministic_gate_values, remove_head_gates, scale_head_columns
+            from modular.models.head_gates import deterministic_gate_values, remove_head_gates, scale_head_columns
 
             values = deterministic_gate_values(model)
             remove_head_gates(model.get_base_model())
@@ -237,18 +237,18 @@ def load_open_model(run: Run, dtype: str | torch.dtype | None = "auto", device: 
         model = model.merge_and_unload()
     else:
         if gated:
-            from modular.heads.gates import install_head_gates
+            from modular.models.head_gates import install_head_gates
 
             install_head_gates(model)
         result = model.load_state_dict(state, strict=False)
         if result.unexpected_keys:
             raise ModularError(f"checkpoint does not fit the model: {result.unexpected_keys[:3]}")
     if fold:
-        from modular.heads.gates import fold_head_gates
+        from modular.models.head_gates import fold_head_gates
 
         fold_head_gates(model)
     elif gated:
-        from modular.heads.gates import remove_head_gates
+        from modular.models.head_gates import remove_head_gates
 
         remove_head_gates(model)
     return cast_model(model, dtype).to(device).eval()

@@ -338,7 +338,7 @@ class SparseHeadsCallback(Callback):
             return
 
         from modular.data import neutral_text
-        from modular.heads.gates import deterministic_gate_values, head_gate_scope
+        from modular.models.head_gates import deterministic_gate_values, head_gate_scope
         from modular.tracking import write_json
 
         dm = trainer.datamodule
@@ -461,7 +461,7 @@ class RunRecordCallback(Callback):
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
         gates = {}
         if pl_module.hparams.get("head_gates", False):
-            from modular.heads.gates import deterministic_gate_values
+            from modular.models.head_gates import deterministic_gate_values
 
             values = deterministic_gate_values(pl_module.hf_model)
             gates = {"open_heads": int((values > 0).sum()), "n_heads": values.numel()}

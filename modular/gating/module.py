@@ -22,10 +22,10 @@ from modular.gating.loaders import loader_states_fit
 from modular.gating.losses import response_margins
 from modular.gating.objectives import HeadTaskTerm, Piece, StepContext, Term, build_objectives, default_objectives
 from modular.gating.randomness import global_random_state, set_global_random_state
-from modular.heads.gates import deterministic_gate_values, head_gate_scope
 from modular.hooks import ablate_directions, ablate_rows, add_vectors, capture_head_inputs, enable_checkpointing
 from modular.models.adapter import ArchitectureAdapter
 from modular.models.attention import eager_attention
+from modular.models.head_gates import deterministic_gate_values, head_gate_scope
 from modular.models.precision import host_to_device
 from modular.optim import adamw
 from modular.runs import DIRECTIONS, read_directions
@@ -102,7 +102,7 @@ class GatedLM(L.LightningModule):
     optionally with hard-concrete head gates under a sparsity pressure (sparse post-training).
 
     With ``head_gates`` every layer's attention output projection is wrapped in a
-    :class:`~modular.heads.gates.GatedOutputProjection` (registered parameters: the optimizer,
+    :class:`~modular.models.head_gates.GatedOutputProjection` (registered parameters: the optimizer,
     FSDP and checkpoints see them). ``sparsity`` adds ``λ·E[L0]/N`` (``penalty``) or minimises it
     under the constraint ``lm_loss ≤ τ`` (``constraint``, GECO multiplier); ``lm_loss`` is the sum of
     the LM-keeping terms (retain KL to the reference and the LM-text KL). Sparse post-training
@@ -252,7 +252,7 @@ class GatedLM(L.LightningModule):
             model.requires_grad_(False)
         self.model = model.train()  # loaded in eval mode; dropout (if any) belongs to training
         if head_gates:  # after LoRA, so a gate wraps the (LoRA-wrapped) output projection
-            from modular.heads.gates import install_head_gates
+            from modular.models.head_gates import install_head_gates
 
             install_head_gates(self.hf_model, init_log_alpha=gate_init)
         if gradient_checkpointing:
@@ -489,7 +489,7 @@ class GatedLM(L.LightningModule):
             if name in keeps_lm:
                 lm_loss = lm_loss + weights[name] * value
         if hp.head_gates:
-            from modular.heads.gates import expected_l0
+            from modular.models.head_gates import expected_l0
 
             l0 = expected_l0(self.hf_model)
             terms["expected_l0"] = l0
@@ -602,7 +602,7 @@ class GatedLM(L.LightningModule):
         step = self.hparams.gate_freeze_step
         if step is None or self.global_step < step:
             return
-        from modular.heads.gates import head_gate_modules, open_heads
+        from modular.models.head_gates import head_gate_modules, open_heads
 
         gates = [g for g in head_gate_modules(self.hf_model) if torch.isnan(g.fixed).any()]
         for g in gates:  # log α then gets zero gradients (kept trainable: DDP expects the same parameters)
@@ -619,7 +619,7 @@ class GatedLM(L.LightningModule):
         self.log("train/loss", loss, prog_bar=True, batch_size=bs, sync_dist=True)  # the mean over processes
         self.log_dict({f"train/{k}": v.detach() for k, v in terms.items()}, batch_size=bs)
         if self.hparams.head_gates:
-            from modular.heads.gates import open_heads
+            from modular.models.head_gates import open_heads
 
             self.log("train/open_heads", float(open_heads(self.hf_model)), prog_bar=True, batch_size=bs)
         if self.sparsity is not None:

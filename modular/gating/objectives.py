@@ -777,7 +777,7 @@ class HeadInterchange(HeadTaskTerm):
     def group_terms(self, ctx, group):
         if not self.active(ctx):
             return {}
-        from modular.heads.gates import head_gate_scope
+        from modular.models.head_gates import head_gate_scope
 
         lm, merged = ctx.lm, group["merged"]
         with head_gate_scope(lm.hf_model, replacements=group["cf_inputs"], invert=True):

@@ -21,8 +21,8 @@ def sparse_run(path, model_dir, closed=((0, 1), (1, 2))):
     """A run folder as sparse post-training writes it: head gates in the checkpoint, no gated behaviours."""
     from transformers import AutoModelForCausalLM
 
-    from modular.heads.gates import install_head_gates
     from modular.models.adapter import ArchitectureAdapter
+    from modular.models.head_gates import install_head_gates
 
     path.mkdir(parents=True)
     model = AutoModelForCausalLM.from_pretrained(model_dir)

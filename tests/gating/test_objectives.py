@@ -21,9 +21,9 @@ from modular.gating.losses import (
     unlikelihood,
 )
 from modular.gating.module import GatedLM
-from modular.gating.objectives import DirectionWrite, KeepReference, LockedState, RefusalGuard, Term
-from modular.heads.gates import expected_l0
+from modular.gating.objectives import DirectionWrite, KeepReference, LockedState, Piece, RefusalGuard, Term
 from modular.hooks import ablate_directions
+from modular.models.head_gates import expected_l0
 from tests.conftest import save_tiny_folder
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -382,10 +382,9 @@ def test_a_new_term_is_a_class(tmp_path, isolated_cache):
     """An experiment adds a class: its rows join the step's forward passes and its loss the total, weighted."""
     model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
 
-    class RetainLength(Term):  # a made-up term: the retain answers' CE, in the open state
+    class RetainLength(Term):  # docs/architecture.md's example: the retain answers' CE, in the open state
         def pieces(self, ctx):
-            return [type(p)(p.name.replace("open_kl", "open_len"), p.batch, self)
-                    for p in KeepReference().pieces(ctx) if p.name == "retain/open_kl"]
+            return [Piece("retain/open_len", ctx.batch["retain"]["open"], self)]
 
         def loss(self, ctx, piece, logits):
             return token_ce(logits, piece.batch["labels"])

@@ -22,9 +22,9 @@ from modular.gating.objectives import (
     HeadMargin,
     default_objectives,
 )
-from modular.heads.gates import GatedOutputProjection, deterministic_gate_values, head_gate_modules
 from modular.models import load_model
 from modular.models.adapter import ArchitectureAdapter
+from modular.models.head_gates import GatedOutputProjection, deterministic_gate_values, head_gate_modules
 from tests.conftest import save_tiny_folder
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -74,7 +74,7 @@ def _counterfactual_batch(dm, key):
 
 def _scoped_run(module, task):
     """The task rows with closed heads fed their counterfactual input (the scoped run of the step)."""
-    from modular.heads.gates import head_gate_scope
+    from modular.models.head_gates import head_gate_scope
 
     cf_inputs, _ = module._counterfactual_run({"cf_input_ids": task["counterfactual"]["input_ids"],
                                                "cf_attention_mask": task["counterfactual"]["attention_mask"]}, False)
@@ -296,8 +296,8 @@ def test_raw_text_runs_in_a_forward_of_its_own_and_terms_match_piece_by_piece(ti
 def test_gates_scoped_to_tasks_swap_closed_heads_on_task_items_only(tiny_folder):
     """gate_scope: tasks: retain and LM text run the plain model whatever the gates; a task item runs with each
     closed head's input swapped for its input on the counterfactual prompt."""
-    from modular.heads.gates import head_gate_scope
     from modular.hooks import capture_head_inputs, replace_heads
+    from modular.models.head_gates import head_gate_scope
 
     model_dir = tiny_folder("llama")
     dm = _data(model_dir, task_counterfactuals=True)
@@ -333,7 +333,7 @@ def test_gates_scoped_to_tasks_swap_closed_heads_on_task_items_only(tiny_folder)
 
 
 def test_run_folder_drops_gates_scoped_to_tasks(tmp_path, tiny_folder):
-    from modular.heads.gates import head_gate_scope
+    from modular.models.head_gates import head_gate_scope
     from modular.runs import load_open_model, read_run
 
     model_dir = tiny_folder("qwen2")
@@ -376,7 +376,7 @@ def test_consistency_term_matches_plain_and_scoped_task_logits_once_gates_are_fi
     """HeadConsistency: the task items' centred logits with every head its own input and with closed heads
     counterfactual are matched; the term is zero with every gate open and absent before the gates are fixed."""
     from modular.gating.losses import response_logit_mse
-    from modular.heads.gates import head_gate_scope
+    from modular.models.head_gates import head_gate_scope
 
     model_dir = tiny_folder("llama")
     dm = _data(model_dir, tasks=["greater_than"], task_counterfactuals=True)  # one task: its rows are the group
@@ -409,7 +409,7 @@ def test_consistency_term_matches_plain_and_scoped_task_logits_once_gates_are_fi
 def test_margin_term_matches_plain_and_scoped_answer_margins_once_gates_are_fixed(tiny_folder):
     """HeadMargin: logit(answer) - logit(wrong) at the first response position, plain vs scoped."""
     from modular.gating.losses import response_margin_mse
-    from modular.heads.gates import head_gate_scope
+    from modular.models.head_gates import head_gate_scope
 
     model_dir = tiny_folder("llama")
     dm = _data(model_dir, tasks=["ioi"], task_counterfactuals=True)  # one task: its rows are the group
@@ -448,7 +448,7 @@ def test_interchange_term_matches_the_counterfactual_run_with_open_heads_swapped
     """HeadInterchange: with open heads counterfactual and closed heads their own input, the task rows
     must predict the plain counterfactual run's first response token; rows without a counterfactual are skipped."""
     from modular.gating.losses import first_token_kl
-    from modular.heads.gates import head_gate_scope
+    from modular.models.head_gates import head_gate_scope
 
     model_dir = tiny_folder("llama")
     dm = _data(model_dir, tasks=["ioi"], task_counterfactuals=True)
@@ -493,8 +493,8 @@ def test_attribution_term_sums_the_closed_heads_attribution_estimates_and_trains
     """ClosedAttribution: the closed heads' share of the summed |gradient · (counterfactual − own input)| on
     the answer margin, averaged over rows; differentiable in the weights; absent without gradients."""
     from modular.gating.losses import response_margins
-    from modular.heads.gates import head_gate_scope
     from modular.hooks import capture_head_inputs
+    from modular.models.head_gates import head_gate_scope
 
     model_dir = tiny_folder("llama")
     dm = _data(model_dir, tasks=["ioi"], task_counterfactuals=True)

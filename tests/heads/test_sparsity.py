@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from modular import ModularError
-from modular.heads.gates import expected_l0, install_head_gates
 from modular.heads.sparsity import L0Penalty, LagrangeConstraint, make_sparsity
 from modular.models.adapter import ArchitectureAdapter
+from modular.models.head_gates import expected_l0, install_head_gates
 
 
 def test_multiplier_rises_while_violated_and_falls_when_satisfied():

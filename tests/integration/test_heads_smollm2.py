@@ -30,8 +30,8 @@ def test_ioi_curves_with_attribution_ranking(smollm2):
 def test_gate_at_zero_is_zero_ablation_on_smollm2(smollm2):
     from modular.data import load_behaviour
     from modular.heads.categories import ablated_logprob, head_values, response_batch, response_logprob
-    from modular.heads.gates import install_head_gates, remove_head_gates
     from modular.models.adapter import ArchitectureAdapter
+    from modular.models.head_gates import install_head_gates, remove_head_gates
 
     model, tok = smollm2
     batch = response_batch(tok, load_behaviour("agreement", tokenizer=tok)["train"].shuffle(seed=0).select(range(8)))

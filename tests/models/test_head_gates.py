@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from modular.heads.gates import GatedOutputProjection, gate_values, install_head_gates, remove_head_gates
 from modular.hooks import replace_heads, zero_heads
 from modular.models.adapter import ArchitectureAdapter
+from modular.models.head_gates import GatedOutputProjection, gate_values, install_head_gates, remove_head_gates
 
 
 def test_gates_start_at_one_and_leave_logits_unchanged(tiny_model, tokens):
@@ -65,7 +65,7 @@ def test_gate_fixed_at_one_leaves_logits_unchanged(tiny_model, tokens):
 
 
 def test_folding_deterministic_gates_gives_the_gated_logits(tiny_model, tokens):
-    from modular.heads.gates import deterministic_gate_values, fold_head_gates, open_heads
+    from modular.models.head_gates import deterministic_gate_values, fold_head_gates, open_heads
 
     install_head_gates(tiny_model)
     a = ArchitectureAdapter(tiny_model)
@@ -105,7 +105,7 @@ def _plain_and_patched(model, tokens, heads):
 
 
 def test_scoped_gates_are_off_or_let_the_replacement_in_and_always_restore(tiny_model, tokens):
-    from modular.heads.gates import head_gate_scope
+    from modular.models.head_gates import head_gate_scope
 
     a = ArchitectureAdapter(tiny_model)
     heads = [(0, 1), (a.n_layers - 1, 2)]
@@ -129,7 +129,7 @@ def test_scoped_gates_are_off_or_let_the_replacement_in_and_always_restore(tiny_
 
 def test_inverted_scope_lets_the_replacement_into_open_heads_and_keeps_closed_heads_own_input(tiny_model, tokens):
     """invert: open gates take the replacement, closed gates their own input (no live_prob), restored on exit."""
-    from modular.heads.gates import head_gate_scope
+    from modular.models.head_gates import head_gate_scope
 
     a = ArchitectureAdapter(tiny_model)
     heads = [(i, h) for i in range(a.n_layers) for h in range(a.n_heads)]
@@ -154,7 +154,7 @@ def test_inverted_scope_lets_the_replacement_into_open_heads_and_keeps_closed_he
 
 
 def test_live_prob_opens_closed_gates_by_row_in_training_only(tiny_model, tokens):
-    from modular.heads.gates import head_gate_scope
+    from modular.models.head_gates import head_gate_scope
 
     a = ArchitectureAdapter(tiny_model)
     heads = [(i, h) for i in range(a.n_layers) for h in range(a.n_heads)]
