@@ -92,7 +92,7 @@ def gated_module(folder, mode: str, precision: str, device: torch.device):
     from modular.models import load_tokenizer
 
     torch.manual_seed(0)
-    module = GatedLM(model_name=str(folder), finetuning=mode, load_dtype=precision)
+    module = GatedLM(model_name=str(folder), finetuning={"mode": mode}, load_dtype=precision)
     tok = load_tokenizer(str(folder))
     attach_tokenizer(module, tok)
     module.directions.copy_(torch.nn.functional.normalize(torch.randn_like(module.directions), dim=-1))

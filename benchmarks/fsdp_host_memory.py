@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Host memory of a two-process FSDP2 run while it starts: every process reading the model's weights
-(``model.empty_init: false``) against only the first one (``true``, as configs/strategy_fsdp.yaml sets it).
+(``model.memory.empty_init: false``) against only the first one (``true``, as configs/strategy_fsdp.yaml sets it).
 
 A random-initialised model of one of the SmolLM2 family's shapes (``scale.py``'s; nothing is downloaded), saved in
 ``--precision``, is trained for one step by ``modular train fit`` with the default capitals config and
@@ -40,7 +40,7 @@ def run_config(folder: Path, model_dir: Path, bf16: bool, finetuning: str) -> Pa
     """The default capitals config on ``model_dir`` for one step on two CPU processes under FSDP2."""
     cfg = yaml.safe_load((ROOT / "modular" / "configs" / "gate_capitals_smollm2.yaml").read_text())
     cfg["model"].update({"model_name": str(model_dir), "load_dtype": "bfloat16" if bf16 else "float32",
-                         "finetuning": finetuning})
+                         "finetuning": {"mode": finetuning}})
     cfg["data"].update({"reference_max_new_tokens": 4, "batch_size": 2, "max_length": 96, "neighbour_items": 16})
     cfg["trainer"].update({"default_root_dir": str(folder / "run"), "max_steps": 1, "val_check_interval": 1,
                            "limit_val_batches": 1, "logger": False, "enable_progress_bar": False,
@@ -60,7 +60,7 @@ def measure(config: Path, empty_init: bool, precision: str, cache: Path, log_pat
     cmd = [sys.executable, "-m", "modular", "train", "fit", "--config", str(config),
            "--config", str(ROOT / "modular" / "configs" / "strategy_fsdp.yaml"),
            "--trainer.accelerator", "cpu", "--trainer.precision", precision,
-           "--model.empty_init", str(empty_init).lower()]
+           "--model.memory.empty_init", str(empty_init).lower()]
     env = dict(os.environ, MODULAR_CACHE=str(cache), WANDB_MODE="disabled")
     start = time.perf_counter()
     with open(log_path, "w") as log:

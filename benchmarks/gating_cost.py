@@ -49,8 +49,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(0)
 
-    module = GatedLM(model_name=args.model, locked_steering=args.locked_steering,
-                     steering_refresh=args.steering_refresh)
+    module = GatedLM(model_name=args.model, steering={"scale": args.locked_steering, "refresh": args.steering_refresh}
+                     if args.locked_steering > 0 else None)
     from modular.models import load_tokenizer
 
     tok = load_tokenizer(args.model)

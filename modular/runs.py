@@ -26,6 +26,7 @@ import torch
 from safetensors.torch import load_file
 
 from modular import ModularError, error_reason
+from modular.reports import TrainingCheck
 
 RUN_RECORD = "run.json"
 DIRECTIONS = "directions.safetensors"
@@ -176,18 +177,30 @@ def recorded_lock(run_dir: str | Path) -> dict:
         return {}
 
 
-def lock_verdict(run: Run, step: int | None = None) -> tuple[bool, str]:
-    """Whether the run's training verified the lock at its checkpoint's step (``step``), and why not: the run
-    record's ``lock`` (see :class:`~modular.gating.callbacks.LockMetricsCallback`)."""
+def recorded_check(run: Run) -> TrainingCheck | None:
+    """Training's last lock check, as the run record holds it (None: the lock was never checked in training); a
+    record whose check is not one is one line naming it."""
     lock = run.record.get("lock")
     if not lock:
+        return None
+    try:
+        return TrainingCheck.from_json(lock)
+    except ModularError as err:
+        raise ModularError(f"{run.path / RUN_RECORD}: its 'lock' entry is {err}: train the run again, or restore the "
+                           "file") from None
+
+
+def lock_verdict(run: Run, step: int | None = None) -> tuple[bool, str]:
+    """Whether the run's training verified the lock at its checkpoint's step (``step``), and why not: the run
+    record's ``lock`` (:func:`recorded_check`; see :class:`~modular.gating.callbacks.LockMetricsCallback`)."""
+    lock = recorded_check(run)
+    if lock is None:
         return False, "the lock was never checked in training (no LockMetricsCallback in its config)"
-    if step is not None and lock.get("step") != step:
-        return False, f"the lock was checked at step {lock.get('step')}, the checkpoint holds step {step}"
-    if not lock.get("reached"):
-        return False, f"the lock did not hold on validation at step {lock.get('step')}: " + "; ".join(
-            lock.get("failing", []))
-    return True, f"the lock held on validation at step {lock.get('step')}"
+    if step is not None and lock.step != step:
+        return False, f"the lock was checked at step {lock.step}, the checkpoint holds step {step}"
+    if not lock.reached:
+        return False, f"the lock did not hold on validation at step {lock.step}: " + "; ".join(lock.failing)
+    return True, f"the lock held on validation at step {lock.step}"
 
 
 def load_open_model(run: Run, dtype: str | torch.dtype | None = "auto", device: str | torch.device | None = "auto"):
@@ -195,7 +208,7 @@ def load_open_model(run: Run, dtype: str | torch.dtype | None = "auto", device: 
     (LoRA adapters merged), on ``device`` in ``dtype`` (``auto``: the precision the weights were trained in, float32
     on a CPU; None: the precision they were trained in; :mod:`modular.models.precision`). A run trained with head gates comes back as a plain model with its
     deterministic gates folded into the attention output projections (closed heads: zero columns);
-    gates scoped to the tasks (``gate_scope: tasks``) only guided training and are dropped. In a narrower precision
+    gates scoped to the tasks (``head_gates.scope: tasks``) only guided training and are dropped. In a narrower precision
     than the trained one (float32-trained weights in bfloat16) the weights are rounded stochastically, seeded
     (:func:`modular.models.precision.cast_model`): every call gives the same weights."""
     from modular.models import load_model
@@ -212,12 +225,13 @@ def load_open_model(run: Run, dtype: str | torch.dtype | None = "auto", device: 
     wide = trained if trained is not None and torch.finfo(trained).bits > torch.finfo(dtype).bits else dtype
     model = load_model(run.model_name, dtype=wide, device="cpu")  # the checkpoint is read on the CPU
     gated = any(".head_gate." in k for k in state)
-    fold = gated and ckpt.get("hyper_parameters", {}).get("gate_scope", "all") != "tasks"
+    hp = grouped_model_options(ckpt.get("hyper_parameters", {}))
+    fold = gated and (hp.get("head_gates") or {}).get("scope", "all") != "tasks"
     if run.record.get("finetuning") == "lora":
         from modular.models.lora import with_lora
 
-        hp = ckpt.get("hyper_parameters", {})
-        model = with_lora(model, hp.get("lora_rank", 16), hp.get("lora_alpha", 32))
+        tuning = hp.get("finetuning") or {}
+        model = with_lora(model, tuning.get("lora_rank", 16), tuning.get("lora_alpha", 32))
         if gated:  # the gates wrap the LoRA-wrapped projections, as in training
             from modular.models.head_gates import install_head_gates
 
@@ -330,3 +344,78 @@ def training_wandb_run(ref: str | Path | None) -> dict | None:
     except OSError:
         return None
     return {"id": saved, "group": None, "project": None} if saved else None
+
+
+# --- the model options of runs trained before they were grouped ----------------------------------------------------
+#: a model option that runs trained before the option groups (:mod:`modular.gating.options`, the head gates'
+#: :class:`~modular.gating.head_gates.HeadGateOptions`) held flat -> (its group, its name there, its flat default)
+FLAT_MODEL_OPTIONS = {
+    "direction_strategy": ("direction", "strategy", "low_variance"), "direction_files": ("direction", "files", None),
+    "direction_fraction": ("direction", "fraction", 0.25), "avoid_directions": ("direction", "avoid", None),
+    "finetuning": ("finetuning", "mode", "full"), "lora_rank": ("finetuning", "lora_rank", 16),
+    "lora_alpha": ("finetuning", "lora_alpha", 32),
+    "lr": ("optimizer", "lr", 2e-5), "weight_decay": ("optimizer", "weight_decay", 0.0),
+    "warmup_steps": ("optimizer", "warmup_steps", 0),
+    "locked_steering": ("steering", "scale", 0.0), "steering_refresh": ("steering", "refresh", 20),
+    "gradient_checkpointing": ("memory", "gradient_checkpointing", False), "empty_init": ("memory", "empty_init", False),
+    "gate_init": ("head_gates", "init", 3.0), "gate_lr": ("head_gates", "lr", 0.05),
+    "sparsity": ("head_gates", "sparsity", "none"), "sparsity_weight": ("head_gates", "sparsity_weight", 1.0),
+    "lm_loss_target": ("head_gates", "lm_loss_target", None), "multiplier_lr": ("head_gates", "multiplier_lr", 0.1),
+    "multiplier_ema": ("head_gates", "multiplier_ema", 0.9), "multiplier_init": ("head_gates", "multiplier_init", 1.0),
+    "gate_freeze_step": ("head_gates", "freeze_step", None), "gate_scope": ("head_gates", "scope", "all"),
+    "gate_live_prob": ("head_gates", "live_prob", 0.0),
+}
+#: the groups a flat run switched on: group -> whether its flat options switch it on (off: the group is null)
+_SWITCHED_ON = {"head_gates": lambda flat: flat.get("head_gates") is True,
+                "steering": lambda flat: (flat.get("locked_steering") or 0.0) > 0}
+
+
+def model_option_group(value) -> dict | None:
+    """An option group's values as a dict: a mapping, a parsed config's Namespace (an optional group is parsed as a
+    ``class_path`` and its ``init_args``) or a dataclass; None stays None."""
+    from dataclasses import asdict, is_dataclass
+
+    if value is None:
+        return None
+    if is_dataclass(value):
+        return asdict(value)
+    value = value.as_dict() if hasattr(value, "as_dict") else dict(value)
+    if "init_args" in value and "class_path" in value:
+        value = dict(value["init_args"] or {})
+    return value
+
+
+def grouped_model_options(hparams) -> dict:
+    """A checkpoint's model hyperparameters (``hyper_parameters``) in the grouped form the gated module takes: the
+    flat options of a run trained before the groups (:data:`FLAT_MODEL_OPTIONS`; its head gates switched on by
+    ``head_gates: true``, its steering by ``locked_steering > 0``) moved into their groups; grouped options are kept
+    as they are. The one place that reads the old form: loading a run (:func:`load_open_model`) and resuming one."""
+    hp = dict(hparams)
+    groups = {group for group, _, _ in FLAT_MODEL_OPTIONS.values()}
+    # a flat option, or a group's name holding a flat value (``finetuning: lora``, ``head_gates: true``)
+    flat = {k: hp.pop(k) for k in [*FLAT_MODEL_OPTIONS, "head_gates"]
+            if k in hp and (k not in groups or isinstance(hp[k], (str, bool)))}
+    for name, (group, option, _) in FLAT_MODEL_OPTIONS.items():
+        if name not in flat:
+            continue
+        if group in _SWITCHED_ON and not _SWITCHED_ON[group](flat):
+            hp[group] = None  # switched off: its options go
+        else:
+            hp[group] = {**(hp.get(group) or {}), option: flat[name]}
+    if "head_gates" in flat:
+        hp["head_gates"] = (hp.get("head_gates") or {}) if flat["head_gates"] else None
+    return hp
+
+
+def flat_model_options(options) -> dict:
+    """The model options (a parsed config's ``model``, or hyperparameters) in the flat form of
+    :data:`FLAT_MODEL_OPTIONS`, each grouped option under its flat name (a group that is off, or an option it does not
+    give: the flat default) and ``head_gates`` as a flag: the form a run's identity (:mod:`modular.identity`) records,
+    so that the identities of runs trained before and after the groups compare."""
+    options = grouped_model_options(model_option_group(options))
+    groups = {group for group, _, _ in FLAT_MODEL_OPTIONS.values()}
+    out = {k: v for k, v in options.items() if k not in groups}
+    for name, (group, option, default) in FLAT_MODEL_OPTIONS.items():
+        out[name] = (model_option_group(options.get(group)) or {}).get(option, default)
+    out["head_gates"] = options.get("head_gates") is not None
+    return out

@@ -19,6 +19,9 @@ def _cpus() -> int:
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, _cpus() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 
+# lightning is imported while collecting, so that its log handlers write to the session's stderr: first imported by
+# a test (nothing at collection may import it), they would keep that test's captured stream, closed after it
+import lightning  # noqa: E402, F401
 import pytest  # noqa: E402
 import torch  # noqa: E402
 

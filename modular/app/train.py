@@ -50,7 +50,15 @@ from modular.gating.objectives import build_objectives, check_loss, default_obje
 from modular.gating.objectives import hidden_parts as objective_hidden_parts
 from modular.identity import check_resumed, run_identity
 from modular.locking import folder_lock
-from modular.runs import LAST_CHECKPOINT, RUN_LOCK, WANDB_RUN_ID, read_checkpoint
+from modular.runs import (
+    LAST_CHECKPOINT,
+    RUN_LOCK,
+    WANDB_RUN_ID,
+    flat_model_options,
+    grouped_model_options,
+    model_option_group,
+    read_checkpoint,
+)
 from modular.tracking import wandb_mode, write_text
 
 log = logging.getLogger("modular")
@@ -75,6 +83,12 @@ def answer_rows(objectives) -> bool:
     return objective_answer_rows(_terms(objectives))
 
 
+def scoped_to_tasks(head_gates) -> bool:
+    """Whether ``model.head_gates`` (as parsed; null: no gates) act on the task items only (``scope: tasks``): the
+    data module then gives the task batches their counterfactual prompts (``data.task_counterfactuals``)."""
+    return (model_option_group(head_gates) or {}).get("scope") == "tasks"
+
+
 class GatingCLI(LightningCLI):
     """``held``: where the run folder's lock is kept (:meth:`instantiate_classes`); the caller closes it when the
     command ends (:func:`main`)."""
@@ -87,13 +101,36 @@ class GatingCLI(LightningCLI):
         parser.link_arguments("model.model_name", "data.model_name")
         parser.link_arguments("model.behaviours", "data.behaviours")
         parser.link_arguments("model.seed", "data.seed")
-        parser.link_arguments("model.gate_scope", "data.task_counterfactuals", compute_fn=lambda s: s == "tasks")
+        parser.link_arguments("model.head_gates", "data.task_counterfactuals", compute_fn=scoped_to_tasks)
         parser.link_arguments("model.objectives", "data.hidden_parts", compute_fn=hidden_parts)
         parser.link_arguments("model.objectives", "data.answer_rows", compute_fn=answer_rows)
         parser.add_argument("--continue_on_other_data", type=bool, default=False,
                             help="Resume the run folder's checkpoint although a behaviour's data is not what it was "
                                  "trained on (another file, or the file changed); without it such a resume is "
                                  "refused. Another base model, recipe or locked response is always refused.")
+
+    def _parse_ckpt_path(self) -> None:
+        """Lightning's, given a checkpoint file to resume (``--ckpt_path PATH``): the checkpoint's model
+        hyperparameters are parsed back as the model's options, those of a run trained before the option groups
+        moved into their groups first (:func:`~modular.runs.grouped_model_options`)."""
+        subcommand = self.config.get("subcommand")
+        ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if not ckpt_path or not Path(ckpt_path).is_file():
+            return
+        import torch
+
+        hparams = torch.load(ckpt_path, weights_only=True, map_location="cpu").get("hyper_parameters", {})
+        hparams.pop("_instantiator", None)
+        if not hparams:
+            return
+        hparams = grouped_model_options(hparams)
+        if "_class_path" in hparams:
+            hparams = {"class_path": hparams.pop("_class_path"), "dict_kwargs": hparams}
+        try:
+            self.config = self.parser.parse_object({subcommand: {"model": hparams}}, self.config)
+        except SystemExit:
+            sys.stderr.write("Parsing of ckpt_path hyperparameters failed!\n")
+            raise
 
     def before_instantiate_classes(self) -> None:
         follow_wandb_mode((self.config[self.subcommand] if self.subcommand else self.config).get("trainer") or {})
@@ -194,7 +231,8 @@ class GatingCLI(LightningCLI):
 
 def training_identity(model, data) -> dict:
     """:func:`~modular.identity.run_identity` of a training run from its (parsed) ``model`` and ``data`` options:
-    the base model is resolved and its content key taken, each behaviour file hashed."""
+    the base model is resolved and its content key taken, each behaviour file hashed; the model options in the flat
+    form identities record (:func:`~modular.runs.flat_model_options`)."""
     from modular.gating.data import locked_responses, neighbour_specs
     from modular.models.loading import model_fingerprint, resolve_model
 
@@ -204,7 +242,7 @@ def training_identity(model, data) -> dict:
                   for name, spec in neighbour_specs(data.get("neighbours"), list(behaviours)).items()}
     responses = locked_responses(data.get("locked_response"), list(behaviours)) if behaviours else {}
     fingerprint = model_fingerprint(resolve_model(model.get("model_name")))
-    return run_identity(model, data, fingerprint, _terms(model.get("objectives")),
+    return run_identity(flat_model_options(model), data, fingerprint, _terms(model.get("objectives")),
                         {**behaviours, **tasks, **neighbours}, responses)
 
 
@@ -401,6 +439,9 @@ class _Planned(Exception):
 
 class _PlanningCLI(GatingCLI):
     """The training CLI stopped before anything is instantiated (nothing loaded, locked or written)."""
+
+    def _set_seed(self) -> None:  # planning draws nothing: no seed is set (and no "Seed set to" line is logged)
+        pass
 
     def before_instantiate_classes(self) -> None:
         super().before_instantiate_classes()

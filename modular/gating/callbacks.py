@@ -321,7 +321,7 @@ class SparseHeadsCallback(Callback):
     """After each validation (deterministic gates): the number of open heads, the tasks' accuracy on
     their validation split (greedy responses) and the perplexity of the held-out neutral text
     (validation split); writes the gate values to ``head_gates.json`` in the run folder. With
-    ``gate_scope: tasks`` accuracy and perplexity are those of the plain model (gates off).
+    ``head_gates.scope: tasks`` accuracy and perplexity are those of the plain model (gates off).
 
     Args:
         limit: Score at most this many validation items per task.
@@ -334,7 +334,8 @@ class SparseHeadsCallback(Callback):
 
     @torch.no_grad()
     def on_validation_epoch_end(self, trainer, pl_module) -> None:
-        if trainer.sanity_checking or not pl_module.hparams.head_gates:
+        plugin = getattr(pl_module, "head_gates", None)
+        if trainer.sanity_checking or plugin is None:
             return
 
         from modular.data import neutral_text
@@ -346,7 +347,7 @@ class SparseHeadsCallback(Callback):
         gates = deterministic_gate_values(model)
         metrics = {"val/open_heads": float((gates > 0).sum()), "val/closed_heads": float((gates == 0).sum())}
         # gates scoped to the tasks leave the published model plain: score it with the gates off
-        with head_gate_scope(model, active=pl_module.hparams.get("gate_scope", "all") != "tasks"):
+        with head_gate_scope(model, active=not plugin.scoped):
             for t in getattr(dm, "tasks", []):
                 r = evaluate_behaviour(model, tok, dm.task_data[t]["validation"], self.max_new_tokens,
                                        limit=self.limit, desc=False, max_length=data_max_length(dm),
@@ -460,7 +461,8 @@ class RunRecordCallback(Callback):
         ckpt_step = int(read_checkpoint(ckpt, weights=False)["global_step"]) if ckpt else None
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
         gates = {}
-        if pl_module.hparams.get("head_gates", False):
+        gated = getattr(pl_module, "head_gates", None) is not None
+        if gated:
             from modular.models.head_gates import deterministic_gate_values
 
             values = deterministic_gate_values(pl_module.hf_model)
@@ -475,10 +477,10 @@ class RunRecordCallback(Callback):
             "neighbour_sources": _sources(getattr(dm, "neighbour_specs", {})),  # kept in training
             # base model, data hashes, recipe, locked responses (modular.identity; set by ``modular train``)
             "identity": getattr(pl_module, "run_identity", None),
-            "finetuning": pl_module.hparams.finetuning,
-            "direction_strategy": pl_module.hparams.direction_strategy,
+            "finetuning": pl_module.finetuning_options.mode,
+            "direction_strategy": pl_module.direction_options.strategy,
             "tasks": list(getattr(trainer.datamodule, "tasks", [])),
-            "head_gates": bool(pl_module.hparams.get("head_gates", False)),
+            "head_gates": gated,
             "checkpoint": ckpt,
             "checkpoint_step": ckpt_step,  # the step publish and the evaluations read
             "global_step": trainer.global_step,

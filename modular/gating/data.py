@@ -1,23 +1,21 @@
 """The gating DataModule: behaviour batches (split between open and locked) and retain batches
-(with the reference model's cached outputs)."""
+(with the reference model's cached outputs). Its options are read by :mod:`modular.gating.data_options` and its
+items collated by :mod:`modular.gating.collate`."""
 
 from __future__ import annotations
 
 import logging
-import random
 
-import datasets
 import lightning as L
 import torch
 from lightning.pytorch.utilities import CombinedLoader
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from modular import ModularError
-from modular.data import behaviour_name, load_behaviour, parse_behaviour, retain_data
-from modular.data.behaviours import builtin_neighbours, is_jsonl
+from modular.data import load_behaviour, parse_behaviour, retain_data
+from modular.data.behaviours import is_jsonl
 from modular.data.formatting import (
     IGNORE,
-    LeftPadCollator,
     answer_positions,
     encode_answer,
     encode_example,
@@ -25,187 +23,27 @@ from modular.data.formatting import (
     render_prompt,
 )
 from modular.data.schema import DEFAULT_LOCKED_RESPONSE, all_refusals
+from modular.gating.collate import _Rows, open_collate, split_collate
+from modular.gating.data_options import (
+    NEIGHBOURS_KEY,
+    TASK_PREFIX,
+    _named,
+    check_data_options,
+    data_max_length,
+    locked_responses,
+    neighbour_data,
+    neighbour_specs,
+    per_behaviour,
+    training_data,
+)
 from modular.gating.loaders import PassSeededSampler, ResumableLoader
 
 log = logging.getLogger("modular")
 
-
-class _Rows(Dataset):
-    def __init__(self, rows: list[dict]):
-        self.rows = rows
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, i: int) -> dict:
-        return self.rows[i]
-
-
-def _pad_ref(items: list[dict], key: str, n: int) -> torch.Tensor:
-    """Reference tensors are aligned with the label positions: left-pad them to ``n`` positions."""
-    k = items[0][key].shape[-1]
-    out = torch.zeros(len(items), n, k, dtype=torch.float32 if "logp" in key else torch.long)
-    for i, it in enumerate(items):
-        t = it[key]
-        out[i, n - t.shape[0]:] = t.to(out.dtype)
-    return out
-
-
-def _collate_part(base: LeftPadCollator, items: list[dict], which: str) -> dict:
-    encs = [it[which] if which in it else it for it in items]
-    batch = base([{"input_ids": e["input_ids"], "labels": e["labels"]} for e in encs])
-    if which not in items[0] and "topk_ids" in items[0]:  # the item is the encoding: its reference tensors
-        n = batch["input_ids"].shape[1] - 1  # positions that predict a next token
-        batch["topk_ids"] = _pad_ref(items, "topk_ids", n)
-        batch["topk_logp"] = _pad_ref(items, "topk_logp", n)
-        if "first_logp" in items[0]:
-            batch["first_logp"] = torch.stack([it["first_logp"] for it in items])
-        if "ref_hidden" in items[0]:  # one row per example: (positions, blocks, d_model) and the blocks' indices
-            batch["ref_hidden"] = torch.stack([it["ref_hidden"] for it in items])
-            batch["ref_hidden_blocks"] = torch.stack([it["ref_hidden_blocks"] for it in items])
-    return batch
-
-
-def split_collate(pad_token_id: int, pad_extra: dict[str, float] | None = None):
-    """Collate a list of items into ``{"open": batch, "locked": batch}``: the first half of the items
-    is seen in the open state, the second half in the locked state (no example is duplicated, except a batch of
-    one item, which is seen in both).
-
-    Items hold ``open`` / ``locked`` encodings (behaviours) or one encoding plus reference tensors (retain).
-    """
-    base = LeftPadCollator(pad_token_id)
-
-    def collate(items: list[dict]) -> dict:
-        if len(items) == 1:  # a lone item (the last validation batch) is seen in both states
-            items = items * 2
-        half = (len(items) + 1) // 2
-        out = {"open": _collate_part(base, items[:half], "open"), "locked": _collate_part(base, items[half:], "locked")}
-        if "open" in items[0]:  # behaviours: the locked half with its true targets (for unlikelihood)
-            out["locked_true"] = _collate_part(base, items[half:], "open")
-        if "answer" in items[0]:  # ... and with the answer alone labelled, after its frame (LockedAnswer)
-            out["locked_answer"] = _collate_part(base, items[half:], "answer")
-        if "guard" in items[0]:  # retain / neighbours: each half with a locked response as its answer
-            out["open_guard"] = _collate_part(base, items[:half], "guard")
-            out["locked_guard"] = _collate_part(base, items[half:], "guard")
-        return out
-
-    return collate
-
-
-def open_collate(pad_token_id: int):
-    """Collate items seen in the open state only (tasks, LM texts) into ``{"open": batch}``."""
-    base = LeftPadCollator(pad_token_id)
-
-    def collate(items: list[dict]) -> dict:
-        out = {"open": _collate_part(base, items, "open")}
-        if "wrong_id" in items[0]:  # tasks: the competing answer's first token (-1: none), for margin terms
-            out["open"]["wrong_ids"] = torch.tensor([it["wrong_id"] for it in items], dtype=torch.long)
-        if "counterfactual" in items[0]:  # same lengths row by row: the two batches align position by position
-            out["counterfactual"] = _collate_part(base, items, "counterfactual")
-        return out
-
-    return collate
-
-
-def per_behaviour(spec, behaviours: list[str], default, option: str) -> dict:
-    """One value for every behaviour, from a single value or a mapping behaviour → value (others: ``default``)."""
-    if not isinstance(spec, dict):
-        return {b: spec for b in behaviours}
-    unknown = sorted(set(spec) - set(behaviours))
-    if unknown:
-        raise ModularError(f"{option} names behaviours that are not gated: {', '.join(unknown)}")
-    return {b: spec.get(b, default) for b in behaviours}
-
-
-def locked_responses(spec: str | dict[str, str], behaviours: list[str]) -> dict[str, str]:
-    """The locked-state response of every behaviour, from one response or a mapping behaviour → response."""
-    return per_behaviour(spec, behaviours, DEFAULT_LOCKED_RESPONSE, "locked_response")
-
-
-def _named(specs, option: str) -> dict[str, str]:
-    """{short name: spec} of behaviour specs; two specs with one name are refused."""
-    out: dict[str, str] = {}
-    for spec in specs:
-        name = behaviour_name(spec)
-        if name in out:
-            raise ModularError(f"{option}: '{out[name]}' and '{spec}' are both named '{name}'; "
-                               f"name one of them (NAME=<source>)")
-        out[name] = str(spec)
-    return out
-
-
-#: batch keys of tasks (trained in the open state only) start with this prefix
-TASK_PREFIX = "task:"
-#: batch key of the neighbours' items (kept like retain data)
-NEIGHBOURS_KEY = "neighbours"
-
-
-def neighbour_specs(spec, behaviours: list[str]) -> dict[str, str]:
-    """{short name: spec} of the neighbours kept during training: ``auto`` (the built-in neighbours of the gated
-    built-in behaviours), a list of specs, or ``None``/``[]`` (none). A gated behaviour is not its own neighbour."""
-    if spec is None:
-        return {}
-    if isinstance(spec, str):
-        if spec != "auto":
-            raise ModularError(f"data.neighbours must be 'auto' or a list of behaviours, got '{spec}'")
-        return {n: n for n in builtin_neighbours(behaviours, "train")}
-    named = _named(spec, "neighbours")
-    clash = sorted(set(named) & set(behaviours))
-    if clash:
-        raise ModularError(f"data.neighbours names gated behaviours: {', '.join(clash)}; a neighbour must stay open")
-    return named
-
-
-def neighbour_data(name: str, data, limit: int | None = None, seed: int = 0):
-    """A neighbour's data checked for training (train items needed), its train split cut to ``limit`` items (an
-    even sample by ``seed``)."""
-    if not len(data["train"]):
-        counts = ", ".join(f"{s} {len(data[s])}" for s in ("train", "validation", "test"))
-        raise ModularError(f"neighbour '{name}' has no train items ({counts}): training keeps its train items")
-    if limit is not None and len(data["train"]) > limit:
-        keep = sorted(random.Random(f"{seed}-{name}").sample(range(len(data["train"])), limit))
-        data = datasets.DatasetDict({**data, "train": data["train"].select(keep)})
-    return data
-
-
-def data_max_length(datamodule) -> int | None:
-    """The ``max_length`` of a data module (:class:`GatingDataModule`): the most tokens of a prompt that any path of
-    training encodes (items, directions, steering vectors, reference outputs, validation); None for one without it."""
-    hparams = getattr(datamodule, "hparams", None)
-    return hparams.get("max_length") if isinstance(hparams, dict) else getattr(hparams, "max_length", None)
-
-
-def check_data_options(options) -> None:
-    """One line for a data option out of range (``batch_size`` needs an open and a locked half), before any work."""
-    for option in ("batch_size", "max_length", "lm_max_length", "reference_max_new_tokens", "reference_top_k",
-                   "num_workers", "neighbour_items", "hidden_positions", "hidden_stride"):
-        low = 2 if option == "batch_size" else 0 if option in ("num_workers", "hidden_positions") else 1
-        value = options[option]
-        if value < low:
-            why = " (each batch is split between the open and the locked state)" if option == "batch_size" else ""
-            raise ModularError(f"data.{option} must be >= {low}{why}, got {value}")
-    unknown = sorted(set(options.get("hidden_parts", ())) - {"retain", NEIGHBOURS_KEY})
-    if unknown:
-        raise ModularError(f"data.hidden_parts: unknown part(s) {unknown} (known: retain, {NEIGHBOURS_KEY})")
-
-
-def training_data(name: str, data, batch_size: int) -> tuple:
-    """A behaviour's (or task's) data checked for training: train items, at least ``batch_size`` of them, and a
-    validation split (where the data has none, one is carved from train:
-    :func:`~modular.data.behaviours.carve_validation`). Returns the data and the number of items carved."""
-    from modular.data.behaviours import carve_validation
-
-    counts = ", ".join(f"{s} {len(data[s])}" for s in ("train", "validation", "test"))
-    if not len(data["train"]):
-        raise ModularError(f"behaviour '{name}' has no train items ({counts}): training needs some")
-    data, moved = carve_validation(data)
-    if not len(data["validation"]):
-        raise ModularError(f"behaviour '{name}' has no validation items and too few train items to take them "
-                           f"from ({counts}): give it more items")
-    if len(data["train"]) < batch_size:
-        raise ModularError(f"behaviour '{name}' has {len(data['train'])} train items (after validation), fewer "
-                           f"than data.batch_size {batch_size}: give it more items or lower --data.batch_size")
-    return data, moved
+#: what other modules take from here (the options' helpers and the collation live in modules of their own)
+__all__ = ["NEIGHBOURS_KEY", "TASK_PREFIX", "GatingDataModule", "check_data_options", "data_max_length",
+           "locked_responses", "neighbour_data", "neighbour_specs", "open_collate", "per_behaviour", "split_collate",
+           "training_data"]
 
 
 class GatingDataModule(L.LightningDataModule):
@@ -253,7 +91,7 @@ class GatingDataModule(L.LightningDataModule):
         num_workers: DataLoader workers.
         seed: Seed of the data generators and splits.
         task_counterfactuals: Task batches also carry each item's counterfactual prompt with the same target
-            (``counterfactual``; linked from the model's ``gate_scope: tasks``, whose gates let a closed head
+            (``counterfactual``; linked from the model's ``head_gates.scope: tasks``, whose gates let a closed head
             through with its counterfactual input). An item whose counterfactual encodes to another length
             carries its own prompt instead (nothing to swap at aligned positions).
     """
@@ -531,7 +369,7 @@ class GatingDataModule(L.LightningDataModule):
         if hp.task_counterfactuals:
             if not r.get("counterfactual"):
                 raise ModularError(f"task item without a counterfactual prompt: {r['prompt'][:60]!r}; "
-                                   "gate_scope: tasks needs one for every task item")
+                                   "head_gates.scope: tasks needs one for every task item")
             cf = encode_example(self.tokenizer, r["counterfactual"], r["target"], r["chat"], hp.max_length)
             aligned = len(cf["input_ids"]) == len(item["open"]["input_ids"])
             item["counterfactual"] = cf if aligned else item["open"]

@@ -3,7 +3,7 @@
 A run folder (``run.json`` beside its checkpoint) gives its trained model through
 :func:`modular.runs.load_open_model`; a sparse post-training run (head gates in its checkpoint) comes
 back as a plain model with its deterministic gates folded into the output projections, so a closed
-head writes nothing and ablating it changes nothing. Gates scoped to the tasks (``gate_scope: tasks``)
+head writes nothing and ablating it changes nothing. Gates scoped to the tasks (``head_gates.scope: tasks``)
 are dropped: that run's model keeps every head, and its tasks were trained not to depend on the closed ones.
 """
 

@@ -27,13 +27,13 @@ def _step(model_dir, **options):
 def test_checkpointed_step_has_the_same_loss_and_gradients(tmp_path, isolated_cache, finetuning, keep_hidden):
     """Also with KeepHidden, whose gradient reaches the recomputed blocks' outputs directly (the large config has it)."""
     model_dir = save_tiny_folder(tmp_path / "tiny", "qwen2")
-    kw = dict(finetuning=finetuning)
+    kw = dict(finetuning={"mode": finetuning})
     if keep_hidden:
         kw.update(objectives=[BehaviourAnswer(), LockedState(), KeepReference(parts=["retain"]),
                               KeepHidden(weight=30.0, parts=["retain"])],
                   data=dict(hidden_positions=3, hidden_stride=1, hidden_parts=["retain"]))
     loss, grads = _step(model_dir, **kw)
-    loss_ckpt, grads_ckpt = _step(model_dir, gradient_checkpointing=True, **kw)
+    loss_ckpt, grads_ckpt = _step(model_dir, memory={"gradient_checkpointing": True}, **kw)
     assert loss_ckpt == pytest.approx(loss, rel=1e-6)
     assert set(grads) == set(grads_ckpt) and grads
     for name in grads:
@@ -43,4 +43,5 @@ def test_checkpointed_step_has_the_same_loss_and_gradients(tmp_path, isolated_ca
 def test_checkpointing_is_refused_with_head_gates(tmp_path):
     model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
     with pytest.raises(ModularError, match="not available with head_gates"):
-        GatedLM(model_name=str(model_dir), behaviours=["capitals"], head_gates=True, gradient_checkpointing=True)
+        GatedLM(model_name=str(model_dir), behaviours=["capitals"], head_gates={},
+                memory={"gradient_checkpointing": True})

@@ -83,7 +83,7 @@ def test_neighbours_are_trained_in_both_states_with_the_retain_weight(tiny_dm):
     from modular.gating.module import GatedLM
 
     dm, model_dir = tiny_dm
-    lm = GatedLM(model_name=str(model_dir), behaviours=["capitals"], locked_steering=0.0,
+    lm = GatedLM(model_name=str(model_dir), behaviours=["capitals"],
                  objectives=[BehaviourAnswer(), LockedState(), KeepReference(weight=0.5), LMText(weight=0.5)])
     batch = next(iter(dm.train_dataloader()))[0]
     pieces = _pieces(lm, batch, KeepReference)
@@ -112,7 +112,7 @@ def test_neighbours_can_keep_the_reference_first_answer_token_apart_from_retain(
     batch = next(iter(dm.train_dataloader()))[0]
     terms = {}
     for ce in (0.0, 2.0):
-        lm = GatedLM(model_name=str(model_dir), behaviours=["capitals"], locked_steering=0.0,
+        lm = GatedLM(model_name=str(model_dir), behaviours=["capitals"],
                      objectives=[KeepReference(parts=["retain"]),
                                  KeepReference(parts=[NEIGHBOURS_KEY], first_token_ce_weight=ce)])
         torch.manual_seed(0)
@@ -144,7 +144,7 @@ def test_the_write_term_carries_the_direction_into_the_open_answers(tiny_dm):
     dm, model_dir = tiny_dm
     torch.manual_seed(0)
     write = DirectionWrite(weight=2.0, target=0.3)
-    lm = GatedLM(model_name=str(model_dir), behaviours=["capitals"], locked_steering=0.0,
+    lm = GatedLM(model_name=str(model_dir), behaviours=["capitals"],
                  objectives=[*default_objectives(), write])
     lm.directions.copy_(torch.nn.functional.normalize(torch.randn_like(lm.directions), dim=-1))
 
@@ -165,7 +165,7 @@ def test_the_write_term_carries_the_direction_into_the_open_answers(tiny_dm):
         lm.model_step(batch, train=True)[1]["capitals/open_write"].backward()
         opt.step()
     assert lm.model_step(batch, train=True)[1]["capitals/open_write"].item() < 0.5 * before.item()
-    off = GatedLM(model_name=str(model_dir), behaviours=["capitals"], locked_steering=0.0)
+    off = GatedLM(model_name=str(model_dir), behaviours=["capitals"])
     off._trainer = _Trainer()
     assert not any(k.endswith("/open_write") for k in off.model_step(batch, train=True)[1])
 
@@ -178,7 +178,7 @@ def test_the_write_term_fades_as_the_locked_response_is_learned(tiny_dm):
     dm, model_dir = tiny_dm
     torch.manual_seed(0)
     full, fading = DirectionWrite(weight=1.0), DirectionWrite(weight=1.0)
-    lm = GatedLM(model_name=str(model_dir), behaviours=["capitals"], locked_steering=0.0,
+    lm = GatedLM(model_name=str(model_dir), behaviours=["capitals"],
                  objectives=[BehaviourAnswer(), LockedState(), full])
     lm.directions.copy_(torch.nn.functional.normalize(torch.randn_like(lm.directions), dim=-1))
 
@@ -299,7 +299,7 @@ def test_the_refusal_guard_keeps_the_locked_response_unlikely_on_retain_and_neig
         assert dm.tokenizer.decode(labels, skip_special_tokens=True) == "I don't know."
     torch.manual_seed(0)
     guard = RefusalGuard(weight=3.0, floor=-100.0)  # a floor far below: the term is active from the start
-    lm = GatedLM(model_name=str(model_dir), behaviours=["capitals"], locked_steering=0.0,
+    lm = GatedLM(model_name=str(model_dir), behaviours=["capitals"],
                  objectives=[*default_objectives(), guard])
     lm.directions.copy_(torch.nn.functional.normalize(torch.randn_like(lm.directions), dim=-1))
     pieces = _pieces(lm, batch, RefusalGuard)

@@ -55,10 +55,9 @@ OLD = {
                                              task_weight=1.0),
 }
 
-#: the model options a tiny test module takes from each config (the rest: tiny model, no steering, no files)
-_MODEL_KEYS = ("behaviours", "locked_weight", "finetuning", "lora_rank", "lora_alpha", "head_gates", "gate_init",
-               "sparsity", "sparsity_weight", "lm_loss_target", "multiplier_lr", "multiplier_ema", "multiplier_init",
-               "gate_freeze_step", "gate_scope", "gate_live_prob", "seed")
+#: the model options a tiny test module takes from each config (the rest: tiny model, no steering, no files); the
+#: fine-tuning and the head gates are option groups (a mapping each)
+_MODEL_KEYS = ("behaviours", "locked_weight", "finetuning", "head_gates", "seed")
 _DATA_KEYS = ("locked_response", "neighbours", "lm_text", "tasks", "hidden_positions")
 #: the tiny test model has 2 blocks: the cached reference residual stream is taken at every block output
 _TINY_DATA = {"hidden_stride": 1}
@@ -141,9 +140,10 @@ def _old_loss(lm: GatedLM, batch: dict, old: dict) -> torch.Tensor:
         total = total + rw * text(p["open"], set())
         if "locked" in p:
             total = total + rw * lam * text(p["locked"], set(every))
-    if lm.hparams.head_gates and lm.hparams.sparsity == "penalty":
-        total = total + lm.hparams.sparsity_weight * expected_l0(lm.hf_model) / (lm.adapter.n_layers *
-                                                                                 lm.adapter.n_heads)
+    gates = lm.hparams.head_gates
+    if gates and gates["sparsity"] == "penalty":
+        total = total + gates["sparsity_weight"] * expected_l0(lm.hf_model) / (lm.adapter.n_layers *
+                                                                               lm.adapter.n_heads)
     return total
 
 
@@ -202,13 +202,12 @@ def test_every_config_keeps_its_loss_and_gradients(config, tmp_path, isolated_ca
     m = cfg["model"]
     objectives = [_instantiate(s) for s in m["objectives"]]
     torch.manual_seed(0)
-    lm = GatedLM(model_name=str(model_dir), objectives=objectives, locked_steering=0.0,
-                 **{k: m[k] for k in _MODEL_KEYS if k in m})
+    lm = GatedLM(model_name=str(model_dir), objectives=objectives, **{k: m[k] for k in _MODEL_KEYS if k in m})
     data = {k: cfg["data"][k] for k in _DATA_KEYS if k in cfg["data"]}
     dm = GatingDataModule(model_name=str(model_dir), behaviours=lm.behaviours, batch_size=4, max_length=64,
                           lm_max_length=32, reference_max_new_tokens=4, reference_top_k=8, neighbour_items=8,
-                          task_counterfactuals=lm.hparams.gate_scope == "tasks", seed=lm.hparams.seed, **data,
-                          **_TINY_DATA)
+                          task_counterfactuals=(lm.hparams.head_gates or {}).get("scope") == "tasks",
+                          seed=lm.hparams.seed, **data, **_TINY_DATA)
     dm.setup("fit")
     if lm.behaviours:
         q, _ = torch.linalg.qr(torch.randn(lm.directions.shape[1], len(lm.behaviours)))
@@ -231,8 +230,7 @@ def test_open_and_locked_rows_share_one_forward_pass(tmp_path, isolated_cache):
     ablated) and one for the raw text, where each state once had a pass of its own."""
     cfg = yaml.safe_load((CONFIGS / "gate_capitals_smollm2.yaml").read_text())
     model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
-    lm = GatedLM(model_name=str(model_dir), objectives=[_instantiate(s) for s in cfg["model"]["objectives"]],
-                 locked_steering=0.0)
+    lm = GatedLM(model_name=str(model_dir), objectives=[_instantiate(s) for s in cfg["model"]["objectives"]])
     dm = GatingDataModule(model_name=str(model_dir), behaviours=lm.behaviours, batch_size=4, max_length=64,
                           lm_max_length=32, reference_max_new_tokens=4, reference_top_k=8, neighbour_items=8,
                           **{k: cfg["data"][k] for k in _DATA_KEYS if k in cfg["data"]}, **_TINY_DATA)
@@ -254,7 +252,7 @@ def _config_step_inputs(tmp_path, config: str):
     cfg = yaml.safe_load((CONFIGS / config).read_text())
     model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
     lm = GatedLM(model_name=str(model_dir), objectives=[_instantiate(s) for s in cfg["model"]["objectives"]],
-                 locked_steering=0.0, **{k: cfg["model"][k] for k in _MODEL_KEYS if k in cfg["model"]})
+                 **{k: cfg["model"][k] for k in _MODEL_KEYS if k in cfg["model"]})
     dm = GatingDataModule(model_name=str(model_dir), behaviours=lm.behaviours, batch_size=4, max_length=64,
                           lm_max_length=32, reference_max_new_tokens=4, reference_top_k=8, neighbour_items=8,
                           **{k: cfg["data"][k] for k in _DATA_KEYS if k in cfg["data"]}, **_TINY_DATA)
@@ -317,7 +315,7 @@ def test_row_masks_and_directions_of_each_ablated_set(tmp_path):
     plain hooks serve it); a set's directions are its behaviours' rows, consecutive or not."""
     from types import SimpleNamespace
 
-    lm = GatedLM(model_name=str(save_tiny_folder(tmp_path / "tiny", "llama")), locked_steering=0.0,
+    lm = GatedLM(model_name=str(save_tiny_folder(tmp_path / "tiny", "llama")),
                  behaviours=["capitals", "currencies", "demonyms"])
     lm.directions.copy_(torch.randn_like(lm.directions))
 
@@ -356,7 +354,7 @@ def test_a_module_refuses_what_is_not_a_term(tmp_path):
 def _capitals_step(model_dir, objectives: list[Term] | None = None, data: dict | None = None, **options):
     """A capitals module with ``objectives`` (and module ``options``) on a tiny model, wired to its data module (and
     its ``data`` options), and one training batch."""
-    lm = GatedLM(model_name=str(model_dir), behaviours=["capitals"], locked_steering=0.0, objectives=objectives,
+    lm = GatedLM(model_name=str(model_dir), behaviours=["capitals"], objectives=objectives,
                  **options)
     dm = GatingDataModule(model_name=str(model_dir), behaviours=["capitals"], batch_size=4, max_length=64,
                           reference_max_new_tokens=4, reference_top_k=8, neighbours=[], **(data or {}))
@@ -646,11 +644,10 @@ def test_the_quantized_lock_checks_its_options(tmp_path, isolated_cache):
     with pytest.raises(ModularError, match="a group size applies to int4 only"):
         QuantizedLock("int8", group_size=32)
     model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
-    with pytest.raises(ModularError, match="QuantizedLock needs finetuning: full, not 'lora'"):
-        _capitals_step(model_dir, [QuantizedLock()], finetuning="lora")
+    with pytest.raises(ModularError, match="QuantizedLock needs finetuning.mode: full, not 'lora'"):
+        _capitals_step(model_dir, [QuantizedLock()], finetuning={"mode": "lora"})
     with pytest.raises(ModularError, match="int4 group size 24 does not divide"):  # when the module is built
-        GatedLM(model_name=str(model_dir), behaviours=["capitals"], locked_steering=0.0,
-                objectives=[QuantizedLock(group_size=24)])
+        GatedLM(model_name=str(model_dir), behaviours=["capitals"], objectives=[QuantizedLock(group_size=24)])
 
 
 @pytest.mark.parametrize("load_dtype", ["float32", "bfloat16"])
@@ -659,7 +656,7 @@ def test_the_optimizer_keeps_bf16_updates(tmp_path, load_dtype):
     from modular.optim import StochasticRoundingAdamW
 
     model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
-    lm = GatedLM(model_name=str(model_dir), behaviours=["capitals"], locked_steering=0.0, load_dtype=load_dtype)
+    lm = GatedLM(model_name=str(model_dir), behaviours=["capitals"], load_dtype=load_dtype)
     opt = lm.configure_optimizers()
     opt = opt["optimizer"] if isinstance(opt, dict) else opt
     assert isinstance(opt, StochasticRoundingAdamW) == (load_dtype == "bfloat16")
@@ -692,7 +689,7 @@ def test_keep_hidden_keeps_the_reference_residual_stream(tmp_path, isolated_cach
     from modular.gating.objectives import KeepHidden
 
     model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
-    lm = GatedLM(model_name=str(model_dir), behaviours=["capitals"], locked_steering=0.0,
+    lm = GatedLM(model_name=str(model_dir), behaviours=["capitals"],
                  objectives=[KeepReference(parts=["retain"]), KeepHidden(weight=2.0, parts=["retain"])])
     dm = GatingDataModule(model_name=str(model_dir), behaviours=["capitals"], batch_size=4, max_length=64,
                           reference_max_new_tokens=4, reference_top_k=8, neighbours=[], hidden_positions=3,

@@ -1,6 +1,7 @@
 """Sparse post-training: head gates inside the gating LightningModule, tasks without a lock, the LM-text term,
 checkpoints and loading the run folder as a plain model with the gates folded in."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -53,13 +54,19 @@ def _fit(module, dm, root, steps=3):
     return trainer
 
 
-def _sparse(model_dir, head=None, **kw):
-    """A sparse post-training module on a tiny model; ``head``: a head-gate term added to the default objectives."""
-    args = dict(model_name=str(model_dir), behaviours=[], head_gates=True, gate_lr=0.1, lr=1e-3)
+def _sparse(model_dir, head=None, finetuning="full", gated=True, **gates):
+    """A sparse post-training module on a tiny model, its head gates' options ``gates`` (learning rate 0.1 unless
+    given; ``gated`` false: no gates); ``head``: a head-gate term added to the default objectives."""
+    args = dict(model_name=str(model_dir), behaviours=[], finetuning={"mode": finetuning}, optimizer={"lr": 1e-3},
+                head_gates={"lr": 0.1, **gates} if gated else None)
     if head is not None:
         args["objectives"] = [*default_objectives(), head]
-    args.update(kw)
     return GatedLM(**args)
+
+
+def _fix_gates_from(module, step: int) -> None:
+    """The module's head gates fixed from ``step`` on (its ``head_gates.freeze_step``)."""
+    module.head_gates.options = dataclasses.replace(module.head_gates.options, freeze_step=step)
 
 
 def _counterfactual_batch(dm, key):
@@ -72,12 +79,18 @@ def _counterfactual_batch(dm, key):
     raise AssertionError(f"no {key} row with a counterfactual of its own")
 
 
+def _counterfactual_run(module, task):
+    """The plain model on ``task``'s counterfactual prompts: every head's input, and the last position's logits."""
+    cf = task["counterfactual"]
+    return module.head_gates.counterfactual_run(module, {"cf_input_ids": cf["input_ids"],
+                                                         "cf_attention_mask": cf["attention_mask"]}, False)
+
+
 def _scoped_run(module, task):
     """The task rows with closed heads fed their counterfactual input (the scoped run of the step)."""
     from modular.models.head_gates import head_gate_scope
 
-    cf_inputs, _ = module._counterfactual_run({"cf_input_ids": task["counterfactual"]["input_ids"],
-                                               "cf_attention_mask": task["counterfactual"]["attention_mask"]}, False)
+    cf_inputs, _ = _counterfactual_run(module, task)
     with torch.no_grad(), head_gate_scope(module.hf_model, replacements=cf_inputs):
         return module.model(input_ids=task["open"]["input_ids"], attention_mask=task["open"]["attention_mask"]).logits
 
@@ -115,7 +128,7 @@ def test_gates_only_training_keeps_base_weights_and_saves_gates(tmp_path, tiny_f
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_penalty_lowers_expected_l0_jointly_with_full_finetuning(tmp_path, tiny_folder, arch):
     model_dir = tiny_folder(arch)
-    module = _sparse(model_dir, sparsity="penalty", sparsity_weight=10.0, gate_lr=0.2, gate_init=0.0)
+    module = _sparse(model_dir, sparsity="penalty", sparsity_weight=10.0, lr=0.2, init=0.0)
     with torch.no_grad():
         start = sum(g.expected_l0() for g in head_gate_modules(module.hf_model)).item()
     _fit(module, _data(model_dir), tmp_path / "run", steps=6)
@@ -125,10 +138,9 @@ def test_penalty_lowers_expected_l0_jointly_with_full_finetuning(tmp_path, tiny_
 
 
 def test_gates_freeze_at_the_given_step_and_the_weights_go_on_training(tmp_path, tiny_folder):
-    """Prune, then fine-tune: after gate_freeze_step the gates are fixed (saved) and only the weights move."""
+    """Prune, then fine-tune: after head_gates.freeze_step the gates are fixed (saved) and only the weights move."""
     model_dir = tiny_folder("llama")
-    module = _sparse(model_dir, sparsity="penalty", sparsity_weight=10.0, gate_lr=0.2, gate_init=0.0,
-                     gate_freeze_step=3)
+    module = _sparse(model_dir, sparsity="penalty", sparsity_weight=10.0, lr=0.2, init=0.0, freeze_step=3)
     _fit(module, _data(model_dir), tmp_path / "run", steps=3)
     gates = head_gate_modules(module.hf_model)
     assert all(torch.isnan(g.fixed).all() for g in gates)  # steps 0-2 learn the gates
@@ -177,7 +189,7 @@ def test_nothing_to_train_is_an_error():
     with pytest.raises(ModularError):
         GatingDataModule(behaviours=[], tasks=[])
     with pytest.raises(ModularError):
-        GatedLM(model_name="unused-alias", finetuning="none")
+        GatedLM(model_name="unused-alias", finetuning={"mode": "none"})
 
 
 @pytest.mark.parametrize("arch,finetuning", [("llama", "full"), ("gpt2", "lora"), ("gemma3_text", "none")])
@@ -185,7 +197,7 @@ def test_run_folder_loads_with_gates_folded(tmp_path, tiny_folder, arch, finetun
     from modular.runs import load_open_model, read_run
 
     model_dir = tiny_folder(arch)
-    module = _sparse(model_dir, finetuning=finetuning, sparsity="penalty", sparsity_weight=5.0, gate_lr=0.5)
+    module = _sparse(model_dir, finetuning=finetuning, sparsity="penalty", sparsity_weight=5.0, lr=0.5)
     run = tmp_path / "run"
     trainer = _fit(module, _data(model_dir), run, steps=4)
     with torch.no_grad():  # make sure some heads are closed, some half-open
@@ -216,7 +228,8 @@ def test_run_folder_loads_with_gates_folded(tmp_path, tiny_folder, arch, finetun
 def tiny_sparse_config(tmp_path, model_dir, name="sparse_heads_pruned_smollm2.yaml"):
     cfg = yaml.safe_load((ROOT / "configs" / name).read_text())
     run = tmp_path / "run"
-    cfg["model"].update({"model_name": str(model_dir), "lr": 1e-3, "lm_loss_target": 0.05, "gate_freeze_step": 2})
+    cfg["model"].update({"model_name": str(model_dir), "optimizer": {**cfg["model"]["optimizer"], "lr": 1e-3}})
+    cfg["model"]["head_gates"].update({"lm_loss_target": 0.05, "freeze_step": 2})
     cfg["data"].update({"reference_max_new_tokens": 4, "batch_size": 2, "max_length": 64, "lm_max_length": 32,
                         "tasks": ["ioi", "docstring"]})
     cfg["trainer"].update({"default_root_dir": str(run), "max_steps": 3, "val_check_interval": 3,
@@ -261,7 +274,7 @@ def test_raw_text_runs_in_a_forward_of_its_own_and_terms_match_piece_by_piece(ti
     model_dir = tiny_folder(arch)
     dm = _data(model_dir, lm_max_length=96)
     dm.setup("fit")
-    module = _sparse(model_dir, head_gates=False).eval()
+    module = _sparse(model_dir, gated=False).eval()
     batch = next(iter(dm.train_dataloader()))
     batch = batch[0] if isinstance(batch, tuple) else batch
     lm_width = batch["lm"]["open"]["input_ids"].shape[1]
@@ -294,7 +307,7 @@ def test_raw_text_runs_in_a_forward_of_its_own_and_terms_match_piece_by_piece(ti
 
 
 def test_gates_scoped_to_tasks_swap_closed_heads_on_task_items_only(tiny_folder):
-    """gate_scope: tasks: retain and LM text run the plain model whatever the gates; a task item runs with each
+    """head_gates.scope: tasks: retain and LM text run the plain model whatever the gates; a task item runs with each
     closed head's input swapped for its input on the counterfactual prompt."""
     from modular.hooks import capture_head_inputs, replace_heads
     from modular.models.head_gates import head_gate_scope
@@ -308,7 +321,7 @@ def test_gates_scoped_to_tasks_swap_closed_heads_on_task_items_only(tiny_folder)
     assert task["counterfactual"]["input_ids"].shape == task["open"]["input_ids"].shape
     assert torch.equal(task["counterfactual"]["attention_mask"], task["open"]["attention_mask"])
     assert not torch.equal(task["counterfactual"]["input_ids"], task["open"]["input_ids"])
-    module = _sparse(model_dir, gate_scope="tasks").eval()
+    module = _sparse(model_dir, scope="tasks").eval()
     with torch.no_grad():
         _, open_terms = module.model_step(batch, train=False)
         gates = head_gate_modules(module.hf_model)
@@ -337,7 +350,7 @@ def test_run_folder_drops_gates_scoped_to_tasks(tmp_path, tiny_folder):
     from modular.runs import load_open_model, read_run
 
     model_dir = tiny_folder("qwen2")
-    module = _sparse(model_dir, gate_scope="tasks", sparsity="penalty", sparsity_weight=5.0, gate_lr=0.5)
+    module = _sparse(model_dir, scope="tasks", sparsity="penalty", sparsity_weight=5.0, lr=0.5)
     run = tmp_path / "run"
     trainer = _fit(module, _data(model_dir, task_counterfactuals=True), run, steps=2)
     with torch.no_grad():
@@ -356,7 +369,7 @@ def test_run_folder_drops_gates_scoped_to_tasks(tmp_path, tiny_folder):
 
 
 def test_scoped_config_trains_through_train_py_with_counterfactual_task_batches(tmp_path, tiny_folder):
-    """train.py links model.gate_scope: tasks to the data's counterfactual task batches."""
+    """train.py links model.head_gates.scope: tasks to the data's counterfactual task batches."""
     import os
 
     from modular.runs import load_open_model, read_run
@@ -368,7 +381,7 @@ def test_scoped_config_trains_through_train_py_with_counterfactual_task_batches(
     record = json.loads((run / "run.json").read_text())
     assert record["global_step"] == 3 and {"train/ioi/task_ce", "val/neutral_perplexity"} <= set(record["metrics"])
     hp = yaml.safe_load((run / "config.yaml").read_text())
-    assert hp["model"]["gate_scope"] == "tasks"  # the step raises without counterfactual task batches
+    assert hp["model"]["head_gates"]["scope"] == "tasks"  # the step raises without counterfactual task batches
     assert not any(isinstance(m, GatedOutputProjection) for m in load_open_model(read_run(run)).modules())
 
 
@@ -382,10 +395,10 @@ def test_consistency_term_matches_plain_and_scoped_task_logits_once_gates_are_fi
     dm = _data(model_dir, tasks=["greater_than"], task_counterfactuals=True)  # one task: its rows are the group
     dm.setup("fit")
     batch = _counterfactual_batch(dm, "task:greater_than")
-    module = _sparse(model_dir, gate_scope="tasks", head=HeadConsistency(2.0), gate_freeze_step=5).eval()
+    module = _sparse(model_dir, scope="tasks", head=HeadConsistency(2.0), freeze_step=5).eval()
     with torch.no_grad():
-        assert "tasks/consistency_mse" not in module.model_step(batch, train=False)[1]  # step 0 < gate_freeze_step
-        module.hparams.gate_freeze_step = 0
+        assert "tasks/consistency_mse" not in module.model_step(batch, train=False)[1]  # step 0 < head_gates.freeze_step
+        _fix_gates_from(module, 0)
         _, open_terms = module.model_step(batch, train=False)
         for g in head_gate_modules(module.hf_model):
             g.fixed.fill_(0.0)  # every head closed on the tasks
@@ -402,7 +415,7 @@ def test_consistency_term_matches_plain_and_scoped_task_logits_once_gates_are_fi
     assert response_logit_mse(scoped, plain, task["open"]["labels"]) > 1e-6
     torch.testing.assert_close(terms["tasks/consistency_mse"], response_logit_mse(scoped, plain, task["open"]["labels"]),
                                atol=1e-6, rtol=1e-4)
-    with pytest.raises(ModularError, match="gate_scope 'tasks'"):
+    with pytest.raises(ModularError, match="head_gates.scope 'tasks'"):
         _sparse(model_dir, head=HeadConsistency(1.0))
 
 
@@ -422,10 +435,10 @@ def test_margin_term_matches_plain_and_scoped_answer_margins_once_gates_are_fixe
     labels = task["open"]["labels"]
     answer = labels[torch.arange(len(labels)), (labels[:, 1:] != -100).float().argmax(1) + 1]
     task["open"]["wrong_ids"] = (answer + 1) % json.loads((model_dir / "config.json").read_text())["vocab_size"]
-    module = _sparse(model_dir, gate_scope="tasks", head=HeadMargin(3.0), gate_freeze_step=5).eval()
+    module = _sparse(model_dir, scope="tasks", head=HeadMargin(3.0), freeze_step=5).eval()
     with torch.no_grad():
         assert "tasks/consistency_margin" not in module.model_step(batch, train=False)[1]  # before the freeze
-        module.hparams.gate_freeze_step = 0
+        _fix_gates_from(module, 0)
         _, open_terms = module.model_step(batch, train=False)
         for g in head_gate_modules(module.hf_model):
             g.fixed.fill_(0.0)
@@ -440,7 +453,7 @@ def test_margin_term_matches_plain_and_scoped_answer_margins_once_gates_are_fixe
     torch.testing.assert_close(terms["tasks/consistency_margin"], expected, atol=1e-6, rtol=1e-4)
     rest = sum(v for k, v in terms.items() if k.endswith(("_kl", "_ce")))
     torch.testing.assert_close(total, rest + 3.0 * expected, atol=1e-5, rtol=1e-5)
-    with pytest.raises(ModularError, match="HeadMargin needs gate_scope 'tasks'"):
+    with pytest.raises(ModularError, match="HeadMargin needs head_gates.scope 'tasks'"):
         _sparse(model_dir, head=HeadMargin(1.0))
 
 
@@ -455,16 +468,15 @@ def test_interchange_term_matches_the_counterfactual_run_with_open_heads_swapped
     dm.setup("fit")
     batch = _counterfactual_batch(dm, "task:ioi")
     task = batch["task:ioi"]
-    module = _sparse(model_dir, gate_scope="tasks", head=HeadInterchange(4.0), gate_freeze_step=5).eval()
+    module = _sparse(model_dir, scope="tasks", head=HeadInterchange(4.0), freeze_step=5).eval()
     closed = [(0, 1), (1, 0)]
     with torch.no_grad():
         assert "tasks/interchange_kl" not in module.model_step(batch, train=False)[1]  # before the freeze
-        module.hparams.gate_freeze_step = 0
+        _fix_gates_from(module, 0)
         for layer, h in closed:
             head_gate_modules(module.hf_model)[layer].fixed[h] = 0.0
         total, terms = module.model_step(batch, train=False)
-        cf_inputs, _ = module._counterfactual_run({"cf_input_ids": task["counterfactual"]["input_ids"],
-                                                   "cf_attention_mask": task["counterfactual"]["attention_mask"]}, False)
+        cf_inputs, _ = _counterfactual_run(module, task)
         adapter = ArchitectureAdapter(module.hf_model)
         everything = [(i, h) for i in range(adapter.n_layers) for h in range(adapter.n_heads)]
         from modular.hooks import replace_heads
@@ -485,7 +497,7 @@ def test_interchange_term_matches_the_counterfactual_run_with_open_heads_swapped
     torch.testing.assert_close(terms["tasks/interchange_kl"], expected, atol=1e-6, rtol=1e-4)
     rest = sum(v for k, v in terms.items() if k.endswith(("_kl", "_ce")) and k != "tasks/interchange_kl")
     torch.testing.assert_close(total, rest + 4.0 * expected, atol=1e-5, rtol=1e-5)
-    with pytest.raises(ModularError, match="HeadInterchange needs gate_scope 'tasks'"):
+    with pytest.raises(ModularError, match="HeadInterchange needs head_gates.scope 'tasks'"):
         _sparse(model_dir, head=HeadInterchange(1.0))
 
 
@@ -504,7 +516,7 @@ def test_attribution_term_sums_the_closed_heads_attribution_estimates_and_trains
     labels = task["open"]["labels"]
     answer = labels[torch.arange(len(labels)), (labels[:, 1:] != -100).float().argmax(1) + 1]
     task["open"]["wrong_ids"] = (answer + 1) % json.loads((model_dir / "config.json").read_text())["vocab_size"]
-    module = _sparse(model_dir, gate_scope="tasks", head=ClosedAttribution(2.0), gate_freeze_step=0).eval()
+    module = _sparse(model_dir, scope="tasks", head=ClosedAttribution(2.0), freeze_step=0).eval()
     closed = [(0, 1), (1, 0)]
     for layer, h in closed:
         head_gate_modules(module.hf_model)[layer].fixed[h] = 0.0
@@ -513,8 +525,7 @@ def test_attribution_term_sums_the_closed_heads_attribution_estimates_and_trains
     total, terms = module.model_step(batch, train=True)
     term = terms["tasks/closed_attribution"]
     # by hand: the plain run, the margin's gradient at every head input, times the counterfactual difference
-    cf_inputs, _ = module._counterfactual_run({"cf_input_ids": task["counterfactual"]["input_ids"],
-                                               "cf_attention_mask": task["counterfactual"]["attention_mask"]}, False)
+    cf_inputs, _ = _counterfactual_run(module, task)
     with head_gate_scope(module.hf_model, active=False), capture_head_inputs(module.adapter, detach=False) as z:
         logits = module.model(input_ids=task["open"]["input_ids"], attention_mask=task["open"]["attention_mask"]).logits
     margins, keep = response_margins(logits, labels, task["open"]["wrong_ids"])
@@ -530,5 +541,5 @@ def test_attribution_term_sums_the_closed_heads_attribution_estimates_and_trains
     # the penalty reaches the weights through the gradient itself (a second backward pass)
     params = [p for p in module.model.parameters() if p.requires_grad]
     assert any(g is not None and g.abs().sum() > 0 for g in torch.autograd.grad(term, params, allow_unused=True))
-    with pytest.raises(ModularError, match="ClosedAttribution needs gate_scope 'tasks'"):
+    with pytest.raises(ModularError, match="ClosedAttribution needs head_gates.scope 'tasks'"):
         _sparse(model_dir, head=ClosedAttribution(1.0))

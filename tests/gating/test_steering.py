@@ -131,9 +131,10 @@ def test_directions_are_chosen_from_prompts_cut_to_the_data_max_length(tmp_path,
                         lambda *a, **kw: (calls.append(kw), torch.eye(1, 8))[1])
     dm = SimpleNamespace(hparams={"max_length": 24}, tokenizer=None, behaviour_data={"b": {"train": None}},
                          retain={"train": None})
-    hp = SimpleNamespace(avoid_directions=None, direction_strategy="low_variance", seed=0, direction_files=None,
-                         direction_fraction=0.25)
-    module = SimpleNamespace(trainer=SimpleNamespace(default_root_dir=str(tmp_path), datamodule=dm), hparams=hp,
-                             hf_model=None, behaviours=["b"], directions=torch.zeros(1, 8))
+    from modular.gating.options import DirectionOptions
+
+    module = SimpleNamespace(trainer=SimpleNamespace(default_root_dir=str(tmp_path), datamodule=dm),
+                             hparams=SimpleNamespace(seed=0), direction_options=DirectionOptions(), hf_model=None,
+                             behaviours=["b"], directions=torch.zeros(1, 8))
     GatedLM._choose_directions(module)
     assert calls[0]["max_length"] == 24

@@ -1,0 +1,114 @@
+"""The data module's options read and checked: behaviours and neighbours by short name, a value per behaviour, the
+batch keys of tasks and neighbours, and each option's range (before any work)."""
+
+from __future__ import annotations
+
+import random
+
+import datasets
+
+from modular import ModularError
+from modular.data import behaviour_name
+from modular.data.behaviours import builtin_neighbours
+from modular.data.schema import DEFAULT_LOCKED_RESPONSE
+
+
+def per_behaviour(spec, behaviours: list[str], default, option: str) -> dict:
+    """One value for every behaviour, from a single value or a mapping behaviour → value (others: ``default``)."""
+    if not isinstance(spec, dict):
+        return {b: spec for b in behaviours}
+    unknown = sorted(set(spec) - set(behaviours))
+    if unknown:
+        raise ModularError(f"{option} names behaviours that are not gated: {', '.join(unknown)}")
+    return {b: spec.get(b, default) for b in behaviours}
+
+
+def locked_responses(spec: str | dict[str, str], behaviours: list[str]) -> dict[str, str]:
+    """The locked-state response of every behaviour, from one response or a mapping behaviour → response."""
+    return per_behaviour(spec, behaviours, DEFAULT_LOCKED_RESPONSE, "locked_response")
+
+
+def _named(specs, option: str) -> dict[str, str]:
+    """{short name: spec} of behaviour specs; two specs with one name are refused."""
+    out: dict[str, str] = {}
+    for spec in specs:
+        name = behaviour_name(spec)
+        if name in out:
+            raise ModularError(f"{option}: '{out[name]}' and '{spec}' are both named '{name}'; "
+                               f"name one of them (NAME=<source>)")
+        out[name] = str(spec)
+    return out
+
+
+#: batch keys of tasks (trained in the open state only) start with this prefix
+TASK_PREFIX = "task:"
+#: batch key of the neighbours' items (kept like retain data)
+NEIGHBOURS_KEY = "neighbours"
+
+
+def neighbour_specs(spec, behaviours: list[str]) -> dict[str, str]:
+    """{short name: spec} of the neighbours kept during training: ``auto`` (the built-in neighbours of the gated
+    built-in behaviours), a list of specs, or ``None``/``[]`` (none). A gated behaviour is not its own neighbour."""
+    if spec is None:
+        return {}
+    if isinstance(spec, str):
+        if spec != "auto":
+            raise ModularError(f"data.neighbours must be 'auto' or a list of behaviours, got '{spec}'")
+        return {n: n for n in builtin_neighbours(behaviours, "train")}
+    named = _named(spec, "neighbours")
+    clash = sorted(set(named) & set(behaviours))
+    if clash:
+        raise ModularError(f"data.neighbours names gated behaviours: {', '.join(clash)}; a neighbour must stay open")
+    return named
+
+
+def neighbour_data(name: str, data, limit: int | None = None, seed: int = 0):
+    """A neighbour's data checked for training (train items needed), its train split cut to ``limit`` items (an
+    even sample by ``seed``)."""
+    if not len(data["train"]):
+        counts = ", ".join(f"{s} {len(data[s])}" for s in ("train", "validation", "test"))
+        raise ModularError(f"neighbour '{name}' has no train items ({counts}): training keeps its train items")
+    if limit is not None and len(data["train"]) > limit:
+        keep = sorted(random.Random(f"{seed}-{name}").sample(range(len(data["train"])), limit))
+        data = datasets.DatasetDict({**data, "train": data["train"].select(keep)})
+    return data
+
+
+def data_max_length(datamodule) -> int | None:
+    """The ``max_length`` of a data module (:class:`~modular.gating.data.GatingDataModule`): the most tokens of a prompt that any path of
+    training encodes (items, directions, steering vectors, reference outputs, validation); None for one without it."""
+    hparams = getattr(datamodule, "hparams", None)
+    return hparams.get("max_length") if isinstance(hparams, dict) else getattr(hparams, "max_length", None)
+
+
+def check_data_options(options) -> None:
+    """One line for a data option out of range (``batch_size`` needs an open and a locked half), before any work."""
+    for option in ("batch_size", "max_length", "lm_max_length", "reference_max_new_tokens", "reference_top_k",
+                   "num_workers", "neighbour_items", "hidden_positions", "hidden_stride"):
+        low = 2 if option == "batch_size" else 0 if option in ("num_workers", "hidden_positions") else 1
+        value = options[option]
+        if value < low:
+            why = " (each batch is split between the open and the locked state)" if option == "batch_size" else ""
+            raise ModularError(f"data.{option} must be >= {low}{why}, got {value}")
+    unknown = sorted(set(options.get("hidden_parts", ())) - {"retain", NEIGHBOURS_KEY})
+    if unknown:
+        raise ModularError(f"data.hidden_parts: unknown part(s) {unknown} (known: retain, {NEIGHBOURS_KEY})")
+
+
+def training_data(name: str, data, batch_size: int) -> tuple:
+    """A behaviour's (or task's) data checked for training: train items, at least ``batch_size`` of them, and a
+    validation split (where the data has none, one is carved from train:
+    :func:`~modular.data.behaviours.carve_validation`). Returns the data and the number of items carved."""
+    from modular.data.behaviours import carve_validation
+
+    counts = ", ".join(f"{s} {len(data[s])}" for s in ("train", "validation", "test"))
+    if not len(data["train"]):
+        raise ModularError(f"behaviour '{name}' has no train items ({counts}): training needs some")
+    data, moved = carve_validation(data)
+    if not len(data["validation"]):
+        raise ModularError(f"behaviour '{name}' has no validation items and too few train items to take them "
+                           f"from ({counts}): give it more items")
+    if len(data["train"]) < batch_size:
+        raise ModularError(f"behaviour '{name}' has {len(data['train'])} train items (after validation), fewer "
+                           f"than data.batch_size {batch_size}: give it more items or lower --data.batch_size")
+    return data, moved

@@ -1,0 +1,167 @@
+"""What every objective term is built on: the rows a term adds to a step (:class:`Piece`), what the step's terms
+share (:class:`StepContext`), the term's interface (:class:`Term`), and building and checking a config's terms."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from modular import ModularError
+from modular.specs import build_from_specs
+
+
+@dataclass
+class Piece:
+    """Rows of a step's forward passes and the term whose loss they feed.
+
+    Attributes:
+        name: Log name of the loss (``capitals/open_ce``; logged as ``train/<name>``).
+        batch: The sub-batch (``input_ids``, ``attention_mask``, ``labels``, reference tensors).
+        term: The term that computes the loss.
+        ablated: Indices of the behaviours whose directions are ablated on these rows.
+        locked: A locked-state piece: weighted by the module's ``locked_weight`` (λ).
+        steer: ``(block, vector)`` added to these rows' residual stream (the steering adversary), or None.
+        raw_text: Long raw text: a forward pass of its own (the short chat rows are not padded to its length).
+        task: A task item under ``head_gates.scope: tasks`` (its closed heads take their counterfactual input).
+        index: The behaviour the piece belongs to, if any.
+    """
+
+    name: str
+    batch: dict
+    term: Term
+    ablated: frozenset = frozenset()
+    locked: bool = False
+    steer: tuple | None = None
+    raw_text: bool = False
+    task: bool = False
+    index: int | None = None
+
+
+@dataclass
+class StepContext:
+    """What every term of one step sees: the module, the batch, whether it trains, and the state assignment of
+    the gated behaviours (``extra[i]``: the other behaviours ablated on behaviour ``i``'s rows, drawn once per
+    step so that its open and locked rows agree)."""
+
+    lm: object
+    batch: dict
+    train: bool
+    extra: list[frozenset] = field(default_factory=list)
+    #: the losses computed so far in this step, by log name (a term that reads another's rows sees the losses of
+    #: the pieces of its forward pass)
+    losses: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: values a term computes once per step and reuses (freed with the step)
+    cache: dict = field(default_factory=dict)
+
+    @property
+    def behaviours(self) -> list[str]:
+        return self.lm.behaviours
+
+    @property
+    def all_ablated(self) -> frozenset:
+        return frozenset(range(len(self.lm.behaviours)))
+
+
+def _check_weight(term: str, name: str, value: float) -> None:
+    if value < 0:
+        raise ModularError(f"{term} {name} must be >= 0, got {value}")
+
+
+class Term:
+    """One term of the gated objective.
+
+    Args:
+        weight: Its weight in the step's loss (a locked-state piece is also weighted by the module's λ).
+    """
+
+    #: counted in ``lm_loss``, the left-hand side of the sparsity constraint (the LM-keeping terms)
+    keeps_lm = False
+    #: the losses of :meth:`own_losses` are locked-state losses (weighted by the module's λ)
+    locked = False
+    #: needs the task rows' counterfactual run at every position (not only the last)
+    needs_cf_logits = False
+    #: reads the behaviours' answer rows (``locked_answer``; built only when ``data.answer_rows`` is set)
+    answer_rows = False
+    #: the data its rows come from, besides the retain prompts: ``behaviours`` (gated), ``tasks`` or ``lm_text``
+    #: (without them it adds nothing to the loss: :func:`check_loss`)
+    needs: tuple[str, ...] = ()
+    #: the training step from which the term acts (the lock does not stop training at or before it)
+    start_step = 0
+
+    def __init__(self, weight: float = 1.0):
+        _check_weight(type(self).__name__, "weight", weight)
+        self.weight = weight
+
+    def bind(self, lm) -> None:
+        """Called once by the module when it is built (checks that need the module's options)."""
+
+    def state_dict(self) -> dict:
+        """What a resumed run takes back (a term's own random draws); kept in the module's checkpoints."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Take back :meth:`state_dict`."""
+
+    def check_model(self, model) -> None:
+        """Called once with the loaded transformers model, before training (checks that need its shapes)."""
+
+    def pieces(self, ctx: StepContext) -> list[Piece]:
+        """The rows this term adds to the step."""
+        return []
+
+    def loss(self, ctx: StepContext, piece: Piece, logits: torch.Tensor) -> torch.Tensor:
+        """The term's loss on one of its pieces."""
+        raise NotImplementedError
+
+    def reads(self, piece: Piece) -> str | None:
+        """The log name of a loss this term takes from another term's piece (with the forward's hidden states),
+        or None."""
+        return None
+
+    def loss_on(self, ctx: StepContext, piece: Piece, logits: torch.Tensor, hidden: tuple) -> torch.Tensor:
+        """The loss on a piece this term :meth:`reads`; ``hidden``: the block outputs of those rows."""
+        raise NotImplementedError
+
+    def own_losses(self, ctx: StepContext) -> dict[str, torch.Tensor]:
+        """Losses from forward passes of the term's own (not shared with other terms' rows), once per step."""
+        return {}
+
+    def own_weight(self, name: str, locked_weight: float) -> float:
+        """The weight in the step's loss of :meth:`own_losses`' loss ``name`` (``locked_weight``: the module's λ)."""
+        return self.weight * (locked_weight if self.locked else 1.0)
+
+    def group_terms(self, ctx: StepContext, group: dict) -> dict[str, torch.Tensor]:
+        """Losses on a group of task rows under ``head_gates.scope: tasks`` (``group``: ``merged`` inputs, scoped
+        ``logits``, the counterfactual run's head inputs ``cf_inputs`` and ``cf_logits``)."""
+        return {}
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
+        return f"{type(self).__name__}({args})"
+
+
+def build_objectives(specs) -> list[Term]:
+    """The terms of ``model.objectives`` as the config names them (``class_path``, ``init_args``; a parsed config's
+    Namespaces or dicts; built terms are kept): a bad option is one line (:class:`~modular.ModularError`)."""
+    return build_from_specs(specs, Term, "model.objectives", lambda path: f"no class {path!r}")
+
+
+def check_loss(terms: list[Term], data: set[str]) -> None:
+    """One line unless ``terms`` make a loss from the run's ``data`` (a set of ``behaviours``, ``tasks``,
+    ``lm_text``: what the data module gives): at least one term, of weight > 0, whose data is there."""
+    if not terms:
+        raise ModularError("model.objectives is empty: training needs at least one term (leave it unset for the "
+                           "defaults)")
+    if not any(t.weight > 0 and set(t.needs) <= data for t in terms):
+        have = ", ".join(sorted(data)) or "retain prompts only"
+        names = ", ".join(f"{type(t).__name__}(weight={t.weight:g}, needs {'+'.join(t.needs) or 'nothing'})"
+                          for t in terms)
+        raise ModularError(f"model.objectives make no loss from this data ({have}): {names}; give a term of weight "
+                           "> 0 whose data the run has")
+
+
+def answer_rows(terms: list[Term]) -> bool:
+    """Whether ``terms`` read the behaviours' answer rows (``locked_answer``): a :class:`LockedAnswer` term, or a
+    perturbed lock that holds the answer down."""
+    return any(t.answer_rows for t in terms)
