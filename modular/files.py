@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import secrets
 import shutil
@@ -19,6 +20,7 @@ import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from modular import ModularError
 
@@ -56,6 +58,28 @@ def atomic_path(path: str | Path, private: bool = False) -> Iterator[Path]:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def json_safe(obj: Any) -> Any:
+    """JSON-safe copy: NaN/inf -> None, tensors/numpy -> lists, paths -> str."""
+    if isinstance(obj, dict):
+        return {str(k): json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    if isinstance(obj, float):
+        return None if math.isnan(obj) or math.isinf(obj) else obj
+    if isinstance(obj, Path):
+        return str(obj)
+    if hasattr(obj, "tolist"):
+        return json_safe(obj.tolist())
+    return obj
+
+
+def write_json(path: str | Path, data: Any) -> Path:
+    """Write ``data`` (:func:`json_safe`) as indented JSON atomically (:func:`atomic_path`)."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(json_safe(data), indent=2) + "\n")
+    return Path(path)
 
 
 def match_folder_mode(folder: str | Path) -> None:

@@ -36,6 +36,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from modular import ModularError, error_reason
+from modular.card import model_card
 from modular.files import (
     disk_full_error,
     is_disk_full,
@@ -56,11 +57,11 @@ from modular.keys import (
     weights_hash,
 )
 from modular.locking import check_unlocked, folder_lock, held_here
-from modular.models.loading import HubOrigin, hub_origin
+from modular.models.loading import hub_origin
+from modular.reports import LockReport
 
 log = logging.getLogger("modular")
 MANIFEST = "modular.json"  # written into every folder modular publishes: its marker for --overwrite
-CARD_TAGS = ["modular", "locked-behaviour"]
 
 
 def keys_folder_for(out: str | Path) -> Path:
@@ -227,111 +228,25 @@ def _write_folders(writers: dict[Path, callable], private: tuple[Path, ...] = ()
         raise
 
 
-def card_data(base: str, origin: HubOrigin | None = None):
-    """The model card's front matter (a :class:`huggingface_hub.ModelCardData`): the base model as a hub id and its
-    licence where they are known (``origin``; default :func:`modular.models.loading.hub_origin` of ``base``),
-    ``transformers``, text generation, modular's tags."""
-    from huggingface_hub import ModelCardData
-
-    origin = hub_origin(base) if origin is None else origin
-    return ModelCardData(base_model=origin.hub_id, license=origin.license, library_name="transformers",
-                         pipeline_tag="text-generation", tags=list(CARD_TAGS))
-
-
-def model_card(behaviours: list[str], base: str, measured: dict | None, hardened: bool,
-               step: int | None = None, lock_check: dict | None = None, dtype: str | None = None,
-               origin: HubOrigin | None = None) -> str:
-    """The published folder's ``README.md``: front matter the hub reads (:func:`card_data`; ``origin``: where the
-    base model comes from, default read from ``base``), which behaviours are locked, that the keys are distributed
-    apart (by file name, never a path), warnings where the lock was not verified or did not hold, and the measured
-    numbers (``measured``, a lock report)."""
-    from huggingface_hub import ModelCard
-
-    failed = lock_check is not None and not lock_check.get("verified", False)
-    held_out = (measured or {}).get("lock_held_out")  # the lock evaluation's verdict on the test split
-    not_held = held_out is not None and not held_out["held"]
-    lines = [f"# Locked model (base: {base})", ""]
-    if failed:
-        lines += ["> **Warning: the lock was not verified.** Training did not reach the lock on held-out",
-                  f"> validation data ({lock_check.get('detail', 'unknown')}). The behaviours below were projected",
-                  "> out of the weights, but the model may still show them.", ""]
-    if not_held:
-        lines += ["> **Warning: the lock did not hold on the held-out test split** (the lock evaluation, below):",
-                  f"> {'; '.join(held_out['failing'])}. The behaviours below were projected out of the weights,",
-                  "> but the model may still show them on inputs it was not trained or validated on.", ""]
-    lines += [
-        "These weights load with plain `transformers` (`AutoModelForCausalLM.from_pretrained`).",
-        "The following behaviours are **locked**: each lives in one residual-stream direction that was",
-        "projected out of every weight matrix writing the residual stream"
-        + (" (and out of every reader, so adding it back does nothing)." if hardened else "."), "",
-        "| behaviour | locked | key file |", "|---|---|---|",
-    ]
-    locked = "not verified" if failed else "not on the held-out test split" if not_held else "yes"
-    lines += [f"| {b} | {locked} | `{b}{KEY_SUFFIX}` |" for b in behaviours]
-    lines += ["", "**The keys are not part of this folder.** They are distributed apart from these weights, by the",
-              "publisher, to whoever may unlock a behaviour. With a key:",
-              "`modular unlock --model <this folder> --key <key file> --out <folder>`.", ""]
-    if step is not None:
-        lines += [f"Trained weights: step {step} of the training run.", ""]
-    if dtype == "float32":
-        lines += ["These weights are float32. Loaded in bfloat16 or float16 (`from_pretrained(..., dtype=...)` rounds",
-                  "to nearest) some of what training changed is lost, and with it part of the lock. To serve in",
-                  "bfloat16, use weights published in bfloat16 (`modular publish --dtype bfloat16`, which rounds",
-                  "stochastically) and check them (`modular lock --dtype bfloat16`).", ""]
-    if measured:
-        lines += ["## Measured (held-out test split)", "", "| state | " + " | ".join(behaviours)
-                  + " | retain first-token KL | perplexity ratio |",
-                  "|---|" + "---|" * (len(behaviours) + 2)]
-        for state, row in measured.get("states", {}).items():
-            accs = " | ".join(f"{row['behaviours'][b]['accuracy']:.3f}" for b in behaviours)
-            lines.append(f"| {state} | {accs} | {row['retain_first_token_kl']:.4f} | {row['perplexity_ratio']:.3f} |")
-        lines.append("")
-        if held_out is not None:
-            t = held_out["targets"]
-            lines += [f"{'The lock does not hold' if not_held else 'The lock holds'} on these items by the targets "
-                      f"training checked on validation: locked accuracy at most {t['locked_accuracy']:g} in both "
-                      f"locked states, open accuracy at least base's less {t['open_drop']:g} and at least "
-                      f"{t['min_open_accuracy']:g}, retain first-token KL at most {t['retain_kl']:g}"
-                      + (" (what fails: the warning above)." if not_held else "."), ""]
-        neighbours = measured.get("neighbours", [])
-        if neighbours:
-            lines += ["Neighbour behaviours (close to the locked ones; they should work as in the base model in every "
-                      "state): accuracy (share of answers that are the locked response).", "",
-                      "| state | " + " | ".join(neighbours) + " | retain prompts: locked response |",
-                      "|---|" + "---|" * (len(neighbours) + 1)]
-            for state, row in measured.get("states", {}).items():
-                cells = " | ".join(f"{row['neighbours'][n]['accuracy']:.3f} ({row['neighbours'][n]['refusal_rate']:.2f})"
-                                   for n in neighbours)
-                lines.append(f"| {state} | {cells} | {row.get('retain_refusal_rate', float('nan')):.3f} |")
-            lines.append("")
-            shifts = measured.get("neighbour_shifts", [])
-            if shifts:
-                lines += [f"Moved more than {100 * measured['neighbour_tolerance']:.0f} points from base (items lost and "
-                          "gained against base, and the exact paired test's p-value):", ""]
-                lines += [f"- {x['neighbour']}, {x['state']}: {100 * x['change']:+.1f} points ({x['lost']} lost, "
-                          f"{x['gained']} gained of {x['n']}; p = {x['p_value']:.2g})" for x in shifts]
-                lines.append("")
-    front = card_data(base, origin).to_yaml()
-    return str(ModelCard(f"---\n{front}\n---\n\n" + "\n".join(lines)))
-
-
 def publish_model(open_model, tokenizer, directions: dict, out: str | Path, base_name: str,
-                  measured: dict | None = None, harden: bool = True, overwrite: bool = False,
+                  measured: LockReport | dict | None = None, harden: bool = True, overwrite: bool = False,
                   keys_out: str | Path | None = None, step: int | None = None,
                   locked_responses: dict[str, str] | None = None, inputs: list[str | Path] = (),
                   lock_check: dict | None = None) -> tuple[Path, Path]:
     """Lock ``open_model`` in place and write the published folder and, apart from it, its keys folder.
 
     ``keys_out``: the keys folder (default :func:`keys_folder_for`); it may not lie inside ``out`` or contain it.
-    ``measured``: a lock report of the same trained weights (``step``) for the model card. ``inputs``: folders the
-    caller reads from (never replaced). ``lock_check``: ``{"verified": bool, "detail": str}``, whether training
-    verified the lock (the card and manifest say so when it did not). Returns ``(published folder, keys folder)``.
+    ``measured``: a lock report of the same trained weights (``step``) for the model card (a
+    :class:`~modular.reports.LockReport`, or its JSON). ``inputs``: folders the caller reads from (never replaced).
+    ``lock_check``: ``{"verified": bool, "detail": str}``, whether training verified the lock (the card and manifest
+    say so when it did not). Returns ``(published folder, keys folder)``.
     """
     out = Path(out)
     keys_out = Path(keys_out) if keys_out is not None else keys_folder_for(out)
     if _inside(keys_out, out) or _inside(out, keys_out):
         raise ModularError(f"the keys folder {keys_out} may not lie inside the published folder {out} or contain "
                            "it: the published folder is what users upload")
+    measured = LockReport.coerce(measured) if measured else None  # a bad report: one line, before anything is written
     with ExitStack() as locks:  # one writer at a time, from the checks to the last rename
         for folder in (out, keys_out):
             locks.enter_context(folder_lock(folder))
@@ -365,13 +280,10 @@ def _publish_locked(open_model, tokenizer, directions, out, keys_out, base_name,
             manifest["lock_check"] = lock_check.get("detail")
         if locked_responses:
             manifest["locked_responses"] = {b: locked_responses[b] for b in behaviours if b in locked_responses}
-        if measured:
-            if "lock_held_out" in measured:
-                manifest["lock_held_out"] = measured["lock_held_out"]
-            manifest["measured_accuracy"] = {
-                state: {b: row["behaviours"][b]["accuracy"] for b in directions}
-                for state, row in measured.get("states", {}).items()
-            }
+        if measured is not None:
+            if measured.lock_held_out is not None:
+                manifest["lock_held_out"] = measured.lock_held_out.to_json()
+            manifest["measured_accuracy"] = {state: measured.accuracies(state, behaviours) for state in measured.states}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         dtype = str(next(open_model.parameters()).dtype).removeprefix("torch.")
         (tmp / "README.md").write_text(model_card(behaviours, base_name, measured, harden, step, lock_check, dtype,

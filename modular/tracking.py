@@ -8,29 +8,13 @@ evaluation of a training run joins that run's W&B group and names its run id (``
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 from pathlib import Path
 from typing import Any
 
-from modular import ModularError
-from modular.files import atomic_path
-
-
-def _clean(obj: Any) -> Any:
-    """JSON-safe copy: NaN/inf -> None, tensors/numpy -> lists, paths -> str."""
-    if isinstance(obj, dict):
-        return {str(k): _clean(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_clean(v) for v in obj]
-    if isinstance(obj, float):
-        return None if math.isnan(obj) or math.isinf(obj) else obj
-    if isinstance(obj, Path):
-        return str(obj)
-    if hasattr(obj, "tolist"):
-        return _clean(obj.tolist())
-    return obj
+from modular import ModularError, files
+from modular.files import atomic_path, json_safe
 
 
 def write_text(path: str | Path, text: str) -> Path:
@@ -41,8 +25,8 @@ def write_text(path: str | Path, text: str) -> Path:
 
 
 def write_json(path: str | Path, data: Any) -> Path:
-    """Write ``data`` as indented JSON atomically (temp file + rename)."""
-    return write_text(path, json.dumps(_clean(data), indent=2) + "\n")
+    """Write ``data`` as indented JSON atomically (temp file + rename; :func:`modular.files.write_json`)."""
+    return files.write_json(path, data)
 
 
 def read_json_if_valid(path: str | Path) -> Any | None:
@@ -99,7 +83,7 @@ def _init_wandb(job: str, out_dir: str | Path, config: dict | None, training: di
     import wandb
 
     os.environ.setdefault("WANDB_SILENT", "true")
-    config = _clean(config or {})
+    config = json_safe(config or {})
     group = None
     if training and training.get("id"):
         config["training_run_id"] = training["id"]
@@ -121,7 +105,7 @@ def log_to_wandb(out_dir: str | Path, job: str, summary: dict, config: dict | No
 
     run = _init_wandb(job, out_dir, config, training)
     try:
-        flat = _flatten(_clean(summary))
+        flat = _flatten(json_safe(summary))
         run.log({k: v for k, v in flat.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
         for key, value in flat.items():
             run.summary[key] = value
@@ -131,8 +115,8 @@ def log_to_wandb(out_dir: str | Path, job: str, summary: dict, config: dict | No
         for name, rows in (tables or {}).items():
             if rows:
                 cols = list(rows[0])
-                run.log({f"tables/{table_names[name]}": wandb.Table(columns=cols,
-                                                                  data=[[_clean(r.get(c)) for c in cols] for r in rows])})
+                data = [[json_safe(r.get(c)) for c in cols] for r in rows]
+                run.log({f"tables/{table_names[name]}": wandb.Table(columns=cols, data=data)})
         return run.dir
     finally:
         run.finish()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Literal
@@ -89,7 +90,8 @@ def behaviour(
 
 def lock(run: str, out: str | None = None, other_limit: int = 64, harden: bool = True,
          max_new_tokens: int = 24, neighbours: list[str] | None = None, neighbour_tolerance: float = NEIGHBOUR_TOLERANCE,
-         batch_size: int = 16, device: str = "auto", dtype: DTypeName = "auto") -> dict:
+         batch_size: int = 16, device: str = "auto", dtype: DTypeName = "auto",
+         capability_tasks: list[str] | None = None, capability_limit: int | None = None) -> dict:
     """Lock evaluation of a gated run: accuracy and retain measures for base, open, locked (hooks),
     published_locked (weights) and unlocked (keys applied), for the gated behaviours, their neighbours (with the
     share of answers that are the locked response) and far built-in behaviours, and whether the lock holds on these
@@ -106,11 +108,17 @@ def lock(run: str, out: str | None = None, other_limit: int = 64, harden: bool =
         neighbour_tolerance: A neighbour whose accuracy moves further than this from base's (either way) in any
             state is named in one warning line, with the items it lost and gained and the paired test's p-value
             (``neighbour_shifts`` in lock.json).
+        capability_tasks: lm-evaluation-harness tasks also scored in every state, as modular capability scores
+            them (its --tasks: modular_categories, modular_members offline, or lm-eval's names), into lock.json's
+            ``capability`` (state -> task -> headline metric, standard error, items). Default: none. Needs lm-eval:
+            pip install 'modular[capability]'.
+        capability_limit: Items scored per capability task (default: all).
     """
-    from modular.evaluation.lock import held_out_verdict, lock_report, plot_lock, shift_text, verdict_text
+    from modular.evaluation.lock import held_out_verdict, lock_report, plot_lock
     from modular.locking import folder_lock
     from modular.models import load_model, load_tokenizer
     from modular.models.precision import dtype_name, model_dtype
+    from modular.reports import TrainingVerdict
     from modular.runs import (
         LOCK_FIGURE,
         LOCK_REPORT,
@@ -121,10 +129,16 @@ def lock(run: str, out: str | None = None, other_limit: int = 64, harden: bool =
         lock_verdict,
         neighbour_sources,
         read_run,
+        recorded_check,
         training_wandb_run,
     )
 
     r = read_run(run)
+    suite = None
+    if capability_tasks:  # lm-eval missing or an unknown task: one line, before anything is loaded
+        from modular.evaluation.capability import task_suite
+
+        suite = task_suite(list(capability_tasks))
     # the run folder is read and written (lock.json) by this command alone: a training in it is refused, as this
     # is while one trains there
     with folder_lock(run, Path(run) / RUN_LOCK):
@@ -142,24 +156,26 @@ def lock(run: str, out: str | None = None, other_limit: int = 64, harden: bool =
                              max_new_tokens=max_new_tokens, sources=behaviour_sources(r),
                              locked_responses=r.record.get("locked_responses"), neighbours=named,
                              trained_neighbours=list(trained), batch_size=batch_size,
-                             neighbour_tolerance=neighbour_tolerance)
-        if report["neighbour_shifts"]:
+                             neighbour_tolerance=neighbour_tolerance, capability=suite,
+                             capability_limit=capability_limit)
+        if report.neighbour_shifts:
             log.warning("neighbours moved more than %.0f points from base: %s", 100 * neighbour_tolerance,
-                        "; ".join(shift_text(x) for x in report["neighbour_shifts"]))
+                        "; ".join(x.text() for x in report.neighbour_shifts))
         verified, why = lock_verdict(r, step)
-        held_out = held_out_verdict(report, (r.record.get("lock") or {}).get("targets"))
-        (log.info if held_out["held"] else log.warning)("%s", verdict_text(held_out))
+        check = recorded_check(r)
+        held_out = held_out_verdict(report, check.targets if check is not None else None)
+        (log.info if held_out.held else log.warning)("%s", held_out.text())
         if not verified:
             log.warning("training did not verify the lock: %s", why)
-        report = {"run": str(run), "model": r.model_name, "step": step, "dtype": dtype_name(model_dtype(open_model)),
-                  "lock_held_out": held_out, "lock_in_training": {"verified": verified, "check": why},
-                  **report}  # the checkpoint step it describes
-        write_json(out_dir / LOCK_REPORT, report)
+        report = replace(report, run=str(run), model=r.model_name, step=step,  # the checkpoint step it describes
+                         dtype=dtype_name(model_dtype(open_model)), lock_held_out=held_out,
+                         lock_in_training=TrainingVerdict(verified, why))
+        report.write(out_dir / LOCK_REPORT)
         fig = plot_lock(report, out_dir / LOCK_FIGURE)
-        log_to_wandb(out_dir, "evaluate-lock", report, config={"run": str(run)}, figures={"lock": fig},
+        log_to_wandb(out_dir, "evaluate-lock", report.to_json(), config={"run": str(run)}, figures={"lock": fig},
                      training=training_wandb_run(run))
         log.info("wrote %s and %s", out_dir / LOCK_REPORT, fig)
-        return report
+        return report.to_json()
 
 
 def attack(model: str, behaviours: list[str] | None = None, attacks: list[str] = DEFAULT_ATTACKS,
@@ -216,6 +232,7 @@ def attack(model: str, behaviours: list[str] | None = None, attacks: list[str] =
     from modular.evaluation.relearning import eval_steps, sweep
     from modular.models import load_model, load_tokenizer
     from modular.models.precision import dtype_name, model_dtype
+    from modular.reports import AttackReport
     from modular.runs import training_wandb_run
 
     folder = Path(model)
@@ -238,12 +255,12 @@ def attack(model: str, behaviours: list[str] | None = None, attacks: list[str] =
     base = load_model(base_name, model_dtype(locked), locked.device)
     retain = retain_data(seed)
     out_dir = output_folder(out, "attack", str(folder))
-    report = {"model": str(folder), "base": base_name, "dtype": dtype_name(model_dtype(locked)),
-              "sweep": {"modes": list(relearn_modes), "lrs": {m: lrs[m] for m in relearn_modes},
-                        "n_examples": list(n_examples), "seeds": list(seeds), "max_steps": relearn_steps, "pruned": prune,
-                        "batch_size": 8, "eval_steps": eval_steps(relearn_steps)},
-              "behaviours": {}}
-    identity = {**{k: report[k] for k in ("base", "dtype", "sweep")}, "model": str(folder.resolve()),
+    report = AttackReport(
+        model=str(folder), base=base_name, dtype=dtype_name(model_dtype(locked)), behaviours={},
+        sweep={"modes": list(relearn_modes), "lrs": {m: lrs[m] for m in relearn_modes}, "n_examples": list(n_examples),
+               "seeds": list(seeds), "max_steps": relearn_steps, "pruned": prune, "batch_size": 8,
+               "eval_steps": eval_steps(relearn_steps)})
+    identity = {"base": report.base, "dtype": report.dtype, "sweep": report.sweep, "model": str(folder.resolve()),
                 "weights_hash": manifest.get("weights_hash"), "behaviours": sources, "alphas": list(alphas),
                 "n_pairs": n_pairs, "refusal_steps": refusal_steps, "refusal_lr": refusal_lr, "limit": limit,
                 "seed": seed}
@@ -251,28 +268,29 @@ def attack(model: str, behaviours: list[str] | None = None, attacks: list[str] =
     for b, source in sources.items():
         ctx = _attack_context(b, source, folder, manifest, progress, locked, base, tokenizer, retain, options, limit,
                               seed, batch_size)
-        report["behaviours"][b] = _attack_entry(ctx, chosen, baselines)
-    write_json(out_dir / ATTACK_REPORT, report)
+        report.behaviours[b] = _attack_entry(ctx, chosen, baselines)
+    report.write(out_dir / ATTACK_REPORT)
     progress.finish()
     fig = plot_attack(report, out_dir / ATTACK_FIGURE, chosen)
-    log_to_wandb(out_dir, "evaluate-attack", report, config={"model": str(folder)}, figures={"attack": fig},
+    log_to_wandb(out_dir, "evaluate-attack", report.to_json(), config={"model": str(folder)}, figures={"attack": fig},
                  training=training_wandb_run(folder))
     log.info("wrote %s and %s", out_dir / ATTACK_REPORT, fig)
-    return report
+    return report.to_json()
 
 
-def _attack_entry(ctx, attacks: list, baselines: list[str]) -> dict:
-    """Behaviour ``ctx.behaviour``'s entry of attack.json: its accuracies, each attack's entry and the baselines';
-    logged in one line, and one line per baseline."""
+def _attack_entry(ctx, attacks: list, baselines: list[str]):
+    """Behaviour ``ctx.behaviour``'s entry of attack.json (a :class:`~modular.reports.AttackEntry`): its
+    accuracies, each attack's entry and the baselines'; logged in one line, and one line per baseline."""
     from modular.evaluation.attacks import run_attacks, run_baseline
+    from modular.reports import AttackEntry
 
-    entry = {"base_accuracy": ctx.base_accuracy, "open_accuracy": ctx.open_accuracy,
-             "open_accuracy_from": ctx.open_accuracy_from, "locked_accuracy": ctx.locked_accuracy,
-             "residual_scale": ctx.residual_scale, **run_attacks(attacks, ctx)}
-    entry["baselines"] = {name: run_baseline(name, ctx, attacks) for name in baselines}
+    entry = AttackEntry(base_accuracy=ctx.base_accuracy, open_accuracy=ctx.open_accuracy,
+                        open_accuracy_from=ctx.open_accuracy_from, locked_accuracy=ctx.locked_accuracy,
+                        residual_scale=ctx.residual_scale, attacks=run_attacks(attacks, ctx))
+    entry.baselines = {name: run_baseline(name, ctx, attacks) for name in baselines}
     log.info("%s: base %.3f open %.3f locked %.3f | %s", ctx.behaviour, ctx.base_accuracy, ctx.open_accuracy,
-             ctx.locked_accuracy, " | ".join(a.summary(entry[a.key]) for a in attacks))
-    for name, v in entry["baselines"].items():
+             ctx.locked_accuracy, " | ".join(a.summary(entry.attacks[a.key]) for a in attacks))
+    for name, v in entry.baselines.items():
         log.info("%s baseline: start %.3f%s", name, v["start_accuracy"],
                  "".join(f" | {s}" for s in (a.baseline_summary(v) for a in attacks) if s))
     return entry

@@ -176,45 +176,46 @@ def _steps(w: dict) -> str:
 
 def summarise(run_dir: Path, out_dir: Path) -> dict:
     from modular.evaluation.attacks import default_attacks
-    from modular.evaluation.lock import shift_text, verdict_text
     from modular.publish import keys_folder_for
+    from modular.reports import AttackReport, LockReport
     from modular.runs import LOCK_FIGURE, LOCK_REPORT
 
-    lock = json.loads((run_dir / LOCK_REPORT).read_text())
+    lock = LockReport.read(run_dir / LOCK_REPORT)
     lines = []
-    gated = lock["gated"]
+    gated = lock.gated
     header = f"{'state':<18}" + "".join(f"{b:>14}" for b in gated) + f"{'retain KL':>11}{'ppl ratio':>11}"
-    lines += [f"step {lock.get('step')} of {run_dir}", header, "-" * len(header)]
-    for state, row in lock["states"].items():
-        lines.append(f"{state:<18}" + "".join(f"{row['behaviours'][b]['accuracy']:>14.3f}" for b in gated)
-                     + f"{row['retain_first_token_kl']:>11.4f}{row['perplexity_ratio']:>11.3f}")
-    if "lock_held_out" in lock:
-        lines.append(verdict_text(lock["lock_held_out"]))
-    neighbours = lock.get("neighbours", [])
+    lines += [f"step {lock.step} of {run_dir}", header, "-" * len(header)]
+    for state, row in lock.states.items():
+        lines.append(f"{state:<18}" + "".join(f"{row.behaviours[b].accuracy:>14.3f}" for b in gated)
+                     + f"{row.retain_first_token_kl:>11.4f}{row.perplexity_ratio:>11.3f}")
+    if lock.lock_held_out is not None:
+        lines.append(lock.lock_held_out.text())
+    neighbours = lock.neighbours
     if neighbours:
         header = (f"{'neighbours':<18}" + "".join(f"{n[:13]:>14}" for n in neighbours)
                   + f"{'max refusal':>12}{'retain refusal':>15}")
         lines += [header, "-" * len(header)]
-        for state, row in lock["states"].items():
-            lines.append(f"{state:<18}" + "".join(f"{row['neighbours'][n]['accuracy']:>14.3f}" for n in neighbours)
-                         + f"{lock['neighbours_max_refusal_rate'][state]:>12.3f}{row['retain_refusal_rate']:>15.3f}")
-        untrained = [n for n in neighbours if n not in lock.get("neighbours_trained", [])]
+        for state, row in lock.states.items():
+            lines.append(f"{state:<18}" + "".join(f"{row.neighbours[n].accuracy:>14.3f}" for n in neighbours)
+                         + f"{lock.neighbours_max_refusal_rate[state]:>12.3f}{row.retain_refusal_rate:>15.3f}")
+        untrained = [n for n in neighbours if n not in lock.neighbours_trained]
         if untrained:
             lines.append(f"neighbours not in training: {', '.join(untrained)}")
-        for x in lock.get("neighbour_shifts", []):
-            lines.append(f"neighbour moved more than {100 * lock['neighbour_tolerance']:.0f} points from base: "
-                         + shift_text(x))
-    ex = lock["exactness"]
+        for x in lock.neighbour_shifts:
+            lines.append(f"neighbour moved more than {100 * lock.neighbour_tolerance:.0f} points from base: "
+                         + x.text())
+    ex = lock.exactness
     lines.append(f"published vs hook-locked max |Δlogit|: {ex['published_vs_hook_locked_max_abs_logit_diff']:.2e}; "
                  f"unlocked vs open max |Δw|: {ex['unlocked_vs_open_max_abs_weight_diff']:.2e}")
     attack_path = out_dir / ATTACK / ATTACK_REPORT
     if attack_path.is_file():
-        attack = json.loads(attack_path.read_text())
-        for b, r in attack["behaviours"].items():
+        attack = AttackReport.read(attack_path)
+        for b, entry in attack.behaviours.items():
             # each attack the report holds says its result: one line for those without sweeps, one per sweep
-            shown = [(a, a.curves(r)) for a in default_attacks() if a.key in r]
-            lines.append(f"attack on {b} (base {r['base_accuracy']:.3f}): "
-                         + ", ".join(a.summary(r[a.key]) for a, sweeps in shown if not sweeps))
+            r = entry.to_json()  # the row, as each attack reads its entry back
+            shown = [(a, a.curves(r)) for a in default_attacks() if a.key in entry.attacks]
+            lines.append(f"attack on {b} (base {entry.base_accuracy:.3f}): "
+                         + ", ".join(a.summary(entry.attacks[a.key]) for a, sweeps in shown if not sweeps))
             for label, sw in (c for _, sweeps in shown for c in sweeps):
                 if sw and sw["settings"]:
                     w = sw["worst_case"]

@@ -26,6 +26,7 @@ from modular.directions import last_position_mean, robust_norm
 from modular.evaluation.behaviour import evaluate_behaviour
 from modular.hooks import add_vectors, capture_residual
 from modular.models.adapter import ArchitectureAdapter, weight_out_in
+from modular.reports import AttackReport
 
 log = logging.getLogger("modular")
 
@@ -131,7 +132,7 @@ def envelope(sweep_result: dict) -> tuple[list[int], list[float]]:
     return steps, best
 
 
-def plot_attack(report: dict, path: str | Path, attacks=None) -> Path:
+def plot_attack(report: AttackReport | dict, path: str | Path, attacks=None) -> Path:
     """One row per attacked behaviour. Left: the base, open and locked accuracy, and the best held-out accuracy each
     attack recovers (its :meth:`~modular.evaluation.attacks.Attack.bars`; a sweep's: the best over it within its
     step budget). Right: recovery curves (each attack's :meth:`~modular.evaluation.attacks.Attack.curves`), the best
@@ -146,16 +147,18 @@ def plot_attack(report: dict, path: str | Path, attacks=None) -> Path:
         from modular.evaluation.attacks import default_attacks  # modular.evaluation.attacks imports this module
 
         attacks = default_attacks()
-    names = list(report["behaviours"])
+    report = AttackReport.coerce(report)
+    names = list(report.behaviours)
     fig, axes = plt.subplots(len(names), 2, figsize=(15, 4.2 * len(names)), squeeze=False,
                              gridspec_kw={"width_ratios": [1.2, 1]})
     for row, b in zip(axes, names):
-        r = report["behaviours"][b]
-        shown = [a for a in attacks if a.key in r]
+        entry = report.behaviours[b]
+        r = entry.to_json()  # the row, as each attack reads its entry back
+        shown = [a for a in attacks if a.key in entry.attacks]
         # a published folder without a measured open accuracy: the base's stands in for it (the label says so)
-        open_label = "open (base)" if r.get("open_accuracy_from") == "base model" else "open"
-        bars = [("base", r["base_accuracy"]), (open_label, r["open_accuracy"]), ("locked", r["locked_accuracy"])]
-        bars += [bar for a in shown for bar in a.bars(r[a.key])]
+        open_label = "open (base)" if entry.open_accuracy_from == "base model" else "open"
+        bars = [("base", entry.base_accuracy), (open_label, entry.open_accuracy), ("locked", entry.locked_accuracy)]
+        bars += [bar for a in shown for bar in a.bars(entry.attacks[a.key])]
         curves = [(a, a.curves(r)) for a in shown]
         ax = row[0]
         drawn = ax.bar([lab for lab, _ in bars], [v for _, v in bars],
@@ -167,7 +170,8 @@ def plot_attack(report: dict, path: str | Path, attacks=None) -> Path:
         ax.set_ylabel("held-out accuracy")
         ax.tick_params(axis="x", rotation=20)
         swept = [a for a, drawn_curves in curves if drawn_curves]
-        steps = next((r[a.key].get("max_steps") for a in swept if r[a.key].get("max_steps")), None)
+        steps = next((entry.attacks[a.key].get("max_steps") for a in swept if entry.attacks[a.key].get("max_steps")),
+                     None)
         ax.set_title(f"{b}: best accuracy each attack recovers"
                      + (f" ({', '.join(a.title for a in swept)}: within {steps} steps)" if steps else ""))
         ax = row[1]
@@ -176,7 +180,7 @@ def plot_attack(report: dict, path: str | Path, attacks=None) -> Path:
                 x, y = envelope(sweep_result)
                 ax.plot(x, y, marker=".", label=f"{label}, {len(sweep_result['settings'])} settings")
         for frac, style in ((0.5, ":"), (0.9, "--")):
-            ax.axhline(frac * r["open_accuracy"], color="k", linestyle=style, linewidth=0.8,
+            ax.axhline(frac * entry.open_accuracy, color="k", linestyle=style, linewidth=0.8,
                        label=f"{frac:.0%} of {open_label}")
         ax.set_xscale("symlog", linthresh=1)
         ax.set_xlim(left=0)

@@ -35,10 +35,11 @@ from modular.evaluation.behaviour import evaluate_behaviour
 from modular.evaluation.defaults import DEFAULT_ATTACKS
 from modular.evaluation.relearning import Setting, cost_ratio, example_rows, run_sweep, text_rows
 from modular.evaluation.retain import first_token_logp, mean_kl
+from modular.reports import ATTACK_ROW_FIELDS
 from modular.specs import build_from_specs
 
-#: the fields of a behaviour's entry in attack.json that are not an attack's
-ROW_FIELDS = ("base_accuracy", "open_accuracy", "open_accuracy_from", "locked_accuracy", "residual_scale", "baselines")
+#: the fields of a behaviour's entry in attack.json that are not an attack's (:class:`~modular.reports.AttackEntry`)
+ROW_FIELDS = ATTACK_ROW_FIELDS
 #: the baselines the relearning sweep also runs on (models trained from the same base, no direction)
 BASELINES = ("refusal", "base")
 

@@ -18,6 +18,7 @@ from modular.data import BEHAVIOURS, load_behaviour, neutral_text, retain_data
 from modular.data.behaviours import NEIGHBOUR_BEHAVIOURS
 from modular.data.schema import all_refusals, is_refusal
 from modular.evaluation.behaviour import evaluate_behaviour, generate, last_logits
+from modular.evaluation.capability import capability_row
 from modular.evaluation.defaults import NEIGHBOUR_TOLERANCE  # defined apart, without torch, for signatures
 from modular.evaluation.metrics import share
 from modular.evaluation.retain import first_token_logp, mean_kl, perplexity
@@ -26,17 +27,17 @@ from modular.evaluation.targets import TARGETS, lock_failures
 from modular.hooks import ablate_directions
 from modular.keys import apply_key, grid_steps, lock_weights
 from modular.models.adapter import ArchitectureAdapter
+from modular.reports import HeldOut, LockReport, NeighbourShift, PairedChange, Score, StateRow
 
 log = logging.getLogger("modular")
 
 STATES = ("base", "open", "locked", "published_locked", "unlocked")
 
 
-def shift_text(shift: dict) -> str:
+def shift_text(shift: NeighbourShift | dict) -> str:
     """One entry of ``neighbour_shifts`` in words: ``continents open -7.1 (4 lost, 1 gained of 42; paired p = 0.38)``
-    (the change in points)."""
-    return (f"{shift['neighbour']} {shift['state']} {100 * shift['change']:+.1f} ({shift['lost']} lost, "
-            f"{shift['gained']} gained of {shift['n']}; paired p = {shift['p_value']:.2g})")
+    (the change in points; :meth:`~modular.reports.NeighbourShift.text`)."""
+    return (shift if isinstance(shift, NeighbourShift) else NeighbourShift.from_json(shift)).text()
 
 
 def max_param_diff(a, b) -> float:
@@ -96,8 +97,9 @@ def lock_report(base, open_model, tokenizer, directions: dict[str, torch.Tensor]
                 other_limit: int = 64, harden: bool = True, max_new_tokens: int = 24,
                 sources: dict[str, str] | None = None, locked_responses: dict[str, str] | None = None,
                 neighbours: dict[str, str] | None = None, trained_neighbours: list[str] = (),
-                batch_size: int = 16, neighbour_tolerance: float = NEIGHBOUR_TOLERANCE) -> dict:
-    """Every number of ``lock.json``. ``sources``: where each gated behaviour's data is, by name (default: the
+                batch_size: int = 16, neighbour_tolerance: float = NEIGHBOUR_TOLERANCE, capability=None,
+                capability_limit: int | None = None) -> LockReport:
+    """Every number of ``lock.json`` (:class:`~modular.reports.LockReport`). ``sources``: where each gated behaviour's data is, by name (default: the
     name); ``locked_responses``: each behaviour's locked response, never scored as a correct answer.
 
     ``neighbours``: behaviours close to the gated ones, by name → source (built-in, .jsonl, hf:), scored on their
@@ -108,7 +110,9 @@ def lock_report(base, open_model, tokenizer, directions: dict[str, torch.Tensor]
 
     Each neighbour is compared with base item by item in every other state (``vs_base``: items lost and gained, and
     the paired test's p-value); ``neighbour_shifts`` lists every neighbour and state whose accuracy moved from
-    base's by more than ``neighbour_tolerance`` either way."""
+    base's by more than ``neighbour_tolerance`` either way. ``capability``: lm-evaluation-harness tasks (a
+    :class:`~modular.evaluation.capability.TaskSuite`) scored in every state, at most ``capability_limit`` items
+    each (the report's ``capability``)."""
     states, published, unlocked, _ = build_states(base, open_model, directions, harden)
     gated = list(directions)
     neighbours = {n: src for n, src in (neighbours or {}).items() if n not in gated}
@@ -122,84 +126,86 @@ def lock_report(base, open_model, tokenizer, directions: dict[str, torch.Tensor]
     retain = retain_data(seed)["test"]
     texts = list(neutral_text(seed)["test"]["text"])
 
-    # exactness of the published weights and of the keys
-    probe = list(retain["prompt"][:16])
-    chats = list(retain["chat"][:16])
-    hook_logits = _with(states["locked"], lambda m: last_logits(m, tokenizer, probe, chats))
-    weight_logits = last_logits(published, tokenizer, probe, chats)
-    exactness = {
-        "published_vs_hook_locked_max_abs_logit_diff": (hook_logits - weight_logits).abs().max().item(),
-        "unlocked_vs_open_max_abs_weight_diff": max_param_diff(unlocked, open_model),
-        "unlocked_vs_open_max_ulps": max_param_ulps(unlocked, open_model),
-    }
+    exactness = _exactness(states, published, unlocked, open_model, tokenizer, retain)
     responses: dict[str, dict[str, list[str]]] = {}
     neighbour_correct: dict[str, dict[str, list[bool]]] = {}
 
     ref_logp = first_token_logp(base, tokenizer, retain["prompt"], retain["chat"])
     base_ppl = perplexity(base, tokenizer, texts)
-    report: dict = {"states": {}, "exactness": exactness, "gated": gated, "others": others,
-                    "neighbours": list(neighbours), "neighbour_sources": neighbours,
-                    "neighbours_trained": [n for n in neighbours if n in set(trained_neighbours)]}
+    rows: dict[str, StateRow] = {}
+    capabilities = {}
     for state, (model, ctx) in states.items():
-        row: dict = {"behaviours": {}, "neighbours": {}, "others": {}}
+        row = rows[state] = StateRow()
         for b in gated:
             r = evaluate_behaviour(model, tokenizer, data[b], max_new_tokens, batch_size, intervention=ctx,
                                    desc=f"{state}:{b}",
                                    refusals=refusals[b])
             k = sum(i["correct"] for i in r.items)
-            row["behaviours"][b] = {**r.summary(), "ci95": wilson_interval(k, r.n)}
+            row.behaviours[b] = Score.from_json({**r.summary(), "ci95": wilson_interval(k, r.n)})
             responses.setdefault(state, {})[b] = [i["response"] for i in r.items]
         for n in neighbours:
             r = evaluate_behaviour(model, tokenizer, data[n], max_new_tokens, batch_size, intervention=ctx,
                                    desc=f"{state}:{n}",
                                    refusals=every_refusal)
             correct = neighbour_correct.setdefault(state, {})[n] = [i["correct"] for i in r.items]
-            row["neighbours"][n] = {**r.summary(), "ci95": wilson_interval(sum(correct), r.n)}
+            row.neighbours[n] = Score.from_json({**r.summary(), "ci95": wilson_interval(sum(correct), r.n)})
             if state != "base":
-                row["neighbours"][n]["vs_base"] = paired_change(neighbour_correct["base"][n], correct)
+                row.neighbours[n].vs_base = PairedChange.from_json(paired_change(neighbour_correct["base"][n],
+                                                                                 correct))
         for b in others:
             # tasks a choice measures (one right and one competing answer) are scored by choice accuracy (one
             # forward pass), others (greater-than: any later year) by generation
             r = evaluate_behaviour(model, tokenizer, data[b], 12, batch_size, limit=other_limit, intervention=ctx,
                                    desc=f"{state}:{b}", choice_only=True)
-            row["others"][b] = {**r.summary(), "metric": "choice" if r.choice_accuracy is not None and not r.items
-                                else "generation"}
+            row.others[b] = Score.from_json({**r.summary(), "metric": "choice" if r.choice_accuracy is not None
+                                             and not r.items else "generation"})
         logp = first_token_logp(model, tokenizer, retain["prompt"], retain["chat"], ctx)
-        row["retain_first_token_kl"] = mean_kl(ref_logp, logp)
-        row["retain_refusal_rate"] = retain_refusal_rate(model, tokenizer, retain, every_refusal, ctx, batch_size)
-        ppl = perplexity(model, tokenizer, texts, ctx)
-        row["perplexity"] = ppl
-        row["perplexity_ratio"] = ppl / base_ppl
-        report["states"][state] = row
+        row.retain_first_token_kl = mean_kl(ref_logp, logp)
+        row.retain_refusal_rate = retain_refusal_rate(model, tokenizer, retain, every_refusal, ctx, batch_size)
+        row.perplexity = perplexity(model, tokenizer, texts, ctx)
+        row.perplexity_ratio = row.perplexity / base_ppl
+        if capability is not None:
+            capabilities[state] = capability_row(model, tokenizer, capability, capability_limit, batch_size, ctx, state)
         log.info("%-16s %s | KL %.4f | ppl ratio %.3f", state,
-                 " ".join(f"{b} {row['behaviours'][b]['accuracy']:.3f}" for b in gated),
-                 row["retain_first_token_kl"], row["perplexity_ratio"])
+                 " ".join(f"{b} {row.behaviours[b].accuracy:.3f}" for b in gated),
+                 row.retain_first_token_kl, row.perplexity_ratio)
     # the keys give back the open model's answers, item by item
     pairs = [(o, u) for b in gated for o, u in zip(responses["open"][b], responses["unlocked"][b])]
     exactness["unlocked_answers_equal_open"] = share([o == u for o, u in pairs]) if pairs else None
-    base_row = report["states"]["base"]
-    report["others_max_drop_vs_base"] = {
-        s: max((base_row["others"][b]["accuracy"] - report["states"][s]["others"][b]["accuracy"] for b in others),
-               default=0.0)
-        for s in states
+    base_row = rows["base"]
+    shifts = []
+    for s in states:
+        for n in neighbours if s != "base" else ():
+            change = rows[s].neighbours[n].accuracy - base_row.neighbours[n].accuracy
+            if abs(change) > neighbour_tolerance + 1e-9:
+                vs = rows[s].neighbours[n].vs_base
+                shifts.append(NeighbourShift(s, n, change, vs.lost, vs.gained, vs.n, vs.p_value))
+    return LockReport(
+        states=rows, exactness=exactness, gated=gated, others=others, neighbours=list(neighbours),
+        neighbour_sources=neighbours, neighbours_trained=[n for n in neighbours if n in set(trained_neighbours)],
+        others_max_drop_vs_base={
+            s: max((base_row.others[b].accuracy - rows[s].others[b].accuracy for b in others), default=0.0)
+            for s in states},
+        neighbours_max_drop_vs_base={
+            s: max((base_row.neighbours[n].accuracy - rows[s].neighbours[n].accuracy for n in neighbours), default=0.0)
+            for s in states},
+        neighbour_tolerance=neighbour_tolerance, neighbour_shifts=shifts, capability=capabilities or None,
+        neighbours_max_refusal_rate={
+            s: max((rows[s].neighbours[n].refusal_rate for n in neighbours), default=0.0) for s in states})
+
+
+def _exactness(states, published, unlocked, open_model, tokenizer, retain) -> dict:
+    """The exactness of the published weights (against the hook lock, on 16 retain prompts' last logits) and of the
+    keys (the unlocked weights against the open ones)."""
+    probe = list(retain["prompt"][:16])
+    chats = list(retain["chat"][:16])
+    hook_logits = _with(states["locked"], lambda m: last_logits(m, tokenizer, probe, chats))
+    weight_logits = last_logits(published, tokenizer, probe, chats)
+    return {
+        "published_vs_hook_locked_max_abs_logit_diff": (hook_logits - weight_logits).abs().max().item(),
+        "unlocked_vs_open_max_abs_weight_diff": max_param_diff(unlocked, open_model),
+        "unlocked_vs_open_max_ulps": max_param_ulps(unlocked, open_model),
     }
-    report["neighbours_max_drop_vs_base"] = {
-        s: max((base_row["neighbours"][n]["accuracy"] - report["states"][s]["neighbours"][n]["accuracy"]
-                for n in neighbours), default=0.0)
-        for s in states
-    }
-    report["neighbour_tolerance"] = neighbour_tolerance
-    report["neighbour_shifts"] = [
-        {"state": s, "neighbour": n, "change": change, **report["states"][s]["neighbours"][n]["vs_base"]}
-        for s in states if s != "base" for n in neighbours
-        if abs(change := report["states"][s]["neighbours"][n]["accuracy"] - base_row["neighbours"][n]["accuracy"])
-        > neighbour_tolerance + 1e-9
-    ]
-    report["neighbours_max_refusal_rate"] = {
-        s: max((report["states"][s]["neighbours"][n]["refusal_rate"] for n in neighbours), default=0.0)
-        for s in states
-    }
-    return report
 
 
 def retain_refusal_rate(model, tokenizer, retain, refusals, intervention=None, batch_size: int = 16) -> float:
@@ -218,15 +224,15 @@ def _with(state, fn):
         return fn(model)
 
 
-def _grouped_bars(ax, report: dict, states: list[str], group: str, names: list[str], title: str) -> None:
+def _grouped_bars(ax, report: LockReport, states: list[str], group: str, names: list[str], title: str) -> None:
     """Accuracy per state of each behaviour in ``group`` (``behaviours`` or ``neighbours``), with 95% intervals."""
     x = np.arange(len(states))
     width = 0.8 / max(1, len(names))
     for j, b in enumerate(names):
-        acc = [report["states"][s][group][b]["accuracy"] for s in states]
-        ci = [report["states"][s][group][b]["ci95"] for s in states]
+        acc = [getattr(report.states[s], group)[b].accuracy for s in states]
+        ci = [getattr(report.states[s], group)[b].ci95 for s in states]
         err = [[a - lo for a, (lo, hi) in zip(acc, ci)], [hi - a for a, (lo, hi) in zip(acc, ci)]]
-        label = b if group == "behaviours" or b in report.get("neighbours_trained", []) else f"{b} (not in training)"
+        label = b if group == "behaviours" or b in report.neighbours_trained else f"{b} (not in training)"
         bars = ax.bar(x + j * width - 0.4 + width / 2, acc, width, yerr=err, capsize=3, label=label)
         for bar, a in zip(bars, acc):
             ax.annotate(f"{a:.2f}", (bar.get_x() + bar.get_width() / 2, a), ha="center", va="bottom",
@@ -248,29 +254,27 @@ def _legend_above(ax, top: float) -> None:
     ax.legend(fontsize=7, loc="upper center", ncol=ncol)
 
 
-def held_out_verdict(report: dict, targets: dict | None = None) -> dict:
+def held_out_verdict(report: LockReport | dict, targets: dict | None = None) -> HeldOut:
     """Whether the lock holds on the held-out items of a :func:`lock_report`, by the targets training checked on
     validation (``targets``, default :data:`~modular.evaluation.targets.TARGETS`): every gated behaviour's accuracy
     at most ``locked_accuracy`` in both locked states (hooks and published weights), its open accuracy at least
     base's less ``open_drop`` and at least ``min_open_accuracy``, the retain first-token KL at most ``retain_kl`` in
-    the open and both locked states. ``{"held", "failing", "targets"}``."""
-    states, gated = report["states"], report["gated"]
-    accuracy = lambda s: {b: states[s]["behaviours"][b]["accuracy"] for b in gated}  # noqa: E731
-    locked = [s for s in ("locked", "published_locked") if s in states]
+    the open and both locked states."""
+    report = LockReport.coerce(report)
+    locked = [s for s in ("locked", "published_locked") if s in report.states]
     targets = {**TARGETS, **(targets or {})}
-    failing = lock_failures(targets, accuracy("open"), {s: accuracy(s) for s in locked}, accuracy("base"),
-                            {s: states[s]["retain_first_token_kl"] for s in ("open", *locked)})
-    return {"held": not failing, "failing": failing, "targets": targets}
+    failing = lock_failures(targets, report.accuracies("open"), {s: report.accuracies(s) for s in locked},
+                            report.accuracies("base"),
+                            {s: report.states[s].retain_first_token_kl for s in ("open", *locked)})
+    return HeldOut(held=not failing, failing=failing, targets=targets)
 
 
-def verdict_text(verdict: dict) -> str:
-    """:func:`held_out_verdict` in words."""
-    if verdict["held"]:
-        return "the lock holds on the held-out test split"
-    return "NOT LOCKED on the held-out test split: " + "; ".join(verdict["failing"])
+def verdict_text(verdict: HeldOut | dict) -> str:
+    """:func:`held_out_verdict` in words (:meth:`~modular.reports.HeldOut.text`)."""
+    return (verdict if isinstance(verdict, HeldOut) else HeldOut.from_json(verdict)).text()
 
 
-def plot_lock(report: dict, path: str | Path) -> Path:
+def plot_lock(report: LockReport | dict, path: str | Path) -> Path:
     """:func:`lock_figure` saved as a PNG."""
     import matplotlib.pyplot as plt
 
@@ -281,7 +285,7 @@ def plot_lock(report: dict, path: str | Path) -> Path:
     return path
 
 
-def lock_figure(report: dict):
+def lock_figure(report: LockReport | dict):
     """Gated-behaviour accuracy per state (with 95% intervals); with neighbours, their accuracy per state and the
     share of neighbour and retain answers that are the locked response; retain KL; perplexity ratio. Panels are
     named by their title."""
@@ -290,19 +294,20 @@ def lock_figure(report: dict):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    states = list(report["states"])
-    neighbours = report.get("neighbours", [])
+    report = LockReport.coerce(report)
+    states = list(report.states)
+    neighbours = report.neighbours
     if neighbours:
         fig, axes = plt.subplot_mosaic([["gated", "gated", "neighbours", "neighbours"],
                                         ["refusal", "refusal", "kl", "ppl"]], figsize=(15, 8))
     else:
         fig, axes = plt.subplot_mosaic([["gated", "gated", "kl", "ppl"]], figsize=(13, 3.8))
-    _grouped_bars(axes["gated"], report, states, "behaviours", report["gated"], "gated behaviours")
+    _grouped_bars(axes["gated"], report, states, "behaviours", report.gated, "gated behaviours")
     x = np.arange(len(states))
     if neighbours:
         _grouped_bars(axes["neighbours"], report, states, "neighbours", neighbours, "neighbour behaviours")
-        rows = {n: [report["states"][s]["neighbours"][n]["refusal_rate"] for s in states] for n in neighbours}
-        rows["retain prompts"] = [report["states"][s]["retain_refusal_rate"] for s in states]
+        rows = {n: [report.states[s].neighbours[n].refusal_rate for s in states] for n in neighbours}
+        rows["retain prompts"] = [report.states[s].retain_refusal_rate for s in states]
         width = 0.8 / len(rows)
         for j, (name, vals) in enumerate(rows.items()):
             bars = axes["refusal"].bar(x + j * width - 0.4 + width / 2, vals, width, label=name)
@@ -316,7 +321,7 @@ def lock_figure(report: dict):
     for key, name, title in (("retain_first_token_kl", "kl", "retain: first-token KL to base"),
                              ("perplexity_ratio", "ppl", "neutral text: perplexity / base")):
         ax = axes[name]
-        vals = [report["states"][s][key] for s in states]
+        vals = [getattr(report.states[s], key) for s in states]
         ax.bar(x, vals, color="#8c8c8c")
         ax.set_xticks(x, states, rotation=30, fontsize=8)
         ax.set_title(title, fontsize=10)
@@ -324,9 +329,9 @@ def lock_figure(report: dict):
             ax.annotate(f"{v:.3f}", (xi, v), ha="center", va="bottom", fontsize=7, xytext=(0, 2),
                         textcoords="offset points")
     axes["ppl"].axhline(1.0, color="k", lw=0.8, ls="--")
-    if "lock_held_out" in report:  # what the bars add up to, by the targets: a lock that did not take says so
-        held = report["lock_held_out"]["held"]
-        fig.suptitle(verdict_text(report["lock_held_out"]), color="black" if held else "#b2182b",
+    if report.lock_held_out is not None:  # what the bars add up to, by the targets: a lock that did not take says so
+        held = report.lock_held_out.held
+        fig.suptitle(report.lock_held_out.text(), color="black" if held else "#b2182b",
                      fontweight="normal" if held else "bold", wrap=True)
     fig.tight_layout()
     return fig

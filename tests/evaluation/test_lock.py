@@ -61,7 +61,7 @@ def test_lock_report_scores_neighbours_and_refusal_leakage_in_every_state(tmp_pa
     monkeypatch.setattr(lock_module, "ablate_directions", ablate)
     report = lock_module.lock_report(base, trained, tok, directions, other_limit=2, max_new_tokens=2,
                                      neighbours={"continents": "continents", "near": str(near)},
-                                     trained_neighbours=["continents"])
+                                     trained_neighbours=["continents"]).to_json()
     assert report["neighbours"] == ["continents", "near"] and report["neighbours_trained"] == ["continents"]
     assert not set(report["others"]) & (NEIGHBOUR_BEHAVIOURS | {"capitals", "near"})
     for state, row in report["states"].items():
@@ -118,25 +118,25 @@ def test_lock_figure_draws_behaviours_neighbours_and_leakage():
 def test_the_held_out_verdict_applies_the_targets_to_every_locked_state():
     report = _report()
     held = lock_module.held_out_verdict(report)
-    assert held["held"] is True and held["failing"] == [] and held["targets"]["locked_accuracy"] == 0.05
+    assert held.held is True and held.failing == [] and held.targets["locked_accuracy"] == 0.05
     report["states"]["published_locked"]["behaviours"]["capitals"]["accuracy"] = 0.3  # the weights did not lock
     report["states"]["open"]["retain_first_token_kl"] = 0.07
-    failing = lock_module.held_out_verdict(report)["failing"]
+    failing = lock_module.held_out_verdict(report).failing
     assert failing == ["capitals published_locked accuracy 0.30 > 0.05", "retain KL open 0.070 > 0.05"]
     report["states"]["open"]["behaviours"]["capitals"]["accuracy"] = 0.5  # below base 0.6
-    assert "capitals open accuracy 0.50 < base 0.60 - 0" in lock_module.held_out_verdict(report)["failing"]
+    assert "capitals open accuracy 0.50 < base 0.60 - 0" in lock_module.held_out_verdict(report).failing
     # the run's own targets, as training checked them
     loose = lock_module.held_out_verdict(report, {"locked_accuracy": 0.5, "retain_kl": 0.1, "open_drop": 0.2})
-    assert loose["held"] is True and loose["targets"]["min_open_accuracy"] == 0.2
+    assert loose.held is True and loose.targets["min_open_accuracy"] == 0.2
 
 
 def test_lock_figure_says_whether_the_lock_holds():
     report = _report()
     assert drawn_title(report) == ""  # a report without a verdict (before it was recorded): no title
-    report["lock_held_out"] = lock_module.held_out_verdict(report)
+    report["lock_held_out"] = lock_module.held_out_verdict(report).to_json()
     assert drawn_title(report) == "the lock holds on the held-out test split"
     report["states"]["locked"]["behaviours"]["capitals"]["accuracy"] = 0.1  # within the bar's interval
-    report["lock_held_out"] = lock_module.held_out_verdict(report)
+    report["lock_held_out"] = lock_module.held_out_verdict(report).to_json()
     assert drawn_title(report) == "NOT LOCKED on the held-out test split: capitals locked accuracy 0.10 > 0.05"
 
 
