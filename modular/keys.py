@@ -73,6 +73,8 @@ ADDING_FORMATS = ("modular-key/3", "modular-key/2")
 GRID_DTYPES = (torch.bfloat16, torch.float16)
 MAX_GAP = 2**16 - 1  # the largest gap between two corrected entries a uint16 holds; 0 marks a skip of MAX_GAP
 MANTISSA_BITS = {torch.float64: 52, torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}
+#: the marker of a key's LoRA adapter (:mod:`modular.peft_keys`): key material as well, never uploaded
+KEY_ADAPTER_FORMAT = "modular-key-adapter/1"
 #: how a key file is named (``<behaviour>.key.safetensors``); :func:`is_key_file` also knows one renamed
 KEY_SUFFIX = ".key.safetensors"
 _MAX_HEADER = 100 * 2**20  # a safetensors header longer than this is not read for a key's marker
@@ -613,7 +615,7 @@ def save_key(key: Key, path: str | Path, locked_hash: str,
 
 def is_key_file(path: str | Path) -> bool:
     """Whether ``path`` is a key file: named as one (:data:`KEY_SUFFIX`) or, under any name, a safetensors file
-    whose metadata marks a modular key (any format, ``modular-key/N``). Only the file's header is read; a file
+    whose metadata marks a modular key (any format, ``modular-key/N``) or a key's LoRA adapter. Only the file's header is read; a file
     that cannot be read is not taken for a key."""
     path = Path(path)
     if path.name.endswith(KEY_SUFFIX):
@@ -627,7 +629,7 @@ def is_key_file(path: str | Path) -> bool:
         meta = json.loads(header["__metadata__"]["modular"])
     except (OSError, ValueError, KeyError, TypeError):
         return False
-    return isinstance(meta, dict) and str(meta.get("format", "")).startswith("modular-key/")
+    return isinstance(meta, dict) and str(meta.get("format", "")).startswith(("modular-key/", KEY_ADAPTER_FORMAT))
 
 
 def load_key(path: str | Path) -> tuple[Key, dict]:

@@ -1,9 +1,12 @@
-"""``modular publish`` and ``modular unlock``: the locked weights as a plain Hugging Face folder, the keys apart."""
+"""``modular publish``, ``modular unlock`` and ``modular export-key``: the locked weights as a plain Hugging Face
+folder, the keys apart, and a key as a PEFT adapter."""
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
+from typing import Literal
 
 from modular import ModularError
 from modular.models.names import DTypeName
@@ -44,6 +47,7 @@ def publish(run: str, out: str, keys: str | None = None, harden: bool = True, ov
     from modular.models import load_tokenizer
     from modular.models.precision import DTYPES, cast_model, dtype_name, model_dtype
     from modular.publish import check_output_folder, check_upload, keys_folder_for, publish_model, push_folder, recover
+    from modular.reports import LockReport
     from modular.runs import LOCK_REPORT, checkpoint_step, load_open_model, lock_verdict, read_run
 
     if push_to_hub is not None:  # no token, a bad repo id: refused before anything is written
@@ -65,13 +69,21 @@ def publish(run: str, out: str, keys: str | None = None, harden: bool = True, ov
         log.warning("publishing %s although %s", run, why)
     measured = None
     lock_path = Path(run) / LOCK_REPORT
-    report = read_json_if_valid(lock_path)
-    if isinstance(report, dict) and report.get("step") == step:
+    found, report, not_a_report = read_json_if_valid(lock_path), None, None
+    if isinstance(found, dict):
+        try:
+            report = LockReport.from_json(found)
+        except ModularError as err:
+            not_a_report = str(err)
+    if report is not None and report.step == step:
         measured = report
-    elif isinstance(report, dict):
+    elif report is not None:
         log.warning(
             "%s describes step %s, the checkpoint holds step %s: the model card gets no measured numbers "
-            "(run modular lock --run %s again)", lock_path, report.get("step"), step, run)
+            "(run modular lock --run %s again)", lock_path, report.step, step, run)
+    elif not_a_report is not None:
+        log.warning("%s is %s: the model card gets no measured numbers (run modular lock --run %s again)", lock_path,
+                    not_a_report, run)
     elif lock_path.is_file():
         log.warning("%s cannot be read (cut short or damaged): the model card gets no measured numbers (run modular "
                     "lock --run %s again)", lock_path, run)
@@ -88,15 +100,15 @@ def publish(run: str, out: str, keys: str | None = None, harden: bool = True, ov
         # published are the ones that check scores (rounded to nearest, a float32 lock was lost in bfloat16)
         open_model = cast_model(open_model, DTYPES[dtype])
     published = dtype_name(model_dtype(open_model))
-    if measured is not None and measured.get("dtype", "float32") != published:  # reports before dtypes: float32
+    measured_in = (measured.dtype or "float32") if measured is not None else None  # reports before dtypes: float32
+    if measured is not None and measured_in != published:
         log.warning("%s was measured in %s, the weights are published in %s: the model card gets no measured "
-                    "numbers (run modular lock --run %s --dtype %s)", lock_path, measured.get("dtype", "float32"),
-                    published, run, published)
+                    "numbers (run modular lock --run %s --dtype %s)", lock_path, measured_in, published, run, published)
         measured = None
-    held_out = (measured or {}).get("lock_held_out")
-    if held_out is not None and not held_out["held"]:
+    held_out = measured.lock_held_out if measured is not None else None
+    if held_out is not None and not held_out.held:
         log.warning("%s: the lock did not hold on the held-out test split (%s); the model card says so",
-                    lock_path, "; ".join(held_out["failing"]))
+                    lock_path, "; ".join(held_out.failing))
     folder, keys_dir = publish_model(open_model, load_tokenizer(r.model_name), r.directions, out,
                                      r.model_name, measured, harden=harden, overwrite=overwrite, keys_out=keys,
                                      step=step, locked_responses=r.record.get("locked_responses"), inputs=[run],
@@ -131,5 +143,81 @@ def unlock(model: str, key: str, out: str, overwrite: bool = False) -> str:
     from modular.publish import unlock_folder
 
     folder = unlock_folder(model, key, out, overwrite=overwrite)
+    print(folder)
+    return str(folder)
+
+
+def export_key(key: str, model: str, out: str | None = None, format: Literal["peft"] = "peft",
+               adapter_dtype: Literal["float32", "bfloat16", "float16"] = "float32", embeddings: bool = True,
+               check: int = 32, seed: int = 0, overwrite: bool = False) -> str:
+    """Write a key as a PEFT LoRA adapter: one server holds the published weights and applies the adapter per
+    request (``PeftModel.from_pretrained(published, OUT)``; vLLM: ``--enable-lora --lora-modules NAME=OUT``). The
+    adapter unlocks what the key unlocks, to rounding: it cannot carry the key's exactness corrections, so its
+    greedy answers and first-token KL against the key's unlock are measured and written to adapter_check.json. It
+    is key material: kept apart from the published folder, its owner's alone, never uploaded.
+
+    Args:
+        key: Key file of one behaviour (``<keys folder>/<behaviour>.key.safetensors``).
+        model: The published folder the key unlocks (its layers name the adapter's modules; checked against the
+            key).
+        out: The adapter folder. Default: ``<keys folder>-<behaviour>-peft``, beside the keys folder.
+        format: ``peft``: a LoRA adapter (adapter_config.json, adapter_model.safetensors), rank 1 per layer.
+        adapter_dtype: Of the adapter's weights (vLLM serves 16-bit adapters).
+        embeddings: Carry the token embedding's component. PEFT applies it; vLLM serves LoRA on linear layers only,
+            so ``false`` leaves it out, at the cost adapter_check.json then shows.
+        check: How many held-out items of the behaviour (a built-in one) and retain prompts the adapter is compared
+            on with the key's unlock; 0: no comparison.
+        seed: Seed of the behaviour's and the retain prompts' splits.
+        overwrite: Replace an adapter folder written before.
+    """
+    import torch
+
+    from modular.data import load_behaviour, retain_data
+    from modular.data.behaviours import BEHAVIOURS
+    from modular.evaluation.key_adapters import adapter_agreement
+    from modular.files import atomic_path
+    from modular.keys import load_key
+    from modular.models import load_model, load_tokenizer
+    from modular.peft_keys import key_adapter, vllm_problems, write_adapter
+    from modular.publish import public_model_name, read_manifest
+
+    if check < 0:
+        raise ModularError(f"--check must be >= 0, got {check}")
+    k, meta = load_key(key)
+    manifest = read_manifest(model, require=("locked_hash", "applied_keys"))
+    if manifest is None:
+        raise ModularError(f"{model} is not a published modular model (no modular.json)")
+    if meta["locked_hash"] != manifest["locked_hash"]:
+        raise ModularError(f"key '{Path(key).name}' belongs to other weights (locked hash {meta['locked_hash'][:12]}…),"
+                           f" not to {model} (locked hash {manifest['locked_hash'][:12]}…)")
+    if k.behaviour in manifest["applied_keys"]:
+        raise ModularError(f"behaviour '{k.behaviour}' is already unlocked in {model}")
+    out = out or str(Path(key).parent.with_name(f"{Path(key).parent.name}-{k.behaviour}-peft"))
+    published = load_model(model, dtype=None, device="cpu")  # in the precision it was published in
+    adapter = key_adapter(published, k, getattr(torch, adapter_dtype), embeddings, base_name=public_model_name(model))
+    folder = write_adapter(adapter, out, meta["locked_hash"], overwrite=overwrite, sealed=[model])
+    if adapter.left_out:
+        log.info("left out of the adapter: %s", ", ".join(adapter.left_out))
+    problems = vllm_problems(adapter)
+    log.info("vLLM: %s", "; ".join(problems) if problems else
+             f"servable (vllm serve {model} --enable-lora --max-lora-rank 8 --lora-modules {k.behaviour}={folder})")
+    if check:
+        tokenizer = load_tokenizer(model)
+        retain = retain_data(seed)["test"]
+        retain = retain.select(range(min(check, len(retain))))
+        sets = {"retain": (list(retain["prompt"]), list(retain["chat"]))}
+        if k.behaviour in BEHAVIOURS:
+            test = load_behaviour(k.behaviour, seed=seed, tokenizer=tokenizer)["test"]
+            test = test.select(range(min(check, len(test))))
+            sets[k.behaviour] = (list(test["prompt"]), list(test["chat"]))
+        report = adapter_agreement(published, tokenizer, [k], {k.behaviour: folder}, sets,
+                                   applied=manifest["applied_keys"])
+        report = {"behaviour": k.behaviour, "adapter_dtype": adapter_dtype, "embeddings": embeddings, "vllm_problems": problems,
+                  "published_dtype": str(next(published.parameters()).dtype).removeprefix("torch."), "sets": report}
+        with atomic_path(folder / "adapter_check.json", private=True) as tmp:  # its answers are the unlocked ones
+            tmp.write_text(json.dumps(report, indent=2) + "\n")
+        for name, row in report["sets"].items():
+            log.info("%s: %d of %d greedy answers as the key's unlock, first-token KL %.2e", name,
+                     round(row["greedy_agreement"] * row["n"]), row["n"], row["first_token_kl"])
     print(folder)
     return str(folder)
