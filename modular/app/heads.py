@@ -69,7 +69,7 @@ def curve(
 
     Args:
         models: A training run folder is evaluated with its head gates; the first model is the base.
-        tasks: Built-in behaviours (or .jsonl files) with a ``wrong`` answer per item.
+        tasks: Behaviours scored per head: built-in behaviours (or .jsonl files) with a ``wrong`` answer per item.
         ranking: Head ranking: exhaustive (L·H patched forwards), attribution (gradients) or refined (gradients on
             the clean and the counterfactual run, then exact patching of the top ``refine`` heads of the second
             half of the layers: close to exhaustive at a few forwards' cost).
@@ -112,7 +112,7 @@ def ablation(
 
     Args:
         models: A training run folder is evaluated with its head gates.
-        tasks: Built-in behaviours (or .jsonl files).
+        tasks: Behaviours scored per head: built-in behaviours (or .jsonl files).
         kind: What an ablated head's output is replaced by.
         irrelevance: |Δ log p| in nats per example below which a head is Irrelevance.
         max_heads: Ablate up to this many heads of each category.

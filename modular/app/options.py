@@ -25,7 +25,7 @@ SHARED: dict[str, tuple[object, str]] = {
     "base": (Optional[str], "The base model the run or published folder was trained from: " + MODEL_REFERENCE),
     "run": (str, "Training run folder (holds run.json, directions.safetensors, last.ckpt)."),
     "behaviours": (list[str], "Behaviours: " + BEHAVIOUR_REFERENCE + " " + LIST_SYNTAX),
-    "tasks": (list[str], "Tasks (behaviours scored per head): " + BEHAVIOUR_REFERENCE + " " + LIST_SYNTAX),
+    "tasks": (list[str], "The tasks scored. " + LIST_SYNTAX),
     "neighbours": (list[str], "Neighbour behaviours (close to the gated ones): " + BEHAVIOUR_REFERENCE + " "
                    + LIST_SYNTAX),
     "split": (Split, "Which split is scored: train, validation or test (held-out entities)."),

@@ -29,8 +29,9 @@ def _strip_optional(t):
 
 
 def test_every_user_command_is_a_subcommand():
-    assert set(cli.COMMANDS) == {"main", "train", "behaviour", "lock", "attack", "quantized", "publish", "unlock",
-                                 "heads", "merge", "directions", "attention", "inspect", "convert"}
+    assert set(cli.COMMANDS) == {"main", "train", "behaviour", "lock", "attack", "quantized", "capability", "publish",
+                                 "unlock", "export-key", "heads", "merge", "directions", "attention", "inspect",
+                                 "convert"}
     assert set(cli.COMMANDS["heads"]) == {"curve", "ablation"}
 
 
@@ -98,7 +99,7 @@ def test_train_is_the_training_cli(monkeypatch):
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["lock", "--help"], ["heads", "ablation", "--help"],
-                                  ["attack", "--help"], ["main", "--help"]])
+                                  ["attack", "--help"], ["main", "--help"], ["capability", "--help"]])
 def test_help_documents_every_option(argv, capsys):
     with pytest.raises(SystemExit) as err:
         cli.main(argv)
@@ -162,8 +163,8 @@ def test_output_folder_default_is_one_slug_per_name():
 
 def test_every_command_that_runs_a_model_takes_a_device_and_a_precision():
     """Declared once (options.SHARED); publish takes the precision it writes, unlock keeps the published one."""
-    runs_models = {"main", "behaviour", "lock", "attack", "quantized", "heads curve", "heads ablation", "merge",
-                   "directions", "attention"}
+    runs_models = {"main", "behaviour", "lock", "attack", "quantized", "capability", "heads curve", "heads ablation",
+                   "merge", "directions", "attention"}
     for label, fn in _functions():
         params = inspect.signature(fn).parameters
         if label in runs_models:
