@@ -41,7 +41,7 @@ def _config(folder, arch="llama", extra_model=None, callbacks=(), keep_hidden=Fa
     folder.mkdir(parents=True, exist_ok=True)
     model_dir = save_tiny_folder(folder / "tiny", arch)
     cfg, run = tiny_config(folder, model_dir, lock_args={"stop": False},
-                           extra_model={"locked_steering": 1.0, "steering_refresh": 2, **(extra_model or {})})
+                           extra_model={"steering": {"scale": 1.0, "refresh": 2}, **(extra_model or {})})
     c = yaml.safe_load(cfg.read_text())
     # without the write term: its per-position mean, weighted 10, makes two processes' mean of means differ from one
     # process's mean by 4.4e-2 (measured), more than a broken data split; the other terms keep the check sharp
@@ -152,48 +152,69 @@ def _batches(folder, rank) -> dict[int, dict]:
     return {r["step"]: r["batch"] for r in map(json.loads, lines)}
 
 
-@pytest.mark.parametrize("strategy, sharded", [("ddp", False), ("fsdp", True)])
-def test_a_killed_run_resumes(tmp_path, runs, strategy, sharded):
-    """Killed (SIGKILL of the main process) after step 3, with checkpoints every 2 steps: started again, it
-    resumes from step 2 with the same directions and ends at step 5, every process on the batches of the run that
-    was not killed (each loader resumes in its pass), with its losses (the steering adversary's draws restored).
-    FSDP saves its checkpoint as a folder of shards here (save_distributed_checkpoint)."""
+@pytest.fixture(scope="module", params=[("ddp", False), ("fsdp", True)], ids=["ddp", "fsdp-sharded"])
+def killed_run(request, tmp_path_factory):
+    """A run killed (SIGKILL of the main process) after step 3, with checkpoints every 2 steps, and the same command
+    started again: under DDP, and under FSDP with its checkpoint a folder of shards (save_distributed_checkpoint).
+    The strategy, the folder, what the killed run left and the resumed run's log and record."""
+    strategy, sharded = request.param
+    folder = tmp_path_factory.mktemp(f"killed-{strategy}")
     args = [*STRATEGIES[strategy]]
     if sharded:
         args += ["--trainer.strategy.save_distributed_checkpoint", "true"]
-    cfg, run = _config(tmp_path, callbacks=[{"class_path": "tests.app.recorder.KillAt", "init_args": {"step": 3}}])
-    env = _env(tmp_path / "cache")
+    cfg, run = _config(folder, callbacks=[{"class_path": "tests.app.recorder.KillAt", "init_args": {"step": 3}}])
+    env = _env(folder / "cache")
     killed = _train(cfg, *args, env=env)
-    assert killed.returncode != 0 and not (run / "run.json").exists()
-    assert (run / "last.ckpt").is_dir() == sharded
-    directions = (run / "directions.safetensors").read_bytes()
+    out = {"strategy": strategy, "sharded": sharded, "folder": folder, "run": run,
+           "killed": {"returncode": killed.returncode, "record": (run / "run.json").exists(),
+                      "sharded_checkpoint": (run / "last.ckpt").is_dir(),
+                      "directions": (run / "directions.safetensors").read_bytes()}}
     c = yaml.safe_load(cfg.read_text())
     c["trainer"]["callbacks"] = [cb for cb in c["trainer"]["callbacks"] if not cb["class_path"].endswith("KillAt")]
     cfg.write_text(yaml.safe_dump(c))
     resumed = _train(cfg, *args, env=env)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    log = resumed.stderr + resumed.stdout
+    out["log"] = resumed.stderr + resumed.stdout
+    out["record"] = json.loads((run / "run.json").read_text())
+    return out
+
+
+def test_a_killed_run_resumes_from_its_checkpoint(killed_run):
+    """Started again, the killed run resumes from its checkpoint with the same directions and ends at the last
+    step; the killed run's folder lock is taken over, and every checkpoint was written beside its place and
+    renamed: nothing hidden is left."""
+    run, killed, log = killed_run["run"], killed_run["killed"], killed_run["log"]
+    assert killed["returncode"] != 0 and not killed["record"]
+    assert killed["sharded_checkpoint"] == killed_run["sharded"]
     assert "Restoring states from the checkpoint" in log
-    record = json.loads((run / "run.json").read_text())
-    assert record["global_step"] == STEPS and record["checkpoint_step"] == STEPS
-    assert (run / "directions.safetensors").read_bytes() == directions
-    # the killed run's lock was taken over (the other process, started again by the launcher, took none), and
-    # every checkpoint was written beside its place and renamed: nothing hidden is left
+    assert killed_run["record"]["global_step"] == STEPS and killed_run["record"]["checkpoint_step"] == STEPS
+    assert (run / "directions.safetensors").read_bytes() == killed["directions"]
+    # the other process, started again by the launcher, took no lock of its own
     assert "took over the lock" in log and not [p.name for p in run.iterdir() if p.name.startswith(".")]
     assert "directions chosen" not in log  # read from the run folder, not chosen again
-    # steps 3-5 as the run not killed trained them: the same batches, steering draws and so losses
-    assert _records(tmp_path)[0]["losses"] == pytest.approx(runs[strategy]["records"][0]["losses"][2:],
-                                                            rel=SAME_STEP_REL)
-    for rank in (0, 1):
-        assert _batches(tmp_path, rank) == _batches(runs[strategy]["folder"], rank)
-    if sharded:  # the folder of shards is what publish reads
-        from modular.runs import read_checkpoint
 
-        assert int(read_checkpoint(run / "last.ckpt")["global_step"]) == STEPS
-        meta = read_checkpoint(run / "last.ckpt", weights=False)  # the step without gathering the weights
-        assert int(meta["global_step"]) == STEPS and "state_dict" not in meta
-        _publish(run, tmp_path / "published")
-        assert (tmp_path / "published" / "model.safetensors").is_file()
+
+def test_a_resumed_run_takes_the_steps_of_the_run_not_killed(killed_run, runs):
+    """Steps 3-5 of the resumed run are those of the run that was not killed: every process on the same batches
+    (each loader resumes in its pass), with the same steering draws, and so the same losses."""
+    strategy, folder = killed_run["strategy"], killed_run["folder"]
+    assert _records(folder)[0]["losses"] == pytest.approx(runs[strategy]["records"][0]["losses"][2:],
+                                                          rel=SAME_STEP_REL)
+    for rank in (0, 1):
+        assert _batches(folder, rank) == _batches(runs[strategy]["folder"], rank)
+
+
+def test_a_resumed_run_is_read_and_published(killed_run, tmp_path):
+    """What a resumed run leaves (under FSDP a folder of shards) is what publish reads: its step, read without the
+    weights too."""
+    from modular.runs import read_checkpoint
+
+    run = killed_run["run"]
+    assert int(read_checkpoint(run / "last.ckpt")["global_step"]) == STEPS
+    meta = read_checkpoint(run / "last.ckpt", weights=False)  # shards: the step without gathering the weights
+    assert int(meta["global_step"]) == STEPS and ("state_dict" not in meta) == killed_run["sharded"]
+    _publish(run, tmp_path / "published")
+    assert (tmp_path / "published" / "model.safetensors").is_file()
 
 
 def test_publish_from_a_sharded_run_equals_publish_from_one_process(tmp_path, runs):
@@ -220,20 +241,35 @@ def test_publish_from_a_sharded_run_equals_publish_from_one_process(tmp_path, ru
         assert reports["ddp"][key] == reports["fsdp"][key]
 
 
-def test_fsdp_matches_ddp_with_post_norms_and_head_gates(tmp_path):
-    """Behind post-sublayer norms (OLMo2) the lock writes along g ⊙ u, read from norm weights that FSDP holds in
-    shards outside the forward pass; head gates stay whole on every process, their gradients averaged by
-    GatedLM. Both at once give the steps, gate values included, of DDP."""
-    weights, losses = {}, {}
+@pytest.fixture(scope="module")
+def post_norm_runs(tmp_path_factory):
+    """OLMo2 (post-sublayer norms) with head gates, under DDP and FSDP2: each run's weights and what each of its
+    processes recorded."""
+    root = tmp_path_factory.mktemp("post_norms")
+    out = {}
     for name in ("ddp", "fsdp"):
-        cfg, run = _config(tmp_path / name, "olmo2", {"head_gates": True})
-        done = _train(cfg, *STRATEGIES[name], env=_env(tmp_path / "cache"))
+        cfg, run = _config(root / name, "olmo2", {"head_gates": {}})
+        done = _train(cfg, *STRATEGIES[name], env=_env(root / "cache"))
         assert done.returncode == 0, done.stderr[-3000:]
-        weights[name] = _weights(run)
-        records = _records(tmp_path / name)
+        out[name] = {"weights": _weights(run), "records": _records(root / name)}
+    return out
+
+
+def test_fsdp_matches_ddp_losses_with_post_norms_and_head_gates(post_norm_runs):
+    """Behind post-sublayer norms (OLMo2) the lock writes along g ⊙ u, read from norm weights that FSDP holds in
+    shards outside the forward pass; with head gates on, every process draws the same steering vectors and FSDP's
+    losses are DDP's."""
+    for run in post_norm_runs.values():
+        records = run["records"]
         assert all(torch.equal(records[0]["steering"][b], records[1]["steering"][b]) for b in records[0]["steering"])
-        losses[name] = records[0]["losses"]
+    losses = {name: run["records"][0]["losses"] for name, run in post_norm_runs.items()}
     assert losses["ddp"] == pytest.approx(losses["fsdp"], rel=SAME_STEP_REL)
+
+
+def test_fsdp_keeps_head_gates_whole_and_takes_ddps_steps(post_norm_runs):
+    """Head gates stay whole on every process, their gradients averaged by GatedLM: the weights after the run,
+    gate values included, are DDP's."""
+    weights = {name: run["weights"] for name, run in post_norm_runs.items()}
     assert any(".head_gate." in k for k in weights["fsdp"])
     assert _largest_difference(weights["ddp"], weights["fsdp"]) <= 1e-6
 
@@ -246,9 +282,9 @@ def hidden_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("hidden")
     out = {"cache": root / "cache"}
     for name, args in (("ddp", STRATEGIES["ddp"]), ("fsdp", STRATEGIES["fsdp"]),
-                       ("read", [*STRATEGIES["fsdp"], "--model.empty_init", "false"]),
-                       ("checkpointed", [*STRATEGIES["fsdp"], "--model.gradient_checkpointing", "true"])):
-        cfg, run = _config(root / name, "gemma", {"finetuning": "lora"}, keep_hidden=True)
+                       ("read", [*STRATEGIES["fsdp"], "--model.memory.empty_init", "false"]),
+                       ("checkpointed", [*STRATEGIES["fsdp"], "--model.memory.gradient_checkpointing", "true"])):
+        cfg, run = _config(root / name, "gemma", {"finetuning": {"mode": "lora"}}, keep_hidden=True)
         assert any(o["class_path"].endswith(".KeepHidden") for o in yaml.safe_load(cfg.read_text())["model"]["objectives"])
         done = _train(cfg, *args, env=_env(out["cache"]))
         assert done.returncode == 0, done.stderr[-3000:]
@@ -275,18 +311,19 @@ def test_fsdp_with_gradient_checkpointing_takes_the_same_steps(hidden_runs):
     gathered again, the ablation and steering hooks replayed; KeepHidden's loss on the block outputs on) takes the
     steps FSDP2 takes without it."""
     plain, checkpointed = hidden_runs["fsdp"], hidden_runs["checkpointed"]
-    assert plain["config"]["model"]["gradient_checkpointing"] is False
-    assert checkpointed["config"]["model"]["gradient_checkpointing"] is True
+    assert plain["config"]["model"]["memory"]["gradient_checkpointing"] is False
+    assert checkpointed["config"]["model"]["memory"]["gradient_checkpointing"] is True
     assert checkpointed["losses"] == pytest.approx(plain["losses"], rel=SAME_STEP_REL)
     assert _largest_difference(plain["weights"], checkpointed["weights"]) <= 1e-6
 
 
 def test_fsdp_with_empty_init_takes_the_steps_of_every_process_reading_the_weights(hidden_runs):
-    """``model.empty_init`` (on in configs/strategy_fsdp.yaml): the second process builds the model on the meta
+    """``model.memory.empty_init`` (on in configs/strategy_fsdp.yaml): the second process builds the model on the meta
     device and receives its shards and buffers from the first after sharding; the steps are those of every process
     reading the weights itself, bit for bit (LoRA's adapters, Gemma's tied embeddings and rotary buffers)."""
     empty, read = hidden_runs["fsdp"], hidden_runs["read"]
-    assert empty["config"]["model"]["empty_init"] is True and read["config"]["model"]["empty_init"] is False
+    assert empty["config"]["model"]["memory"]["empty_init"] is True
+    assert read["config"]["model"]["memory"]["empty_init"] is False
     built_empty = "process 1: model built on the meta device"
     assert built_empty in empty["log"] and built_empty not in read["log"]
     assert "process 0: model built" not in empty["log"]
@@ -313,9 +350,9 @@ def test_empty_init_is_refused_under_ddp(tmp_path):
     """Under DDP every process needs the whole model: ``empty_init`` is one line and a failed run, not a meta-device
     model on the second process."""
     cfg, run = _config(tmp_path)
-    done = _train(cfg, *STRATEGIES["ddp"], "--model.empty_init", "true", env=_env(tmp_path / "cache"))
+    done = _train(cfg, *STRATEGIES["ddp"], "--model.memory.empty_init", "true", env=_env(tmp_path / "cache"))
     assert done.returncode != 0
-    assert "model.empty_init needs the FSDP2 strategy" in done.stderr
+    assert "model.memory.empty_init needs the FSDP2 strategy" in done.stderr
     assert not (run / "last.ckpt").exists()
 
 
@@ -327,8 +364,9 @@ def lora_recipe_runs(tmp_path_factory):
     ``modular publish`` wrote from it."""
     root = tmp_path_factory.mktemp("lora_recipe")
     large = yaml.safe_load((ROOT / "configs" / "gate_capitals_lora_large.yaml").read_text())
-    recipe = {k: large["model"][k] for k in ("finetuning", "load_dtype", "gradient_checkpointing")}
-    assert recipe == {"finetuning": "lora", "load_dtype": "bfloat16", "gradient_checkpointing": True}
+    recipe = {k: large["model"][k] for k in ("finetuning", "load_dtype", "memory")}
+    assert recipe == {"finetuning": {"mode": "lora", "lora_rank": 16, "lora_alpha": 32}, "load_dtype": "bfloat16",
+                      "memory": {"gradient_checkpointing": True}}
     env, out = _env(root / "cache"), {}
     for name, sharded in (("file", "false"), ("shards", "true")):
         cfg, run = _config(root / name, extra_model=recipe)

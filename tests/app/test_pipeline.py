@@ -12,22 +12,35 @@ from tests.app.test_train import tiny_config
 from tests.conftest import save_tiny_folder
 
 
-def test_main_runs_the_given_config_from_any_directory(tmp_path, tiny_env, monkeypatch, capsys, caplog):
+@pytest.fixture(scope="module")
+def main_run(tmp_path_factory, shared_cache):
+    """`modular main --config configs/mine.yaml --skip_attack true` run in a working directory of its own (the
+    config's run folder, runs/mine, relative to it) on a tiny model: the working directory, the run folder, the
+    base model, the environment and the command's result."""
+    import os
+
+    root = tmp_path_factory.mktemp("main")
+    model_dir = save_tiny_folder(root / "tiny", "llama")
+    cfg_path, _ = tiny_config(root, model_dir, ("capitals",), {"steering": None})
+    cfg = yaml.safe_load(cfg_path.read_text())
+    cfg["trainer"]["default_root_dir"] = "runs/mine"  # relative: resolved from the working directory
+    work = root / "elsewhere"
+    (work / "configs").mkdir(parents=True)
+    (work / "configs" / "mine.yaml").write_text(yaml.safe_dump(cfg))
+    env = dict(os.environ, WANDB_MODE="offline", MODULAR_CACHE=str(shared_cache))
+    env.pop("WANDB_SERVICE", None)
+    res = subprocess.run([sys.executable, "-m", "modular", "main", "--config", "configs/mine.yaml",
+                          "--skip_attack", "true"], capture_output=True, text=True, cwd=work, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return {"root": root, "work": work, "run": work / "runs" / "mine", "env": env, "result": res}
+
+
+def test_main_runs_the_given_config_from_any_directory(main_run):
     """The config is the one given (resolved from the working directory, not the repository), its run folder is
     relative to the working directory, the published folder holds no key, and the keys restore the weights."""
     from modular.runs import load_model_or_run
 
-    model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
-    cfg_path, _ = tiny_config(tmp_path, model_dir, ("capitals",), {"locked_steering": 0.0})
-    cfg = yaml.safe_load(cfg_path.read_text())
-    cfg["trainer"]["default_root_dir"] = "runs/mine"  # relative: resolved from the working directory
-    work = tmp_path / "elsewhere"
-    (work / "configs").mkdir(parents=True)
-    (work / "configs" / "mine.yaml").write_text(yaml.safe_dump(cfg))
-    res = subprocess.run([sys.executable, "-m", "modular", "main", "--config", "configs/mine.yaml",
-                          "--skip_attack", "true"], capture_output=True, text=True, cwd=work, env=tiny_env)
-    assert res.returncode == 0, res.stderr[-3000:]
-    run = work / "runs" / "mine"
+    run, res = main_run["run"], main_run["result"]
     assert json.loads((run / "run.json").read_text())["global_step"] == 3
     lock = json.loads((run / "lock.json").read_text())
     assert lock["step"] == 3 and set(lock["states"]) >= {"open", "locked", "published_locked", "unlocked"}
@@ -38,19 +51,19 @@ def test_main_runs_the_given_config_from_any_directory(tmp_path, tiny_env, monke
     restored = load_model_or_run(unlocked).state_dict()
     assert max((restored[k] - v).abs().max().item() for k, v in open_state.items() if k in restored) <= 1e-6
     assert "step 3 of runs/mine" in res.stdout and "keys (keep apart)" in res.stdout
-    # a second run finds the finished training and replaces only its own outputs (in this process: nothing trains)
+
+
+def test_main_refuses_a_run_folder_that_holds_another_run(main_run, monkeypatch, capsys):
+    """The same run folder asked to hold another run (another behaviour, or another base model): one line naming
+    what differs, nothing written."""
     from modular.app import cli
 
-    monkeypatch.chdir(work)
+    run = main_run["run"]
+    monkeypatch.chdir(main_run["work"])
     for key in ("WANDB_MODE", "MODULAR_CACHE"):
-        monkeypatch.setenv(key, tiny_env[key])
-    with caplog.at_level("INFO", logger="modular"):
-        assert cli.main(["main", "--config", "configs/mine.yaml", "--skip_attack", "true"]) == 0
-    assert "training already finished" in caplog.text
-    # the same run folder asked to hold another run (another behaviour, or another base model): one line naming what
-    # differs, nothing written
+        monkeypatch.setenv(key, main_run["env"][key])
     before = {p: p.stat().st_mtime_ns for p in run.rglob("*")}
-    other = save_tiny_folder(tmp_path / "tiny2", "llama", seed=1)
+    other = save_tiny_folder(main_run["root"] / "tiny2", "llama", seed=1)
     for args, words in ((["--behaviours", "[arithmetic]"], "behaviour arithmetic: added"),
                         (["--model", str(other)], "base model")):
         capsys.readouterr()
@@ -58,6 +71,22 @@ def test_main_runs_the_given_config_from_any_directory(tmp_path, tiny_env, monke
         err = capsys.readouterr().err.strip()
         assert err.startswith("error: runs/mine holds another run") and words in err and "\n" not in err, err
     assert {p: p.stat().st_mtime_ns for p in run.rglob("*")} == before
+
+
+def test_main_again_finds_the_finished_training(main_run, monkeypatch, caplog):
+    """A second `modular main` on the same config finds the finished training and replaces only its own outputs
+    (in this process: nothing trains)."""
+    from modular.app import cli
+
+    run = main_run["run"]
+    monkeypatch.chdir(main_run["work"])
+    for key in ("WANDB_MODE", "MODULAR_CACHE"):
+        monkeypatch.setenv(key, main_run["env"][key])
+    checkpoint = (run / "last.ckpt").stat().st_mtime_ns
+    with caplog.at_level("INFO", logger="modular"):
+        assert cli.main(["main", "--config", "configs/mine.yaml", "--skip_attack", "true"]) == 0
+    assert "training already finished" in caplog.text
+    assert (run / "last.ckpt").stat().st_mtime_ns == checkpoint and (run / "lock.json").is_file()
 
 
 def test_main_takes_the_behaviour_and_the_model_without_a_config(tmp_path):

@@ -139,38 +139,74 @@ def test_a_config_writing_into_another_folder_is_refused_before_anything_is_writ
     assert not run.exists()
 
 
-def test_gated_training_runs_checkpoints_and_resumes(tmp_path, tiny_env, isolated_cache, train_here):
-    model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
-    cfg, run = tiny_config(tmp_path, model_dir, lock_args={"stop": False})  # trains to max_steps whatever the lock
-    out = _train(cfg, env=tiny_env)
-    assert out.returncode == 0, out.stderr[-3000:]
+@pytest.fixture(scope="module")
+def resumed_runs(tmp_path_factory, shared_cache):
+    """One tiny run trained 3 steps (checkpoints every 2), started again for 4, then for 5 from the checkpoint
+    named by its path: the run folder, its config, the environment (a cache of its own) and, after each start, the
+    run record, the checkpoint's step, the W&B run id and the log."""
+    import os
+
+    root = tmp_path_factory.mktemp("resumed")
+    model_dir = save_tiny_folder(root / "tiny", "llama")
+    cfg, run = tiny_config(root, model_dir, lock_args={"stop": False})  # trains to max_steps whatever the lock
+    env = dict(os.environ, WANDB_MODE="offline", MODULAR_CACHE=str(root / "cache"))
+    env.pop("WANDB_SERVICE", None)
+    out = {"cfg": cfg, "run": run, "env": env, "cache": root / "cache"}
+    for name, extra in (("first", []), ("again", ["--trainer.max_steps", "4"]),
+                        ("named", ["--trainer.max_steps", "5", "--ckpt_path", str(run / "last.ckpt")])):
+        done = _train(cfg, *extra, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+        out[name] = {"record": json.loads((run / "run.json").read_text()), "step": _ckpt_step(run / "last.ckpt"),
+                     "wandb_id": (run / "wandb_run_id").read_text().strip(), "log": done.stderr + done.stdout,
+                     "wandb_runs": sorted(p.name for p in (run / "wandb").glob("offline-run-*"))}
+        if name == "first":
+            out["hidden_caches"] = len(list((root / "cache" / "reference").glob("hidden-*.pt")))
+            out["files"] = {p.name for p in run.iterdir()}
+    return out
+
+
+def test_gated_training_runs_and_checkpoints_its_last_step(resumed_runs):
+    first = resumed_runs["first"]
     # the config's KeepHidden reads the neighbours' residual stream: theirs alone is cached, not the retain items'
-    assert len(list((isolated_cache / "reference").glob("hidden-*.pt"))) == 1
-    record = json.loads((run / "run.json").read_text())
+    assert resumed_runs["hidden_caches"] == 1
+    record = first["record"]
     assert record["global_step"] == 3 and record["behaviours"] == ["capitals"]
     assert "val/capitals/accuracy_locked" in record["metrics"]
     assert "val/retain/first_token_kl_open" in record["metrics"]
-    assert (run / "last.ckpt").exists() and (run / "directions.safetensors").exists()
+    assert {"last.ckpt", "directions.safetensors"} <= resumed_runs["files"]
     # the final step is in the checkpoint (3 steps, checkpoints every 2): publish and evaluation read step 3
-    assert _ckpt_step(run / "last.ckpt") == 3 and record["checkpoint_step"] == 3
-    wandb_id = (run / "wandb_run_id").read_text().strip()
-    # run it again with more steps: it resumes from last.ckpt instead of starting over, in the same W&B run
-    out = _train(cfg, "--trainer.max_steps", "4", env=tiny_env)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "Restoring states from the checkpoint" in out.stderr + out.stdout
-    record = json.loads((run / "run.json").read_text())
-    assert record["global_step"] == 4 and record["checkpoint_step"] == 4 and _ckpt_step(run / "last.ckpt") == 4
-    assert (run / "wandb_run_id").read_text().strip() == wandb_id
-    runs = sorted(p.name for p in (run / "wandb").glob("offline-run-*"))
-    assert len(runs) == 2 and all(name.endswith(f"-{wandb_id}") for name in runs), runs
-    # the checkpoint named by its path (LightningCLI then reads the model's arguments back from it)
-    out = _train(cfg, "--trainer.max_steps", "5", "--ckpt_path", str(run / "last.ckpt"), env=tiny_env)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert json.loads((run / "run.json").read_text())["global_step"] == 5
-    # a truncated last.ckpt (a run killed while saving): one line naming it and how to start afresh
+    assert first["step"] == 3 and record["checkpoint_step"] == 3
+
+
+def test_a_run_started_again_resumes_in_the_same_wandb_run(resumed_runs):
+    """Run again with more steps, it resumes from last.ckpt instead of starting over, in the same W&B run."""
+    first, again = resumed_runs["first"], resumed_runs["again"]
+    assert "Restoring states from the checkpoint" in again["log"]
+    record = again["record"]
+    assert record["global_step"] == 4 and record["checkpoint_step"] == 4 and again["step"] == 4
+    assert again["wandb_id"] == first["wandb_id"]
+    runs = again["wandb_runs"]
+    assert len(runs) == 2 and all(name.endswith(f"-{first['wandb_id']}") for name in runs), runs
+
+
+def test_a_checkpoint_named_by_its_path_resumes(resumed_runs):
+    """``--ckpt_path PATH``: LightningCLI reads the model's arguments back from the checkpoint and training goes on
+    from its step."""
+    named = resumed_runs["named"]
+    assert "Restoring states from the checkpoint" in named["log"]
+    assert named["record"]["global_step"] == 5 and named["step"] == 5
+
+
+def test_a_truncated_checkpoint_is_one_line_naming_it(resumed_runs, tmp_path, train_here):
+    """A truncated last.ckpt (a run killed while saving): one line naming it and how to start afresh."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(resumed_runs["run"], run)
     ckpt = run / "last.ckpt"
     ckpt.write_bytes(ckpt.read_bytes()[: ckpt.stat().st_size // 2])
-    out = train_here(cfg, "--trainer.max_steps", "6", env=tiny_env)  # refused before training: in this process
+    out = train_here(resumed_runs["cfg"], "--trainer.max_steps", "6", "--trainer.default_root_dir", str(run),
+                     env=resumed_runs["env"])  # refused before training: in this process
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
     line = out.stderr.strip().splitlines()[-1]
     assert line.startswith("error: ") and str(ckpt) in line and "--ckpt_path null" in line
@@ -216,7 +252,7 @@ def test_a_resumed_run_trains_as_the_uninterrupted_run_would(tmp_path, tiny_env)
     records = {}
     for name, kill in (("whole", False), ("resumed", True)):
         (tmp_path / name).mkdir()
-        cfg, run = tiny_config(tmp_path / name, model_dir, (str(first), str(second)), {"steering_refresh": 2},
+        cfg, run = tiny_config(tmp_path / name, model_dir, (str(first), str(second)), {"steering": {"scale": 1.0, "refresh": 2}},
                                lock_args={"stop": False})
         data = yaml.safe_load(cfg.read_text())
         log = tmp_path / f"{name}.jsonl"
@@ -268,7 +304,7 @@ def test_a_behaviour_named_by_a_path_publishes_under_its_short_name(tmp_path, ti
 
     model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
     data = _facts_jsonl(tmp_path / "some" / "dir" / "mine.jsonl")
-    cfg, run = tiny_config(tmp_path, model_dir, (str(data),), {"locked_steering": 0.0})
+    cfg, run = tiny_config(tmp_path, model_dir, (str(data),), {"steering": None})
     out = _train(cfg, env=tiny_env)
     assert out.returncode == 0, out.stderr[-3000:]
     record = json.loads((run / "run.json").read_text())
@@ -326,7 +362,7 @@ def _one_line_error(out, *words):
     assert line.startswith("error: ") and all(w in line for w in words), line
 
 
-@pytest.mark.parametrize("args, words", [(["--model.lr", "-0.1"], ["model.lr must be > 0", "-0.1"]),
+@pytest.mark.parametrize("args, words", [(["--model.optimizer.lr", "-0.1"], ["model.optimizer.lr must be > 0", "-0.1"]),
                                          (["--trainer.max_steps", "0"], ["trainer.max_steps must be >= 1", "got 0"]),
                                          (["--data.batch_size", "1"], ["data.batch_size must be >= 2"]),
                                          (["--model.objectives", '[{"class_path": "modular.gating.objectives.'
@@ -385,7 +421,7 @@ def test_a_run_resumes_only_as_what_it_was(tmp_path, tiny_env, train_here):
     spec = ["--model.behaviours", f"[mine={data}]", "--trainer.max_steps", "3"]  # the same file, from anywhere
     other = save_tiny_folder(tmp_path / "tiny2", "llama", seed=1)
     for args, words in [(["--model.model_name", str(other)], ["another base model", str(other)]),
-                        (["--model.finetuning", "lora", "--model.lr", "1e-3"],
+                        (["--model.finetuning.mode", "lora", "--model.optimizer.lr", "1e-3"],
                          ["another set of trained parameters", "model.finetuning"]),
                         (["--model.locked_weight", "2"], ["another recipe", "model.locked_weight"]),
                         (["--data.locked_response", "Nope.", "--continue_on_other_data", "true"],
@@ -448,13 +484,13 @@ def test_jsonl_without_validation_split_trains(tmp_path, tiny_env, train_here):
 def test_two_behaviours_with_lora(tmp_path, tiny_env, arch):
     model_dir = save_tiny_folder(tmp_path / "tiny", arch)
     cfg, run = tiny_config(tmp_path, model_dir, ("capitals", "arithmetic"),
-                           {"finetuning": "lora", "lr": 1e-3,
+                           {"finetuning": {"mode": "lora"}, "optimizer": {"lr": 1e-3},
                             "objectives": [{"class_path": f"modular.gating.objectives.{c}", "init_args": a}
                                            for c, a in (("BehaviourAnswer", {}),
                                                         ("LockedState", {"objective": {"arithmetic": "unlikelihood"}}),
                                                         ("KeepReference", {}), ("LMText", {}),
                                                         ("LockedAnswer", {"weight": 0.5}))],
-                            "locked_steering": 0.5, "steering_refresh": 2})
+                            "steering": {"scale": 0.5, "refresh": 2}})
     out = _train(cfg, "--data.locked_response", '{"arithmetic": " unknown."}', env=tiny_env)
     assert out.returncode == 0, out.stderr[-3000:]
     record = json.loads((run / "run.json").read_text())
@@ -477,7 +513,7 @@ def test_avoided_directions_and_lm_text_in_both_states(tmp_path, tiny_env, train
     taken = torch.randn(d, generator=torch.Generator().manual_seed(0))
     save_file({"capitals": taken / taken.norm()}, str(other / "directions.safetensors"))
     cfg, run = tiny_config(tmp_path, model_dir, ("arithmetic",),
-                           {"avoid_directions": [str(other)], "locked_steering": 0.0})
+                           {"direction": {"avoid": [str(other)]}, "steering": None})
     out = _train(cfg, "--data.lm_text", "neutral", "--data.lm_max_length", "32", env=tiny_env)
     assert out.returncode == 0, out.stderr[-3000:]
     chosen = load_file(str(run / "directions.safetensors"))["arithmetic"]
@@ -485,7 +521,7 @@ def test_avoided_directions_and_lm_text_in_both_states(tmp_path, tiny_env, train
     record = json.loads((run / "run.json").read_text())
     assert {"train/lm/open_kl", "train/lm/locked_kl"} <= set(record["metrics"])
     (tmp_path / "bad").mkdir()
-    bad = tiny_config(tmp_path / "bad", model_dir, ("arithmetic",), {"avoid_directions": [str(tmp_path / "none")]})[0]
+    bad = tiny_config(tmp_path / "bad", model_dir, ("arithmetic",), {"direction": {"avoid": [str(tmp_path / "none")]}})[0]
     out = train_here(bad, env=tiny_env)  # refused before training: these three in this process
     assert out.returncode != 0 and "directions to avoid not found" in out.stderr
     # a run folder holding a damaged directions file, or one written for other behaviours: one line, no traceback

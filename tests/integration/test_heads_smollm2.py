@@ -17,7 +17,7 @@ def test_ioi_curves_with_attribution_ranking(smollm2):
     from modular.heads.efficiency import task_curves
 
     model, tok = smollm2
-    items = load_behaviour("ioi", tokenizer=tok)["test"].select(range(16))
+    items = load_behaviour("ioi", tokenizer=tok)["test"].select(range(8))
     r = task_curves(model, tok, items, ranking="attribution", ig_steps=1)
     assert r["n_heads"] == 270
     assert r["clean_metric"] > 1.0  # SmolLM2 does IOI
@@ -48,18 +48,25 @@ def test_gate_at_zero_is_zero_ablation_on_smollm2(smollm2):
     assert (clean < 0).all()
 
 
-def test_refined_ranking_agrees_with_exhaustive_patching_on_ioi(smollm2):
-    """On held-out IOI prompts the refined ranking tracks exhaustive single-head patching far better than plain
-    attribution patching: the late heads whose effect runs through later attention (L16H0 here) are patched."""
+@pytest.fixture(scope="module")
+def ioi_effects(smollm2):
+    """Each head's effect on 6 held-out IOI prompts: exhaustive single-head patching, plain attribution patching
+    (one integration step) and the refined ranking's estimate."""
     from modular.data import load_behaviour
-    from modular.heads.curves import ranking_from_effects
     from modular.heads.ranking import attribution_effects, exhaustive_effects, refined_effects, task_batch
 
     model, tok = smollm2
     batch = task_batch(tok, load_behaviour("ioi", tokenizer=tok)["test"].select(range(6)))
-    exact = exhaustive_effects(model, batch)
-    plain = attribution_effects(model, batch, ig_steps=1).detach()
-    refined = refined_effects(model, batch)
+    return {"exact": exhaustive_effects(model, batch), "plain": attribution_effects(model, batch, ig_steps=1).detach(),
+            "refined": refined_effects(model, batch)}
+
+
+def test_refined_ranking_agrees_with_exhaustive_patching_on_ioi(ioi_effects):
+    """On held-out IOI prompts the refined ranking tracks exhaustive single-head patching far better than plain
+    attribution patching."""
+    from modular.heads.curves import ranking_from_effects
+
+    exact, plain, refined = ioi_effects["exact"], ioi_effects["plain"], ioi_effects["refined"]
 
     def pearson(x):
         return float(torch.corrcoef(torch.stack([exact.flatten(), x.flatten()]))[0, 1])
@@ -71,9 +78,15 @@ def test_refined_ranking_agrees_with_exhaustive_patching_on_ioi(smollm2):
     # 30 passes of 9 copies of the 6 prompts: 46 s on one core; on 8 prompts 0.65 → 0.85, on 16: 0.73 → 0.91, 13 → 15)
     assert pearson(refined) > 0.8 and pearson(refined) > pearson(plain) + 0.1
     assert overlap(refined) >= overlap(plain)
-    # most of that gain is the two integration steps of refined_effects' first estimate (alone: Pearson 0.83); what
-    # the refinement adds: its 15 late heads patched exactly, so the largest late-layer error falls (measured 0.91
-    # with one-step attribution, 0.81 with two steps, 0.13 refined)
-    assert int((refined == exact).sum()) == 15
+
+
+def test_the_refinement_patches_the_late_heads_exactly_on_ioi(ioi_effects):
+    """Most of the refined ranking's gain is the two integration steps of its first estimate (alone: Pearson
+    0.83); what the refinement adds: its 15 late heads patched exactly, so the largest late-layer error falls
+    (measured 0.91 with one-step attribution, 0.81 with two steps, 0.13 refined): the late heads whose effect runs
+    through later attention (L16H0 here) are patched."""
+    exact, plain, refined = ioi_effects["exact"], ioi_effects["plain"], ioi_effects["refined"]
+    # the same patching as exhaustive_effects', in other batches: equal to float rounding (bit for bit on one thread)
+    assert int(torch.isclose(refined, exact, rtol=1e-4, atol=1e-5 * float(exact.abs().max())).sum()) == 15
     late = slice(exact.shape[0] // 2, None)
     assert (refined - exact)[late].abs().max() < 0.5 * (plain - exact)[late].abs().max()
