@@ -257,8 +257,28 @@ _LOCK_MAPS = ("exactness", "neighbour_sources", "others_max_drop_vs_base", "neig
               "neighbours_max_refusal_rate")
 
 
+class _Report:
+    """What both reports share: taken as they are or read from their JSON (``_KIND``: what a file must be)."""
+
+    _KIND = ""
+
+    @classmethod
+    def coerce(cls, report):
+        """``report`` itself, or read from its JSON."""
+        return report if isinstance(report, cls) else cls.from_json(report)
+
+    @classmethod
+    def read(cls, path: str | Path):
+        """The report in ``path``; one that cannot be read or is not such a report is one line naming it."""
+        data = _read(path, cls._KIND)
+        try:
+            return cls.from_json(data)
+        except ModularError as err:
+            raise ModularError(f"{path} is {err}") from None
+
+
 @dataclass
-class LockReport:
+class LockReport(_Report):
     """``lock.json``: every state's :class:`StateRow` (``states``: base, open, locked, published_locked, unlocked,
     and one ``unlocked_only_<behaviour>`` per key where there are several), the exactness of the published weights
     and keys, the gated, neighbour and far behaviours (``others``), each state's largest drop from base and
@@ -266,6 +286,8 @@ class LockReport:
     writes it, the run, its base model, the checkpoint's step, the precision, the verdict on the held-out items and
     training's; where asked (``--capability_tasks``), each state's lm-evaluation-harness scores (``capability``:
     state -> task -> :class:`TaskScore`; a report without them has none)."""
+
+    _KIND = "lock report"  # not a field: a class attribute without annotation
 
     states: dict[str, StateRow]
     gated: list[str] = field(default_factory=list)
@@ -308,20 +330,6 @@ class LockReport:
                 extra={k: v for k, v in d.items() if k not in known})
 
         return _parse("lock report", build, data)
-
-    @classmethod
-    def coerce(cls, report: LockReport | dict) -> LockReport:
-        """``report`` itself, or read from its JSON."""
-        return report if isinstance(report, cls) else cls.from_json(report)
-
-    @classmethod
-    def read(cls, path: str | Path) -> LockReport:
-        """The report in ``path``; one that cannot be read or is not a lock report is one line naming it."""
-        data = _read(path, "lock report")
-        try:
-            return cls.from_json(data)
-        except ModularError as err:
-            raise ModularError(f"{path} is {err}") from None
 
     def to_json(self) -> dict:
         """The report as ``lock.json`` holds it."""
@@ -401,9 +409,11 @@ class AttackEntry:
 
 
 @dataclass
-class AttackReport:
+class AttackReport(_Report):
     """``attack.json``: the published folder attacked, its base model and precision, the relearning sweep's
     options (``sweep``) and one :class:`AttackEntry` per attacked behaviour."""
+
+    _KIND = "attack report"  # not a field: a class attribute without annotation
 
     behaviours: dict[str, AttackEntry]
     model: str | None = None
@@ -424,20 +434,6 @@ class AttackReport:
                                                                 "sweep")})
 
         return _parse("attack report", build, data)
-
-    @classmethod
-    def coerce(cls, report: AttackReport | dict) -> AttackReport:
-        """``report`` itself, or read from its JSON."""
-        return report if isinstance(report, cls) else cls.from_json(report)
-
-    @classmethod
-    def read(cls, path: str | Path) -> AttackReport:
-        """The report in ``path``; one that cannot be read or is not an attack report is one line naming it."""
-        data = _read(path, "attack report")
-        try:
-            return cls.from_json(data)
-        except ModularError as err:
-            raise ModularError(f"{path} is {err}") from None
 
     def to_json(self) -> dict:
         """The report as ``attack.json`` holds it."""
