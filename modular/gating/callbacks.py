@@ -13,12 +13,19 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from modular import ModularError
+from modular.data import neutral_text, parse_behaviour
+from modular.data.behaviours import is_jsonl
 from modular.data.schema import all_refusals
 from modular.evaluation.behaviour import evaluate_behaviour
 from modular.evaluation.retain import first_token_logp, mean_kl, perplexity
 from modular.evaluation.targets import TARGETS, lock_failures
+from modular.files import disk_full_error, is_disk_full
+from modular.gating.checkpoint_io import REMEDY, checkpoint_bytes, saves_folders, swap_in
 from modular.gating.data import data_max_length
 from modular.hooks import ablate_directions
+from modular.models.head_gates import deterministic_gate_values, head_gate_scope
+from modular.runs import RUN_RECORD, WANDB_ENTRY, read_checkpoint, recorded_lock, wandb_record
+from modular.tracking import write_json
 
 log = logging.getLogger("modular")
 
@@ -119,8 +126,6 @@ class LockMetricsCallback(Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         self._set_budget(trainer, pl_module)
         if self.stop and trainer.global_step > 0:
-            from modular.runs import recorded_lock
-
             done = recorded_lock(trainer.default_root_dir)
             if done.get("reached") and done.get("step") == trainer.global_step:
                 self.status = done
@@ -338,10 +343,6 @@ class SparseHeadsCallback(Callback):
         if trainer.sanity_checking or plugin is None:
             return
 
-        from modular.data import neutral_text
-        from modular.models.head_gates import deterministic_gate_values, head_gate_scope
-        from modular.tracking import write_json
-
         dm = trainer.datamodule
         model, tok = pl_module.hf_model, dm.tokenizer
         gates = deterministic_gate_values(model)
@@ -393,8 +394,6 @@ class RunCheckpoint(ModelCheckpoint):
         return True
 
     def _save_checkpoint(self, trainer, filepath: str) -> None:
-        from modular.gating.checkpoint_io import saves_folders
-
         if not saves_folders(trainer.strategy):  # one file: AtomicCheckpointIO writes it whole or not at all
             super()._save_checkpoint(trainer, filepath)
         else:
@@ -405,9 +404,6 @@ class RunCheckpoint(ModelCheckpoint):
         (``.<name>.partial``, one name on every process) and renamed into place once whole, so that the previous one
         stays whole until then (written in place, a failed save left a mix of old and new shards)."""
         from weakref import proxy
-
-        from modular.files import disk_full_error, is_disk_full
-        from modular.gating.checkpoint_io import REMEDY, checkpoint_bytes, swap_in
 
         final = Path(filepath)
         partial = final.with_name(f".{final.name}.partial")
@@ -436,9 +432,6 @@ class RunCheckpoint(ModelCheckpoint):
 def _sources(specs: dict[str, str]) -> dict[str, str]:
     """The data source of each behaviour spec by name, a file by its absolute path (a relative path would name
     another file from another folder)."""
-    from modular.data import parse_behaviour
-    from modular.data.behaviours import is_jsonl
-
     sources = {name: parse_behaviour(spec)[1] for name, spec in specs.items()}
     return {name: str(Path(src).expanduser().resolve()) if is_jsonl(src) else src for name, src in sources.items()}
 
@@ -453,9 +446,6 @@ class RunRecordCallback(Callback):
         if not trainer.is_global_zero:
             return
 
-        from modular.runs import RUN_RECORD, WANDB_ENTRY, read_checkpoint, wandb_record
-        from modular.tracking import write_json
-
         run_dir = Path(trainer.default_root_dir)
         ckpt = next((c.last_model_path for c in trainer.checkpoint_callbacks if c.last_model_path), None)
         ckpt_step = int(read_checkpoint(ckpt, weights=False)["global_step"]) if ckpt else None
@@ -463,8 +453,6 @@ class RunRecordCallback(Callback):
         gates = {}
         gated = getattr(pl_module, "head_gates", None) is not None
         if gated:
-            from modular.models.head_gates import deterministic_gate_values
-
             values = deterministic_gate_values(pl_module.hf_model)
             gates = {"open_heads": int((values > 0).sum()), "n_heads": values.numel()}
         dm = trainer.datamodule

@@ -12,7 +12,7 @@ from lightning.pytorch.utilities import CombinedLoader
 from torch.utils.data import DataLoader
 
 from modular import ModularError
-from modular.data import load_behaviour, parse_behaviour, retain_data
+from modular.data import load_behaviour, load_jsonl, neutral_text, parse_behaviour, retain_data
 from modular.data.behaviours import is_jsonl
 from modular.data.formatting import (
     IGNORE,
@@ -37,6 +37,10 @@ from modular.gating.data_options import (
     training_data,
 )
 from modular.gating.loaders import PassSeededSampler, ResumableLoader
+from modular.gating.reference import cache_path, load_or_compute, load_or_compute_hidden, load_or_compute_text
+from modular.models import load_model, load_tokenizer
+from modular.models.loading import load_dtype, resolve_model
+from modular.models.precision import dtype_name
 
 log = logging.getLogger("modular")
 
@@ -138,14 +142,10 @@ class GatingDataModule(L.LightningDataModule):
         for name, spec in {**self.behaviour_specs, **self.task_specs}.items():
             source = parse_behaviour(spec)[1]
             if is_jsonl(source):  # user data needs no tokenizer: its splits are checked before any work
-                from modular.data import load_jsonl
-
                 self._training_data(name, load_jsonl(source))
         for name, spec in self.neighbour_specs.items():
             source = parse_behaviour(spec)[1]
             if is_jsonl(source):
-                from modular.data import load_jsonl
-
                 neighbour_data(name, load_jsonl(source))
         self._ready = False
         self._reference_model_cache = None
@@ -162,8 +162,6 @@ class GatingDataModule(L.LightningDataModule):
 
     # --- data --------------------------------------------------------------------------------
     def _load(self):
-        from modular.models import load_tokenizer
-
         self.tokenizer = load_tokenizer(self.hparams.model_name)
         self.behaviour_data = {
             b: self._training_data(b, load_behaviour(spec, seed=self.hparams.seed, tokenizer=self.tokenizer))
@@ -180,15 +178,11 @@ class GatingDataModule(L.LightningDataModule):
         }
         self.retain = retain_data(seed=self.hparams.seed)
         if self.hparams.lm_text:
-            from modular.data import neutral_text
-
             self.lm_texts = neutral_text(seed=self.hparams.seed)
 
     def _reference_model(self):
         """The reference (base) model, loaded at most once however many caches are cold."""
         if self._reference_model_cache is None:
-            from modular.models import load_model
-
             self._reference_model_cache = load_model(self.hparams.model_name)
         return self._reference_model_cache
 
@@ -210,9 +204,6 @@ class GatingDataModule(L.LightningDataModule):
         return [(n, s, r) for n, ds in self.neighbour_data.items() for s in ("train", "validation") for r in ds[s]]
 
     def _reference(self, prompts: list[str], chats: list[bool]) -> dict:
-        from modular.gating.reference import cache_path, load_or_compute
-        from modular.models.loading import resolve_model
-
         source = resolve_model(self.hparams.model_name)
         hp = self.hparams
         precision = self._reference_precision()
@@ -235,9 +226,6 @@ class GatingDataModule(L.LightningDataModule):
     def _reference_precision(self) -> str:
         """The dtype the reference model runs in (:meth:`_reference_model`), by name: part of every cache key."""
         if self._reference_precision_cache is None:  # read from the model's config once
-            from modular.models.loading import load_dtype
-            from modular.models.precision import dtype_name
-
             self._reference_precision_cache = dtype_name(load_dtype(self.hparams.model_name))
         return self._reference_precision_cache
 
@@ -248,9 +236,6 @@ class GatingDataModule(L.LightningDataModule):
     def _hidden(self, records: list[dict]) -> dict:
         """The reference model's residual stream on reference records, cached
         (:func:`~modular.gating.reference.load_or_compute_hidden`)."""
-        from modular.gating.reference import load_or_compute_hidden
-        from modular.models.loading import resolve_model
-
         hp = self.hparams
         return load_or_compute_hidden(resolve_model(hp.model_name), self._reference_model, self.tokenizer, records,
                                       hp.hidden_positions, hp.hidden_stride, precision=self._reference_precision())
@@ -264,9 +249,6 @@ class GatingDataModule(L.LightningDataModule):
 
     def lm_reference(self) -> dict[str, list[dict]]:
         """Cached reference next-token distributions on the LM texts (train and validation splits)."""
-        from modular.gating.reference import load_or_compute_text
-        from modular.models.loading import resolve_model
-
         hp = self.hparams
         texts = {s: list(self.lm_texts[s]["text"]) for s in ("train", "validation")}
         flat = texts["train"] + texts["validation"]

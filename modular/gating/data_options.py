@@ -9,7 +9,7 @@ import datasets
 
 from modular import ModularError
 from modular.data import behaviour_name
-from modular.data.behaviours import builtin_neighbours
+from modular.data.behaviours import builtin_neighbours, carve_validation
 from modular.data.schema import DEFAULT_LOCKED_RESPONSE
 
 
@@ -99,8 +99,6 @@ def training_data(name: str, data, batch_size: int) -> tuple:
     """A behaviour's (or task's) data checked for training: train items, at least ``batch_size`` of them, and a
     validation split (where the data has none, one is carved from train:
     :func:`~modular.data.behaviours.carve_validation`). Returns the data and the number of items carved."""
-    from modular.data.behaviours import carve_validation
-
     counts = ", ".join(f"{s} {len(data[s])}" for s in ("train", "validation", "test"))
     if not len(data["train"]):
         raise ModularError(f"behaviour '{name}' has no train items ({counts}): training needs some")

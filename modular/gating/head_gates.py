@@ -22,6 +22,8 @@ from modular import ModularError
 from modular.gating.losses import response_margins
 from modular.gating.objectives import HeadTaskTerm
 from modular.gating.options import check_ranges
+from modular.heads.ranking import last_position_logits
+from modular.heads.sparsity import make_sparsity
 from modular.hooks import capture_head_inputs
 from modular.models.attention import eager_attention
 from modular.models.head_gates import (
@@ -118,8 +120,6 @@ class HeadGates:
     """
 
     def __init__(self, options: HeadGateOptions):
-        from modular.heads.sparsity import make_sparsity
-
         self.options = options
         o = options
         self.sparsity = make_sparsity(o.sparsity, o.sparsity_weight, o.lm_loss_target, o.multiplier_lr,
@@ -160,19 +160,19 @@ class HeadGates:
                      open_heads(lm.hf_model))
 
     # --- the step ------------------------------------------------------------------------------------------------
-    def scope_group(self, stack: ExitStack, lm, ctx, merged: dict, task_group: bool) -> dict | None:
+    def scope_group(self, stack: ExitStack, ctx, merged: dict, task_group: bool) -> dict | None:
         """Under ``scope: tasks``, enter on ``stack`` where the gates act in one forward pass: a group of task rows
         runs with its closed heads fed the counterfactual run's inputs (returned: ``cf_inputs``, ``cf_logits``, for
         the terms on the group), every other group with the gates off (None)."""
         if not task_group:
-            stack.enter_context(head_gate_scope(lm.hf_model, active=False))
+            stack.enter_context(head_gate_scope(ctx.hf_model, active=False))
             return None
-        full = any(isinstance(t, HeadTaskTerm) and t.needs_cf_logits and t.active(ctx) for t in lm.objectives)
-        cf_inputs, cf_logits = self.counterfactual_run(lm, merged, full_logits=full)
-        stack.enter_context(head_gate_scope(lm.hf_model, replacements=cf_inputs, live_prob=self.options.live_prob))
+        full = any(isinstance(t, HeadTaskTerm) and t.needs_cf_logits and t.active(ctx) for t in ctx.objectives)
+        cf_inputs, cf_logits = self.counterfactual_run(ctx, merged, full_logits=full)
+        stack.enter_context(head_gate_scope(ctx.hf_model, replacements=cf_inputs, live_prob=self.options.live_prob))
         return {"cf_inputs": cf_inputs, "cf_logits": cf_logits}
 
-    def group_terms(self, lm, ctx, merged: dict, logits: torch.Tensor,
+    def group_terms(self, ctx, merged: dict, logits: torch.Tensor,
                     counterfactual: dict) -> dict[str, tuple[torch.Tensor, float]]:
         """Every objective's losses on a group of task rows (:meth:`~modular.gating.objectives.Term.group_terms`),
         each with its weight; the plain run (every head its own input) is run once, by the first term that asks."""
@@ -180,23 +180,23 @@ class HeadGates:
 
         def plain():
             if not plain_logits:
-                with head_gate_scope(lm.hf_model, active=False):
-                    plain_logits.append(lm.model(input_ids=merged["input_ids"],
+                with head_gate_scope(ctx.hf_model, active=False):
+                    plain_logits.append(ctx.model(input_ids=merged["input_ids"],
                                                  attention_mask=merged["attention_mask"], use_cache=False).logits)
             return plain_logits[0]
 
         group = {"merged": merged, "logits": logits, **counterfactual, "plain": plain}
-        return {name: (value, t.weight) for t in lm.objectives for name, value in t.group_terms(ctx, group).items()}
+        return {name: (value, t.weight) for t in ctx.objectives for name, value in t.group_terms(ctx, group).items()}
 
-    def add_pressure(self, lm, total: torch.Tensor, lm_loss: torch.Tensor,
+    def add_pressure(self, ctx, total: torch.Tensor, lm_loss: torch.Tensor,
                      terms: dict[str, torch.Tensor]) -> torch.Tensor:
         """The step's loss with the sparsity pressure on the expected fraction of open heads; the expected number of
         open heads and the LM-keeping loss join the logged ``terms``."""
-        l0 = expected_l0(lm.hf_model)
+        l0 = expected_l0(ctx.hf_model)
         terms["expected_l0"] = l0
         terms["lm_loss"] = lm_loss
         if self.sparsity is not None:
-            total = self.sparsity(total, lm_loss, l0 / (lm.adapter.n_layers * lm.adapter.n_heads))
+            total = self.sparsity(total, lm_loss, l0 / (ctx.adapter.n_layers * ctx.adapter.n_heads))
         return total
 
     def after_step(self, lm, terms: dict[str, torch.Tensor], batch_size: int) -> None:
@@ -213,26 +213,24 @@ class HeadGates:
 
     # --- the counterfactual run and what the closed heads still do -------------------------------------------------
     @torch.no_grad()
-    def counterfactual_run(self, lm, merged: dict, full_logits: bool) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+    def counterfactual_run(self, ctx, merged: dict, full_logits: bool) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
         """The plain model on the task items' counterfactual prompts: every head's input (what a closed gate lets
         in), and the logits (every position with ``full_logits``, else the last one only)."""
-        from modular.heads.ranking import last_position_logits
-
         inputs = {"input_ids": merged["cf_input_ids"], "attention_mask": merged["cf_attention_mask"]}
-        with head_gate_scope(lm.hf_model, active=False), capture_head_inputs(lm.adapter) as z:
-            logits = lm.model(**inputs, use_cache=False).logits if full_logits else last_position_logits(lm.model,
+        with head_gate_scope(ctx.hf_model, active=False), capture_head_inputs(ctx.adapter) as z:
+            logits = ctx.model(**inputs, use_cache=False).logits if full_logits else last_position_logits(ctx.model,
                                                                                                          inputs)
         return dict(z), logits
 
-    def closed_attribution(self, lm, merged: dict, cf_inputs: dict[int, torch.Tensor]) -> torch.Tensor:
+    def closed_attribution(self, ctx, merged: dict, cf_inputs: dict[int, torch.Tensor]) -> torch.Tensor:
         """Mean over the task rows of the closed heads' share of the summed |attribution-patching estimates| of
         every head's effect on the answer margin in the plain run
         (:class:`~modular.gating.objectives.ClosedAttribution`), differentiable in the weights."""
-        closed = (deterministic_gate_values(lm.hf_model) == 0).float()  # (layers, heads)
+        closed = (deterministic_gate_values(ctx.hf_model) == 0).float()  # (layers, heads)
         # eager attention: SDPA kernels have no second derivative
-        with eager_attention(lm.hf_model), head_gate_scope(lm.hf_model, active=False), \
-                capture_head_inputs(lm.adapter, detach=False) as z:
-            logits = lm.model(input_ids=merged["input_ids"], attention_mask=merged["attention_mask"],
+        with eager_attention(ctx.hf_model), head_gate_scope(ctx.hf_model, active=False), \
+                capture_head_inputs(ctx.adapter, detach=False) as z:
+            logits = ctx.model(input_ids=merged["input_ids"], attention_mask=merged["attention_mask"],
                               use_cache=False).logits
         margins, keep = response_margins(logits, merged["labels"], merged["wrong_ids"])
         keep = keep & (merged["cf_input_ids"] != merged["input_ids"]).any(dim=1)  # a counterfactual of its own

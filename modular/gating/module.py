@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import random
-from contextlib import ExitStack
 from pathlib import Path
 from typing import Literal
 
@@ -17,12 +16,14 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only
 from safetensors.torch import save_file
 
 from modular import ModularError
+from modular.data import behaviour_name
+from modular.directions import choose_directions, load_avoided_directions
 from modular.files import atomic_path
-from modular.gating.batching import concat_left_padded, piece_rows, row_ablations, row_vectors
+from modular.gating.batching import concat_left_padded
 from modular.gating.data import data_max_length
 from modular.gating.head_gates import HeadGateOptions, HeadGates, gate_parameters
 from modular.gating.loaders import loader_states_fit
-from modular.gating.objectives import Piece, StepContext, Term, build_objectives, default_objectives
+from modular.gating.objectives import StepContext, Term, TermSetup, build_objectives, default_objectives
 from modular.gating.options import (
     DirectionOptions,
     FineTuningOptions,
@@ -33,8 +34,12 @@ from modular.gating.options import (
     plain,
 )
 from modular.gating.randomness import global_random_state, set_global_random_state
-from modular.hooks import ablate_directions, ablate_rows, add_vectors, enable_checkpointing
+from modular.gating.steering import SteeringAdversary
+from modular.gating.step import StepRunner
+from modular.hooks import ablate_directions, enable_checkpointing
+from modular.models import empty_model, load_model
 from modular.models.adapter import ArchitectureAdapter
+from modular.models.lora import with_lora
 from modular.optim import adamw
 from modular.runs import DIRECTIONS, read_directions
 
@@ -127,8 +132,6 @@ class GatedLM(L.LightningModule):
         # and LightningCLI parses them back as the model's options when fit is given its path
         direction, finetuning, optimizer, steering, head_gates, memory = (plain(groups[k]) for k in OPTION_GROUPS)
         self.save_hyperparameters(ignore=["objectives"])
-        from modular.models import empty_model, load_model
-
         self.objectives = list(default_objectives() if objectives is None else objectives)
         #: what defines the run (:func:`modular.identity.training_identity`), kept in its checkpoints; ``modular
         #: train`` sets it (None: not recorded, e.g. a module trained by a script of its own)
@@ -140,11 +143,11 @@ class GatedLM(L.LightningModule):
         #: keep the constraint's multiplier (``sparsity.multiplier``)
         self.head_gates = None if groups["head_gates"] is None else HeadGates(groups["head_gates"])
         self.sparsity = None if self.head_gates is None else self.head_gates.sparsity
-        from modular.data import behaviour_name
-
         self.behaviours = [behaviour_name(b) for b in behaviours]  # short names: metrics, directions, keys
+        setup = TermSetup(tuple(self.behaviours), self.finetuning_options.mode,
+                          None if self.head_gates is None else self.head_gates.options.scope)
         for term in self.objectives:
-            term.bind(self)
+            term.bind(setup)
         if self.memory_options.empty_init and rank_zero_only.rank != 0:  # the process's rank from the launcher
             # its weights come from the first process (configure_model)
             model = empty_model(model_name, load_dtype, device="cpu")
@@ -154,8 +157,6 @@ class GatedLM(L.LightningModule):
             model = load_model(model_name, load_dtype, device="cpu")  # Lightning moves it to the trainer's device
         tuning = self.finetuning_options
         if tuning.mode == "lora":
-            from modular.models.lora import with_lora
-
             model = with_lora(model, tuning.lora_rank, tuning.lora_alpha)
         elif tuning.mode == "none":
             model.requires_grad_(False)
@@ -173,8 +174,6 @@ class GatedLM(L.LightningModule):
         self._rng = random.Random(seed)
         self.steering = None
         if self.steering_options is not None and self.behaviours:
-            from modular.gating.steering import SteeringAdversary
-
             self.steering = SteeringAdversary(self.steering_options.scale, self.steering_options.refresh, seed=seed)
 
     # --- model access ------------------------------------------------------------------------
@@ -215,8 +214,6 @@ class GatedLM(L.LightningModule):
 
     def _choose_directions(self) -> torch.Tensor:
         """The run's saved directions, or new ones chosen and saved atomically (on the main process)."""
-        from modular.directions import choose_directions, load_avoided_directions
-
         path = Path(self.trainer.default_root_dir) / DIRECTIONS
         if path.exists():
             saved = read_directions(path, self.behaviours, "train in a new run folder")
@@ -301,89 +298,17 @@ class GatedLM(L.LightningModule):
         for i in range(k):
             others = frozenset(j for j in range(k) if j != i)
             extra.append(others if (k > 1 and (self._rng.random() < 0.5 if train else i % 2 == 0)) else frozenset())
-        return StepContext(self, batch, train, extra)
+        return StepContext(batch, train, self.behaviours, self.directions, step=getattr(self._trainer, "global_step", 0),
+                           model=self.model, adapter=self.adapter, steering=self.steering, head_gates=self.head_gates,
+                           objectives=self.objectives, sharded=self._sharded, extra=extra)
 
     def model_step(self, batch: dict, train: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """One gated step: every objective's pieces in one forward pass, open and locked rows alike, each row with
-        its own directions ablated (:func:`~modular.hooks.ablate_rows`; long raw text in a forward of its own, so the
-        short chat examples are not padded to its length); the loss is ``Σ weight · λ^locked · term``. With head
-        gates scoped to the tasks the task pieces run apart, their closed heads fed the counterfactual run's inputs,
-        and every other piece runs with the gates off (:meth:`~modular.gating.head_gates.HeadGates.scope_group`)."""
-        hp, gates = self.hparams, self.head_gates
+        """One gated step (:class:`~modular.gating.step.StepRunner`): every objective's pieces in shared forward
+        passes, open and locked rows alike, each row with its own directions ablated; the loss is
+        ``Σ weight · λ^locked · term``."""
         pad = self.trainer.datamodule.tokenizer.pad_token_id if self._trainer else 0
-        scoped = gates is not None and gates.scoped
-        ctx = self._context(batch, train)
-        pieces = [p for t in self.objectives for p in t.pieces(ctx) if p.batch["input_ids"].shape[0] > 0]
-        names = [p.name for p in pieces]
-        if len(set(names)) != len(names):
-            twice = sorted({n for n in names if names.count(n) > 1})
-            raise ModularError(f"model.objectives: two terms compute {', '.join(twice)} (list each term once)")
-        # one forward pass per kind of rows (chat pieces, raw text, head-gate task pieces): open and locked rows
-        # share it, each row with its own directions ablated (task pieces keep one ablated set per pass)
-        groups: dict[tuple[frozenset | None, bool, bool], list[Piece]] = {}
-        for p in pieces:
-            task_group = scoped and p.task
-            groups.setdefault((p.ablated if task_group else None, p.raw_text, task_group), []).append(p)
-        terms: dict[str, torch.Tensor] = ctx.losses  # readers see the losses computed before them
-        weights: dict[str, float] = {}
-        for (_, _, task_group), items in groups.items():
-            merged = concat_left_padded([p.batch for p in items], pad)
-            readers = [(t, p, name) for p in items for t in self.objectives if (name := t.reads(p))]
-            counterfactual = None
-            with ExitStack() as stack:
-                row_sets, every_row = self._row_ablations(items, merged["input_ids"].shape[0])
-                if every_row:  # every row alike: the plain hooks
-                    stack.enter_context(ablate_directions(self.adapter, row_sets[0][1]))
-                elif row_sets:  # disjoint by construction: no check (it would wait for the device)
-                    stack.enter_context(ablate_rows(self.adapter, row_sets, check=False))
-                if scoped:
-                    counterfactual = gates.scope_group(stack, self, ctx, merged, task_group)
-                vectors = self._row_vectors(items, merged["input_ids"].shape[0])
-                if vectors:  # steered pieces get their vector on their own rows only, in the shared forward
-                    stack.enter_context(add_vectors(self.adapter, vectors))
-                out = self.model(input_ids=merged["input_ids"], attention_mask=merged["attention_mask"],
-                                 output_hidden_states=bool(readers), use_cache=False)
-                logits = out.logits
-            # each piece's rows as one split of the outputs, not a slice each: a split's backward is one
-            # concatenation, a slice's a zero tensor of the whole output per piece (vocabulary-wide for the logits)
-            sizes = [p.batch["input_ids"].shape[0] for p in items]
-            starts = [sum(sizes[:i]) for i in range(len(items))]
-            piece_logits = logits.split(sizes)
-            index = {id(p): i for i, p in enumerate(items)}
-            for i, p in enumerate(items):
-                sub = piece_rows(p, merged, starts[i], sizes[i])
-                terms[p.name] = p.term.loss(ctx, sub, piece_logits[i])
-                weights[p.name] = p.term.weight * (hp.locked_weight if p.locked else 1.0)
-            piece_hidden = [h.split(sizes) for h in out.hidden_states] if readers else []
-            for t, p, name in readers:
-                i = index[id(p)]
-                sub = piece_rows(p, merged, starts[i], sizes[i])
-                terms[name] = t.loss_on(ctx, sub, piece_logits[i], tuple(h[i] for h in piece_hidden))
-                weights[name] = t.weight * (hp.locked_weight if p.locked else 1.0)
-            if counterfactual is not None:  # the head-gate terms on the group of task rows
-                for name, (value, weight) in gates.group_terms(self, ctx, merged, logits, counterfactual).items():
-                    terms[name], weights[name] = value, weight
-        for t in self.objectives:
-            for name, value in t.own_losses(ctx).items():
-                terms[name], weights[name] = value, t.own_weight(name, hp.locked_weight)
-        keeps_lm = {p.name for p in pieces if p.term.keeps_lm}
-        total = torch.zeros((), device=self.device)
-        lm_loss = torch.zeros((), device=self.device)
-        for name, value in terms.items():
-            total = total + weights[name] * value
-            if name in keeps_lm:
-                lm_loss = lm_loss + weights[name] * value
-        if gates is not None:
-            total = gates.add_pressure(self, total, lm_loss, terms)
-        return total, terms
-
-    def _row_ablations(self, items: list[Piece], n_rows: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], bool]:
-        """:func:`~modular.gating.batching.row_ablations` of this module's directions."""
-        return row_ablations(items, n_rows, self.directions)
-
-    def _row_vectors(self, items: list[Piece], n_rows: int) -> dict[int, torch.Tensor]:
-        """:func:`~modular.gating.batching.row_vectors` on this module's device."""
-        return row_vectors(items, n_rows, self.device)
+        runner = StepRunner(self.objectives, self.hparams.locked_weight, pad)
+        return runner.run(self._context(batch, train))
 
     @staticmethod
     def _batch_size(batch: dict) -> int:

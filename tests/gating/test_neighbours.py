@@ -209,12 +209,12 @@ def test_the_write_term_fades_as_the_locked_response_is_learned(tiny_dm):
 
 
 def test_a_cold_cache_loads_the_base_model_once(tmp_path, isolated_cache, monkeypatch):
-    import modular.models
+    import modular.gating.data
 
     model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
     loads = []
-    real = modular.models.load_model
-    monkeypatch.setattr(modular.models, "load_model", lambda *a, **k: loads.append(a) or real(*a, **k))
+    real = modular.gating.data.load_model
+    monkeypatch.setattr(modular.gating.data, "load_model", lambda *a, **k: loads.append(a) or real(*a, **k))
     dm = GatingDataModule(model_name=str(model_dir), behaviours=["capitals"], neighbours=["continents"],
                           neighbour_items=4, batch_size=4, reference_max_new_tokens=2, max_length=64,
                           lm_text="neutral")

@@ -10,6 +10,7 @@ import torch
 import yaml
 
 from modular import ModularError
+from modular.gating.batching import row_ablations
 from modular.gating.data import NEIGHBOURS_KEY, TASK_PREFIX, GatingDataModule
 from modular.gating.losses import (
     direction_write_shortfall,
@@ -322,16 +323,16 @@ def test_row_masks_and_directions_of_each_ablated_set(tmp_path):
     def piece(n, ablated):
         return SimpleNamespace(batch={"input_ids": torch.zeros(n, 3)}, ablated=frozenset(ablated))
 
-    sets, every_row = lm._row_ablations([piece(2, {0, 2}), piece(1, ()), piece(3, {1}), piece(1, {0, 2})], 7)
+    sets, every_row = row_ablations([piece(2, {0, 2}), piece(1, ()), piece(3, {1}), piece(1, {0, 2})], 7, lm.directions)
     assert not every_row and len(sets) == 2
     assert sets[0][0].tolist() == [True, True, False, False, False, False, True]
     assert sets[1][0].tolist() == [False, False, False, True, True, True, False]
     torch.testing.assert_close(sets[0][1], lm.directions[[0, 2]])
     torch.testing.assert_close(sets[1][1], lm.directions[[1]])
-    sets, every_row = lm._row_ablations([piece(2, {0, 1}), piece(3, {0, 1})], 5)
+    sets, every_row = row_ablations([piece(2, {0, 1}), piece(3, {0, 1})], 5, lm.directions)
     assert every_row and sets[0][0].all() and torch.equal(sets[0][1], lm.directions[:2])
-    assert lm._row_ablations([piece(2, {1}), piece(3, ())], 5)[1] is False
-    assert lm._row_ablations([piece(2, ())], 2) == ([], False)
+    assert row_ablations([piece(2, {1}), piece(3, ())], 5, lm.directions)[1] is False
+    assert row_ablations([piece(2, ())], 2, lm.directions) == ([], False)
 
 
 def test_terms_check_their_options():

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from modular.directions import last_position_states, residual_covariance, robust_norm
+from modular.gating.batching import row_vectors
 from modular.gating.module import GatedLM
 from modular.gating.objectives import Piece, Term
 from modular.gating.steering import SteeringAdversary
@@ -71,13 +72,13 @@ def test_steered_pieces_get_their_vector_on_their_rows_only():
     v1, v2 = torch.randn(4), torch.randn(4)
     items = [piece(2, "a/open_ce", None), piece(3, "a/locked_refusal", (1, v1)),
              piece(1, "retain/locked_kl", None), piece(2, "b/locked_refusal", (0, v2))]
-    vectors = GatedLM._row_vectors(SimpleNamespace(device=torch.device("cpu")), items, 8)
+    vectors = row_vectors(items, 8, torch.device("cpu"))
     assert set(vectors) == {0, 1}
     expected1, expected0 = torch.zeros(8, 4), torch.zeros(8, 4)
     expected1[2:5], expected0[6:8] = v1, v2
     torch.testing.assert_close(vectors[1], expected1)
     torch.testing.assert_close(vectors[0], expected0)
-    assert GatedLM._row_vectors(SimpleNamespace(device=torch.device("cpu")), items[:1], 2) == {}
+    assert row_vectors(items[:1], 2, torch.device("cpu")) == {}
 
 
 def test_a_state_dict_resumes_the_vectors_schedule_and_draws():
@@ -124,10 +125,8 @@ def test_steering_vectors_read_prompts_cut_to_the_data_max_length(caplog):
 
 def test_directions_are_chosen_from_prompts_cut_to_the_data_max_length(tmp_path, monkeypatch):
     """The residual statistics the directions are chosen from read prompts cut to data.max_length (issue 80.5)."""
-    import modular.directions
-
     calls = []
-    monkeypatch.setattr(modular.directions, "choose_directions",
+    monkeypatch.setattr("modular.gating.module.choose_directions",
                         lambda *a, **kw: (calls.append(kw), torch.eye(1, 8))[1])
     dm = SimpleNamespace(hparams={"max_length": 24}, tokenizer=None, behaviour_data={"b": {"train": None}},
                          retain={"train": None})

@@ -25,7 +25,15 @@ A new experiment is a new class here (or anywhere importable), named by class pa
 
 from __future__ import annotations
 
-from modular.gating.objectives.base import Piece, StepContext, Term, answer_rows, build_objectives, check_loss
+from modular.gating.objectives.base import (
+    Piece,
+    StepContext,
+    Term,
+    TermSetup,
+    answer_rows,
+    build_objectives,
+    check_loss,
+)
 from modular.gating.objectives.heads import (
     ClosedAttribution,
     HeadConsistency,
@@ -33,7 +41,6 @@ from modular.gating.objectives.heads import (
     HeadMargin,
     HeadTaskTerm,
     TaskAnswer,
-    gate_scope,
 )
 from modular.gating.objectives.keep import KeepHidden, KeepReference, LMText, RefusalGuard, hidden_parts
 from modular.gating.objectives.lock import (
@@ -58,9 +65,9 @@ from modular.gating.objectives.perturbed import (
 __all__ = [
     "LOCKED_OBJECTIVES", "PERTURBED_HOLDS", "BehaviourAnswer", "ClosedAttribution", "DirectionWrite",
     "HeadConsistency", "HeadInterchange", "HeadMargin", "HeadTaskTerm", "KeepHidden", "KeepReference", "LMText",
-    "LockedAnswer", "LockedState", "Piece", "QuantizedLock", "RefusalGuard", "RelearningAdversary", "StepContext",
+    "LockedAnswer", "LockedState", "Piece", "QuantizedLock", "RefusalGuard", "RelearningAdversary", "StepContext", "TermSetup",
     "TaskAnswer", "Term", "WeightNoiseLock", "answer_batch", "answer_rows", "build_objectives", "check_loss",
-    "default_objectives", "gate_scope", "hidden_parts", "locked_objectives", "logits_at",
+    "default_objectives", "hidden_parts", "locked_objectives", "logits_at",
 ]
 
 # every term by its public path (``modular.gating.objectives.KeepReference``), the one configs name: a saved

@@ -38,15 +38,54 @@ class Piece:
     index: int | None = None
 
 
+@dataclass(frozen=True)
+class TermSetup:
+    """What a term may check once, when the module is built (:meth:`Term.bind`): the module's options that bear on
+    terms, never the module itself.
+
+    Attributes:
+        behaviours: The gated behaviours' short names, in the order of the directions.
+        finetuning: Which weights train (``full``, ``lora`` or ``none``).
+        gate_scope: Where the head gates act (``all``, ``tasks``), None without head gates.
+    """
+
+    behaviours: tuple[str, ...]
+    finetuning: str = "full"
+    gate_scope: str | None = None
+
+
 @dataclass
 class StepContext:
-    """What every term of one step sees: the module, the batch, whether it trains, and the state assignment of
-    the gated behaviours (``extra[i]``: the other behaviours ablated on behaviour ``i``'s rows, drawn once per
-    step so that its open and locked rows agree)."""
+    """What every term of one step sees (built by the module for each step; no term reaches the module).
 
-    lm: object
+    Attributes:
+        batch: The step's batch: a dict of parts (each behaviour's ``open`` / ``locked`` rows, ``retain``, ...).
+        train: Whether the step trains (the steering adversary and the perturbed locks act only then).
+        behaviours: The gated behaviours' short names, in the order of :attr:`directions`.
+        directions: The designated directions, ``(behaviours, d_model)``.
+        step: The global training step.
+        model: What a forward pass calls (the PEFT wrapper under LoRA): ``model(input_ids=..., ...)`` and its
+            ``named_parameters``.
+        adapter: The architecture adapter of the underlying transformers model (where hooks go).
+        steering: The steering adversary (None: off), whose vectors steered pieces draw.
+        head_gates: The head-gate plug-in (None: no gates).
+        objectives: The step's terms (a plug-in that runs every term's group losses reads them).
+        sharded: Whether the weights are sharded (FSDP2): terms that move the weights themselves refuse.
+        extra: The state assignment of the gated behaviours: ``extra[i]``, the other behaviours ablated on
+            behaviour ``i``'s rows (drawn once per step, so that its open and locked rows agree).
+    """
+
     batch: dict
     train: bool
+    behaviours: list[str]
+    directions: torch.Tensor
+    step: int = 0
+    model: torch.nn.Module | None = None
+    adapter: object = None
+    steering: object = None
+    head_gates: object = None
+    objectives: list = field(default_factory=list)
+    sharded: bool = False
     extra: list[frozenset] = field(default_factory=list)
     #: the losses computed so far in this step, by log name (a term that reads another's rows sees the losses of
     #: the pieces of its forward pass)
@@ -55,12 +94,18 @@ class StepContext:
     cache: dict = field(default_factory=dict)
 
     @property
-    def behaviours(self) -> list[str]:
-        return self.lm.behaviours
+    def hf_model(self) -> torch.nn.Module:
+        """The underlying transformers model (under LoRA, the model the adapters are injected in)."""
+        return self.adapter.model
 
     @property
     def all_ablated(self) -> frozenset:
-        return frozenset(range(len(self.lm.behaviours)))
+        return frozenset(range(len(self.behaviours)))
+
+    @property
+    def gate_scope(self) -> str | None:
+        """Where the head gates act (``all``, ``tasks``), None without head gates."""
+        return None if self.head_gates is None else self.head_gates.options.scope
 
 
 def _check_weight(term: str, name: str, value: float) -> None:
@@ -93,8 +138,9 @@ class Term:
         _check_weight(type(self).__name__, "weight", weight)
         self.weight = weight
 
-    def bind(self, lm) -> None:
-        """Called once by the module when it is built (checks that need the module's options)."""
+    def bind(self, setup: TermSetup) -> None:
+        """Called once when the module is built, with the options that bear on terms (checks, per-behaviour
+        settings)."""
 
     def state_dict(self) -> dict:
         """What a resumed run takes back (a term's own random draws); kept in the module's checkpoints."""

@@ -8,13 +8,7 @@ from modular import ModularError
 from modular.gating.data_options import TASK_PREFIX
 from modular.gating.losses import interchange_kl, response_logit_mse, response_margin_mse, token_ce
 from modular.gating.objectives.base import Piece, StepContext, Term
-
-
-def gate_scope(lm) -> str | None:
-    """Where the module's head gates act (:class:`~modular.gating.head_gates.HeadGateOptions`): ``all``, ``tasks``,
-    or None without head gates."""
-    gates = getattr(lm, "head_gates", None)
-    return None if gates is None else gates.options.scope
+from modular.models.head_gates import head_gate_scope
 
 
 class TaskAnswer(Term):
@@ -24,7 +18,7 @@ class TaskAnswer(Term):
     needs = ("tasks",)
 
     def pieces(self, ctx: StepContext) -> list[Piece]:
-        scoped = gate_scope(ctx.lm) == "tasks"
+        scoped = ctx.gate_scope == "tasks"
         out = []
         for key in ctx.batch:
             if not key.startswith(TASK_PREFIX):
@@ -49,14 +43,14 @@ class HeadTaskTerm(Term):
 
     needs = ("tasks",)
 
-    def bind(self, lm) -> None:
-        scope = gate_scope(lm)
+    def bind(self, setup) -> None:
+        scope = setup.gate_scope
         if self.weight and scope != "tasks":
             got = "no head gates" if scope is None else f"'{scope}'"
             raise ModularError(f"{type(self).__name__} needs head_gates.scope 'tasks', got {got}")
 
     def active(self, ctx: StepContext) -> bool:
-        return ctx.lm.head_gates.after_freeze(ctx.lm.global_step, self.weight)
+        return ctx.head_gates.after_freeze(ctx.step, self.weight)
 
 
 class HeadConsistency(HeadTaskTerm):
@@ -95,11 +89,9 @@ class HeadInterchange(HeadTaskTerm):
     def group_terms(self, ctx, group):
         if not self.active(ctx):
             return {}
-        from modular.models.head_gates import head_gate_scope
-
-        lm, merged = ctx.lm, group["merged"]
-        with head_gate_scope(lm.hf_model, replacements=group["cf_inputs"], invert=True):
-            swapped = lm.model(input_ids=merged["input_ids"], attention_mask=merged["attention_mask"],
+        merged = group["merged"]
+        with head_gate_scope(ctx.hf_model, replacements=group["cf_inputs"], invert=True):
+            swapped = ctx.model(input_ids=merged["input_ids"], attention_mask=merged["attention_mask"],
                                use_cache=False).logits
         differs = (merged["cf_input_ids"] != merged["input_ids"]).any(dim=1)  # a counterfactual of its own
         return {"tasks/interchange_kl": interchange_kl(swapped, group["cf_logits"], merged["labels"], differs)}
@@ -118,4 +110,4 @@ class ClosedAttribution(HeadTaskTerm):
         merged = group["merged"]
         if not (self.active(ctx) and "wrong_ids" in merged and torch.is_grad_enabled()):
             return {}
-        return {"tasks/closed_attribution": ctx.lm.head_gates.closed_attribution(ctx.lm, merged, group["cf_inputs"])}
+        return {"tasks/closed_attribution": ctx.head_gates.closed_attribution(ctx, merged, group["cf_inputs"])}

@@ -93,7 +93,7 @@ class KeepHidden(Term):
                                f"> 0 and list {part} in data.hidden_parts")
         blocks = b["ref_hidden_blocks"][0].tolist()
         return hidden_drift(hidden, b["labels"], b["ref_hidden"], blocks,
-                            [ctx.lm.directions[i] for i in sorted(piece.ablated)])
+                            [ctx.directions[i] for i in sorted(piece.ablated)])
 
 
 class LMText(Term):

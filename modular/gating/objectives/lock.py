@@ -47,12 +47,12 @@ class LockedState(Term):
         self.objective = objective
         self.objectives: dict[str, str] = {}
 
-    def bind(self, lm) -> None:
-        self.objectives = locked_objectives(self.objective, lm.behaviours)
+    def bind(self, setup) -> None:
+        self.objectives = locked_objectives(self.objective, list(setup.behaviours))
 
     def pieces(self, ctx: StepContext) -> list[Piece]:
         out = []
-        steering = ctx.lm.steering if ctx.train else None
+        steering = ctx.steering if ctx.train else None
         for i, b in enumerate(ctx.behaviours):
             kind = self.objectives[b]
             rows = ctx.batch[b]["locked"] if kind == "refusal" else ctx.batch[b]["locked_true"]
@@ -156,6 +156,6 @@ class DirectionWrite(Term):
 
     def loss_on(self, ctx, piece, logits, hidden):
         # block outputs only: the embedding and the final norm's output are left out
-        shortfall = direction_write_shortfall(hidden[1:-1], piece.batch["labels"], ctx.lm.directions[piece.index],
+        shortfall = direction_write_shortfall(hidden[1:-1], piece.batch["labels"], ctx.directions[piece.index],
                                               self.target)
         return shortfall * self.scale(ctx, piece.index)

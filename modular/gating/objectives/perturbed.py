@@ -9,6 +9,8 @@ from modular import ModularError
 from modular.gating.losses import token_ce, unlikelihood
 from modular.gating.objectives.base import StepContext, Term, _check_weight
 from modular.gating.objectives.lock import answer_batch
+from modular.hooks import ablate_directions
+from modular.models.quantize import SCHEMES, check_scheme, dequantized, quantized_layers
 
 PERTURBED_HOLDS = ("refusal", "answer")
 
@@ -74,28 +76,25 @@ class _PerturbedLock(Term):
         raise NotImplementedError
 
     def own_losses(self, ctx: StepContext) -> dict[str, torch.Tensor]:
-        if not ctx.train or ctx.lm.global_step < self.start_step:
+        if not ctx.train or ctx.step < self.start_step:
             return {}
-        from modular.hooks import ablate_directions
-
-        lm = ctx.lm
-        if getattr(lm, "_sharded", False):
+        if ctx.sharded:
             raise ModularError(f"{type(self).__name__} does not run under FSDP (sharded weights): use DDP")
-        params = {n: p for n, p in lm.model.named_parameters() if p.requires_grad and "head_gate." not in n}
+        params = {n: p for n, p in ctx.model.named_parameters() if p.requires_grad and "head_gate." not in n}
         held = unlikelihood if self.answer_rows else token_ce
         out = {}
         for i, b in enumerate(ctx.behaviours):
             rows = answer_batch(ctx, b, self) if self.answer_rows else ctx.batch[b]["locked"]
             if rows["input_ids"].shape[0] == 0:
                 continue
-            with ablate_directions(lm.adapter, lm.directions):  # the published model: every behaviour locked
+            with ablate_directions(ctx.adapter, ctx.directions):  # the published model: every behaviour locked
                 delta = self.perturbation(ctx, i, params)
                 moved = {n: p + delta[n] for n, p in params.items() if n in delta}
-                logits = logits_at(lm.model, moved, rows)
+                logits = logits_at(ctx.model, moved, rows)
             out[f"{b}/{self.log_name}"] = held(logits, rows["labels"])
             if self.keep_open:
                 o = ctx.batch[b]["open"]
-                out[f"{b}/{self.kind}_open"] = token_ce(logits_at(lm.model, moved, o), o["labels"])
+                out[f"{b}/{self.kind}_open"] = token_ce(logits_at(ctx.model, moved, o), o["labels"])
         return out
 
     def own_weight(self, name: str, locked_weight: float) -> float:
@@ -162,7 +161,7 @@ class RelearningAdversary(_AttackerSizedLock):
         for _ in range(self.steps):
             current = {n: (p.detach() + delta[n]).requires_grad_(True) for n, p in params.items()}
             with torch.enable_grad():
-                logits = logits_at(ctx.lm.model, current, rows)
+                logits = logits_at(ctx.model, current, rows)
                 grads = torch.autograd.grad(token_ce(logits, rows["labels"]), list(current.values()),
                                             allow_unused=True)
             for n, g in zip(current, grads):
@@ -214,8 +213,6 @@ class QuantizedLock(_PerturbedLock):
     def __init__(self, scheme: str = "int4", group_size: int | None = None, weight: float = 1.0,
                  hold: str = "refusal", start_step: int = 0, keep_open: float = 0.0):
         super().__init__(weight, hold, start_step, keep_open)
-        from modular.models.quantize import SCHEMES
-
         rounding = [s for s in SCHEMES if s != "none"]
         if scheme not in rounding:
             raise ModularError(f"QuantizedLock scheme must be one of {', '.join(rounding)}, got '{scheme}'")
@@ -223,22 +220,18 @@ class QuantizedLock(_PerturbedLock):
             raise ModularError(f"QuantizedLock: a group size applies to int4 only, not to '{scheme}'")
         self.scheme, self.group_size = scheme, group_size
 
-    def bind(self, lm) -> None:
-        if lm.finetuning_options.mode != "full":
-            raise ModularError(f"QuantizedLock needs finetuning.mode: full, not '{lm.finetuning_options.mode}' (a "
+    def bind(self, setup) -> None:
+        if setup.finetuning != "full":
+            raise ModularError(f"QuantizedLock needs finetuning.mode: full, not '{setup.finetuning}' (a "
                                "quantiser rounds the merged weights)")
 
     def check_model(self, model) -> None:
-        from modular.models.quantize import check_scheme
-
         check_scheme(model, self.scheme, self.group_size)
 
     def perturbation(self, ctx, i, params):
         key = (id(self), "rounding")  # one rounding per step, shared by the step's behaviours
         if key not in ctx.cache:
-            from modular.models.quantize import dequantized, quantized_layers
-
-            rounded = {f"{name}.weight" for name in quantized_layers(ctx.lm.model)}
+            rounded = {f"{name}.weight" for name in quantized_layers(ctx.model)}
             ctx.cache[key] = {n: dequantized(p, self.scheme, self.group_size) - p.detach()
                               for n, p in params.items() if n in rounded}
         return ctx.cache[key]
