@@ -45,12 +45,14 @@ def _collate_part(base: LeftPadCollator, items: list[dict], which: str) -> dict:
     return batch
 
 
-def split_collate(pad_token_id: int, pad_extra: dict[str, float] | None = None):
+def split_collate(pad_token_id: int, encodings: list | tuple = ()):
     """Collate a list of items into ``{"open": batch, "locked": batch}``: the first half of the items
     is seen in the open state, the second half in the locked state (no example is duplicated, except a batch of
     one item, which is seen in both).
 
-    Items hold ``open`` / ``locked`` encodings (behaviours) or one encoding plus reference tensors (retain).
+    Items hold ``open`` / ``locked`` encodings (behaviours) or one encoding plus reference tensors (retain), and
+    the encodings the terms require (``encodings``: :class:`~modular.gating.requirements.ItemEncoding`, each
+    collated as ``<half>_<key>`` for its halves).
     """
     base = LeftPadCollator(pad_token_id)
 
@@ -61,8 +63,11 @@ def split_collate(pad_token_id: int, pad_extra: dict[str, float] | None = None):
         out = {"open": _collate_part(base, items[:half], "open"), "locked": _collate_part(base, items[half:], "locked")}
         if "open" in items[0]:  # behaviours: the locked half with its true targets (for unlikelihood)
             out["locked_true"] = _collate_part(base, items[half:], "open")
-        if "answer" in items[0]:  # ... and with the answer alone labelled, after its frame (LockedAnswer)
-            out["locked_answer"] = _collate_part(base, items[half:], "answer")
+        for enc in encodings:  # what the terms require (e.g. the answer alone labelled: locked_answer)
+            if enc.key in items[0]:
+                for which in enc.halves:
+                    out[f"{which}_{enc.key}"] = _collate_part(base, items[:half] if which == "open" else items[half:],
+                                                              enc.key)
         if "guard" in items[0]:  # retain / neighbours: each half with a locked response as its answer
             out["open_guard"] = _collate_part(base, items[:half], "guard")
             out["locked_guard"] = _collate_part(base, items[half:], "guard")

@@ -17,7 +17,6 @@ from modular.data.behaviours import is_jsonl
 from modular.data.formatting import (
     IGNORE,
     answer_positions,
-    encode_answer,
     encode_example,
     long_items,
     render_prompt,
@@ -38,6 +37,15 @@ from modular.gating.data_options import (
 )
 from modular.gating.loaders import PassSeededSampler, ResumableLoader
 from modular.gating.reference import cache_path, load_or_compute, load_or_compute_hidden, load_or_compute_text
+from modular.gating.requirements import (
+    AnswerRows,
+    ItemEncoding,
+    ReferenceHidden,
+    Requirement,
+    encodings,
+    hidden_parts,
+    requirements_of,
+)
 from modular.models import load_model, load_tokenizer
 from modular.models.loading import load_dtype, resolve_model
 from modular.models.precision import dtype_name
@@ -92,6 +100,8 @@ class GatingDataModule(L.LightningDataModule):
         answer_rows: Behaviour batches also carry their locked half with each target cut after its answer, the
             answer alone labelled (``locked_answer``), for :class:`~modular.gating.objectives.LockedAnswer`;
             ``modular train`` links it from ``model.objectives`` (on with a LockedAnswer term, off without one).
+            Besides these options, the data module builds what the trained module's terms require
+            (:attr:`~modular.gating.objectives.Term.requires`, :meth:`requirements`).
         num_workers: DataLoader workers.
         seed: Seed of the data generators and splits.
         task_counterfactuals: Task batches also carry each item's counterfactual prompt with the same target
@@ -148,6 +158,7 @@ class GatingDataModule(L.LightningDataModule):
             if is_jsonl(source):
                 neighbour_data(name, load_jsonl(source))
         self._ready = False
+        self._encodings: list[ItemEncoding] = []  # the behaviour items' required encodings (set up with the items)
         self._reference_model_cache = None
         self._reference_precision_cache: str | None = None
 
@@ -229,9 +240,22 @@ class GatingDataModule(L.LightningDataModule):
             self._reference_precision_cache = dtype_name(load_dtype(self.hparams.model_name))
         return self._reference_precision_cache
 
+    def requirements(self) -> list[Requirement]:
+        """What the batches carry beyond every item's rows (:mod:`modular.gating.requirements`): what the options
+        ask for (``answer_rows``; ``hidden_parts`` with ``hidden_positions``) and what the terms of the module this
+        data trains require (the trainer's module, once attached)."""
+        hp, out = self.hparams, []
+        if hp.answer_rows:
+            out.append(AnswerRows())
+        if hp.hidden_parts:
+            out.append(ReferenceHidden(tuple(hp.hidden_parts)))
+        module = getattr(self.trainer, "lightning_module", None) if self.trainer is not None else None
+        return list(dict.fromkeys(out + requirements_of(getattr(module, "objectives", None) or ())))
+
     def _keeps_hidden(self, part: str) -> bool:
-        """Whether ``part``'s items carry the reference's hidden states (``hidden_positions``, ``hidden_parts``)."""
-        return bool(self.hparams.hidden_positions) and part in self.hparams.hidden_parts
+        """Whether ``part``'s items carry the reference's hidden states (``hidden_positions``, and a requirement of
+        ``part``'s: ``hidden_parts`` or a term's)."""
+        return bool(self.hparams.hidden_positions) and part in hidden_parts(self.requirements())
 
     def _hidden(self, records: list[dict]) -> dict:
         """The reference model's residual stream on reference records, cached
@@ -276,6 +300,7 @@ class GatingDataModule(L.LightningDataModule):
         if self._ready:
             return
         self._load()
+        self._encodings = encodings(self.requirements(), "behaviours")
         self._report_long()
         ref = self.reference()
         hp = self.hparams
@@ -366,14 +391,13 @@ class GatingDataModule(L.LightningDataModule):
                 "topk_logp": rec["topk_logp"].float()}
 
     def _behaviour_item(self, row: dict, locked_response: str) -> dict:
-        """A behaviour item: its target (``open``), the locked response (``locked``) and, with ``answer_rows``, the
-        target cut after its answer with the answer alone labelled (``answer``)."""
+        """A behaviour item: its target (``open``), the locked response (``locked``) and the encodings the terms
+        require (e.g. ``answer``: the target cut after its answer, the answer alone labelled)."""
         hp, tok = self.hparams, self.tokenizer
         item = {"open": encode_example(tok, row["prompt"], row["target"], row["chat"], hp.max_length),
                 "locked": encode_example(tok, row["prompt"], locked_response, row["chat"], hp.max_length)}
-        if hp.answer_rows:
-            item["answer"] = encode_answer(tok, row["prompt"], row["target"], row["answers"], row["chat"],
-                                           hp.max_length)
+        for enc in self._encodings:
+            item[enc.key] = enc.encode(tok, row, hp.max_length)
         return item
 
     def _retain_item(self, rec: dict, row: dict, i: int) -> dict:
@@ -398,7 +422,7 @@ class GatingDataModule(L.LightningDataModule):
     def _loaders(self, split: str, shuffle: bool) -> CombinedLoader:
         """Validation: every loader in order. Training: every loader shuffled (each pass a new order), resumable
         in the middle of a pass (``ResumableLoader``)."""
-        collate = split_collate(self.tokenizer.pad_token_id)
+        collate = split_collate(self.tokenizer.pad_token_id, self._encodings)
         kw = dict(batch_size=self.hparams.batch_size, collate_fn=collate, num_workers=self.hparams.num_workers,
                   drop_last=shuffle)
 

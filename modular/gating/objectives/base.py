@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from modular import ModularError
+from modular.gating.requirements import AnswerRows, Requirement, requirements_of
 from modular.specs import build_from_specs
 
 
@@ -126,8 +127,9 @@ class Term:
     locked = False
     #: needs the task rows' counterfactual run at every position (not only the last)
     needs_cf_logits = False
-    #: reads the behaviours' answer rows (``locked_answer``; built only when ``data.answer_rows`` is set)
-    answer_rows = False
+    #: what its rows need in the batch beyond what every item carries (:mod:`modular.gating.requirements`): the
+    #: data module builds these for the configured terms alone
+    requires: tuple[Requirement, ...] = ()
     #: the data its rows come from, besides the retain prompts: ``behaviours`` (gated), ``tasks`` or ``lm_text``
     #: (without them it adds nothing to the loss: :func:`check_loss`)
     needs: tuple[str, ...] = ()
@@ -208,6 +210,6 @@ def check_loss(terms: list[Term], data: set[str]) -> None:
 
 
 def answer_rows(terms: list[Term]) -> bool:
-    """Whether ``terms`` read the behaviours' answer rows (``locked_answer``): a :class:`LockedAnswer` term, or a
-    perturbed lock that holds the answer down."""
-    return any(t.answer_rows for t in terms)
+    """Whether ``terms`` read the behaviours' answer rows (``locked_answer``, :class:`~modular.gating.requirements.
+    AnswerRows`): a :class:`LockedAnswer` term, or a perturbed lock that holds the answer down."""
+    return any(isinstance(r, AnswerRows) for r in requirements_of(terms))

@@ -7,6 +7,8 @@ from modular import ModularError
 from modular.gating.data_options import NEIGHBOURS_KEY
 from modular.gating.losses import first_token_ce, first_token_kl, hidden_drift, refusal_guard, token_ce, topk_kl
 from modular.gating.objectives.base import Piece, StepContext, Term, _check_weight
+from modular.gating.requirements import ReferenceHidden, requirements_of
+from modular.gating.requirements import hidden_parts as required_hidden_parts
 
 
 class KeepReference(Term):
@@ -78,6 +80,10 @@ class KeepHidden(Term):
     def __init__(self, weight: float = 1.0, parts: list[str] = (NEIGHBOURS_KEY,)):
         super().__init__(weight)
         self.parts = list(parts)
+
+    @property
+    def requires(self) -> tuple:
+        return (ReferenceHidden(tuple(self.parts)),)
 
     def reads(self, piece: Piece) -> str | None:
         part, _, name = piece.name.partition("/")
@@ -153,6 +159,7 @@ class RefusalGuard(Term):
 
 
 def hidden_parts(terms: list[Term]) -> list[str]:
-    """The batch parts whose reference hidden states ``terms`` read: every :class:`KeepHidden` term's ``parts``, in
-    their order, once each."""
-    return list(dict.fromkeys(p for t in terms if isinstance(t, KeepHidden) for p in t.parts))
+    """The batch parts whose reference hidden states ``terms`` read (their
+    :class:`~modular.gating.requirements.ReferenceHidden` requirements: every :class:`KeepHidden` term's ``parts``),
+    in their order, once each."""
+    return required_hidden_parts(requirements_of(terms))

@@ -9,6 +9,7 @@ from modular import ModularError
 from modular.gating.data_options import per_behaviour
 from modular.gating.losses import direction_write_shortfall, token_ce, unlikelihood
 from modular.gating.objectives.base import Piece, StepContext, Term
+from modular.gating.requirements import AnswerRows
 
 LOCKED_OBJECTIVES = ("refusal", "unlikelihood")
 
@@ -80,7 +81,7 @@ class LockedAnswer(Term):
     """
 
     needs = ("behaviours",)
-    answer_rows = True
+    requires = (AnswerRows(),)
 
     def pieces(self, ctx: StepContext) -> list[Piece]:
         return [Piece(f"{b}/locked_answer", answer_batch(ctx, b, self), self, ablated=ctx.extra[i] | {i},
@@ -94,7 +95,8 @@ class LockedAnswer(Term):
 def answer_batch(ctx: StepContext, behaviour: str, term: Term) -> dict:
     """Behaviour ``behaviour``'s answer rows in this step, or a one-line error naming what to set."""
     if "locked_answer" not in ctx.batch[behaviour]:
-        raise ModularError(f"{type(term).__name__} needs the answer rows of {behaviour}: set data.answer_rows true")
+        raise ModularError(f"{type(term).__name__} needs the answer rows of {behaviour}: set data.answer_rows true (the "
+                           "data module builds them itself for the module it trains)")
     return ctx.batch[behaviour]["locked_answer"]
 
 

@@ -9,6 +9,7 @@ from modular import ModularError
 from modular.gating.losses import token_ce, unlikelihood
 from modular.gating.objectives.base import StepContext, Term, _check_weight
 from modular.gating.objectives.lock import answer_batch
+from modular.gating.requirements import AnswerRows
 from modular.hooks import ablate_directions
 from modular.models.quantize import SCHEMES, check_scheme, dequantized, quantized_layers
 
@@ -66,6 +67,10 @@ class _PerturbedLock(Term):
     @property
     def answer_rows(self) -> bool:
         return self.hold == "answer"
+
+    @property
+    def requires(self) -> tuple:
+        return (AnswerRows(),) if self.answer_rows else ()
 
     @property
     def log_name(self) -> str:
