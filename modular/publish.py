@@ -57,7 +57,7 @@ from modular.keys import (
     weights_hash,
 )
 from modular.locking import check_unlocked, folder_lock, held_here
-from modular.models.loading import hub_origin
+from modular.models.loading import hub_origin, load_model, load_tokenizer, looks_like_path
 from modular.reports import LockReport
 
 log = logging.getLogger("modular")
@@ -83,8 +83,6 @@ def _inside(path: Path, other: Path) -> bool:
 def public_model_name(ref: str) -> str:
     """How a published folder names a model: an alias or hub id as given, a local path by its last part only
     (no local path goes into a folder users upload)."""
-    from modular.models.loading import looks_like_path
-
     path = Path(str(ref)).expanduser()
     return path.name if path.exists() or looks_like_path(str(ref)) else str(ref)
 
@@ -317,8 +315,6 @@ def unlock_folder(model_dir: str | Path, key_path: str | Path, out: str | Path, 
 
 
 def _unlock_locked(model_dir: Path, key_path: str | Path, out: Path, overwrite: bool) -> Path:
-    from modular.models import load_model, load_tokenizer
-
     check_output_folder(out, [model_dir, key_path], overwrite, sealed=[model_dir], kind="unlocked")
     key, meta = load_key(key_path)
     manifest = read_manifest(model_dir, require=("locked_hash", "weights_hash", "applied_keys"))

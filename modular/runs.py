@@ -26,6 +26,18 @@ import torch
 from safetensors.torch import load_file
 
 from modular import ModularError, error_reason
+from modular.identity import find_source
+from modular.models.head_gates import (
+    deterministic_gate_values,
+    fold_head_gates,
+    install_head_gates,
+    remove_head_gates,
+    scale_head_columns,
+)
+from modular.models.loading import load_model, load_tokenizer, model_fingerprint, resolve_model
+from modular.models.lora import with_lora
+from modular.models.precision import cast_model, resolve_device, resolve_dtype
+from modular.publish import MANIFEST
 from modular.reports import TrainingCheck
 
 RUN_RECORD = "run.json"
@@ -101,8 +113,6 @@ def neighbour_sources(run: Run) -> dict[str, str]:
 
 
 def _sources(run: Run, names: list[str], recorded: dict) -> dict[str, str]:
-    from modular.identity import find_source
-
     found = (run.record.get("identity") or {}).get("data", {}).get("sources", {})
     near = [run.path, run.path.parent]
     # a run recorded before identities: its sources as recorded
@@ -116,8 +126,6 @@ def check_base_model(run: Run) -> None:
     recorded = (run.record.get("identity") or {}).get("model", {}).get("fingerprint")
     if not recorded:
         return
-    from modular.models.loading import model_fingerprint, resolve_model
-
     now = model_fingerprint(resolve_model(run.model_name))
     if now != recorded:
         raise ModularError(f"{run.path} was trained from {run.model_name} as it was then ({recorded}); "
@@ -211,9 +219,6 @@ def load_open_model(run: Run, dtype: str | torch.dtype | None = "auto", device: 
     gates scoped to the tasks (``head_gates.scope: tasks``) only guided training and are dropped. In a narrower precision
     than the trained one (float32-trained weights in bfloat16) the weights are rounded stochastically, seeded
     (:func:`modular.models.precision.cast_model`): every call gives the same weights."""
-    from modular.models import load_model
-    from modular.models.precision import cast_model, resolve_device, resolve_dtype
-
     device = resolve_device(device)
     check_base_model(run)
     ckpt = read_checkpoint(checkpoint_path(run))
@@ -228,20 +233,14 @@ def load_open_model(run: Run, dtype: str | torch.dtype | None = "auto", device: 
     hp = grouped_model_options(ckpt.get("hyper_parameters", {}))
     fold = gated and (hp.get("head_gates") or {}).get("scope", "all") != "tasks"
     if run.record.get("finetuning") == "lora":
-        from modular.models.lora import with_lora
-
         tuning = hp.get("finetuning") or {}
         model = with_lora(model, tuning.get("lora_rank", 16), tuning.get("lora_alpha", 32))
         if gated:  # the gates wrap the LoRA-wrapped projections, as in training
-            from modular.models.head_gates import install_head_gates
-
             install_head_gates(model.get_base_model())
         missing = model.load_state_dict(state, strict=False)
         if missing.unexpected_keys:
             raise ModularError(f"checkpoint does not fit the model: {missing.unexpected_keys[:3]}")
         if gated:  # unwrap the gates before merging, fold them into the merged weights after
-            from modular.models.head_gates import deterministic_gate_values, remove_head_gates, scale_head_columns
-
             values = deterministic_gate_values(model)
             remove_head_gates(model.get_base_model())
             model = model.merge_and_unload()
@@ -251,19 +250,13 @@ def load_open_model(run: Run, dtype: str | torch.dtype | None = "auto", device: 
         model = model.merge_and_unload()
     else:
         if gated:
-            from modular.models.head_gates import install_head_gates
-
             install_head_gates(model)
         result = model.load_state_dict(state, strict=False)
         if result.unexpected_keys:
             raise ModularError(f"checkpoint does not fit the model: {result.unexpected_keys[:3]}")
     if fold:
-        from modular.models.head_gates import fold_head_gates
-
         fold_head_gates(model)
     elif gated:
-        from modular.models.head_gates import remove_head_gates
-
         remove_head_gates(model)
     return cast_model(model, dtype).to(device).eval()
 
@@ -285,15 +278,11 @@ def load_model_or_run(ref: str | Path, dtype: str | torch.dtype | None = "auto",
     (:func:`load_open_model`), in eval mode, on ``device`` in ``dtype``."""
     if is_run_folder(ref):
         return load_open_model(read_run(ref), dtype, device)
-    from modular.models import load_model
-
     return load_model(ref, dtype=dtype, device=device)
 
 
 def load_tokenizer_or_run(ref: str | Path):
     """The tokenizer of a model reference, or of a run folder's base model."""
-    from modular.models import load_tokenizer
-
     return load_tokenizer(base_model_name(ref))
 
 
@@ -316,8 +305,6 @@ def training_run_folder(ref: str | Path) -> Path | None:
     """The training run folder a model reference comes from: the run folder ``ref`` is, or the one a folder modular
     published or unlocked lies in (``modular main`` writes ``RUN/published`` and ``RUN/unlocked``); None for any
     other reference (a published folder elsewhere does not name its run)."""
-    from modular.publish import MANIFEST
-
     path = Path(str(ref)).expanduser()
     if is_run_folder(path):
         return path

@@ -15,6 +15,7 @@ from typing import Any
 
 from modular import ModularError, files
 from modular.files import atomic_path, json_safe
+from modular.keys import is_key_file
 
 
 def write_text(path: str | Path, text: str) -> Path:
@@ -132,8 +133,6 @@ def log_folder_artifact(folder: str | Path, out_dir: str | Path, job: str, kind:
     if wandb_mode() == "disabled":
         return None
     import wandb
-
-    from modular.keys import is_key_file
 
     folder = Path(folder)
     if Path(out_dir).resolve() == folder.resolve() or folder.resolve() in Path(out_dir).resolve().parents:

@@ -12,7 +12,9 @@ import torch
 
 from modular import ModularError
 from modular.analysis.formats import with_positions
+from modular.analysis.insertion import render_with_span
 from modular.data.formatting import LeftPadCollator
+from modular.models.adapter import ArchitectureAdapter
 from modular.models.attention import eager_attention
 
 
@@ -142,9 +144,6 @@ def span_attention(model, tokenizer, items, conditions: dict[str, str], instruct
     the given heads or the ``n_heads`` with the most attention mass on the inserted span (mean over the conditions
     with a span). Returns the heads ("L.H"), how they were chosen, the curves and spans by condition label, and
     the span mass per head."""
-    from modular.analysis.insertion import render_with_span
-    from modular.models import ArchitectureAdapter
-
     adapter = ArchitectureAdapter(model)
     rows = items.select(range(min(n_items, len(items))))
     rendered = {c: [render_with_span(tokenizer, r["prompt"], r["chat"], span, instruction) for r in rows]

@@ -21,7 +21,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from modular import ModularError
+from modular.data.behaviours import load_behaviour, neutral_text
 from modular.data.formatting import render_prompt
+from modular.evaluation.behaviour import evaluate_behaviour
+from modular.evaluation.stats import wilson_interval
 
 KINDS = ("meaningless", "meaningful")
 #: short labels used in the figures (as in the seed figure: None, Mless, Mful)
@@ -46,8 +49,6 @@ def meaningless_filler(tokenizer, n: int, symbol: str = "/") -> str:
 
 def meaningful_filler(tokenizer, n: int, seed: int = 0) -> str:
     """Neutral prose (``neutral_text`` train split) cut to exactly ``n`` tokens (at a word end if possible), on one line."""
-    from modular.data import neutral_text
-
     if n == 0:
         return ""
     text = " ".join(" ".join(t.split()) for t in neutral_text(seed)["train"]["text"])
@@ -135,8 +136,6 @@ def pooled_items(task: str, tokenizer, seeds: list[int], splits: list[str], limi
     ``limit``; more seeds give more items for small built-in tasks."""
     import datasets
 
-    from modular.data import load_behaviour
-
     rows, seen = [], set()
     for s in seeds:
         data = load_behaviour(task, seed=s, tokenizer=tokenizer)
@@ -164,9 +163,6 @@ def insertion_accuracy(model, tokenizer, items, span: str, instruction: str = DE
                        checked: int | None = None) -> dict:
     """Greedy accuracy on the items with ``span`` inserted: accuracy, n, correct and the 95% Wilson interval. The
     span is first checked to keep its length in context on the first ``checked`` prompts (default: every one)."""
-    from modular.evaluation.behaviour import evaluate_behaviour
-    from modular.evaluation.stats import wilson_interval
-
     for r in items.select(range(len(items) if checked is None else min(checked, len(items)))):
         render_with_span(tokenizer, r["prompt"], r["chat"], span, instruction)
     r = evaluate_behaviour(model, tokenizer, with_span(items, span, instruction), max_new_tokens, batch_size,

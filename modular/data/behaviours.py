@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import re
-from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from modular import ModularError
 from modular.data import generators as g
-from modular.data.schema import COLUMNS, SPLITS, prompt_hash
+from modular.data.jsonl import load_jsonl
+from modular.data.schema import SPLITS, distinct_items, prompt_hash, record, to_dataset_dict
 
 if TYPE_CHECKING:
     import datasets
@@ -86,37 +86,6 @@ def builtin_neighbours(behaviours, use: str) -> list[str]:
     return out
 
 
-@cache
-def _features() -> datasets.Features:
-    """The common schema. ``datasets`` is loaded with the first data, not with the registry."""
-    import datasets
-
-    return datasets.Features(
-        {
-            "prompt": datasets.Value("string"),
-            "target": datasets.Value("string"),
-            "answers": datasets.Sequence(datasets.Value("string")),
-            "prefixes": datasets.Sequence(datasets.Value("string")),
-            "wrong": datasets.Value("string"),
-            "counterfactual": datasets.Value("string"),
-            "chat": datasets.Value("bool"),
-        }
-    )
-
-
-def to_dataset_dict(splits: dict[str, list[dict]]) -> datasets.DatasetDict:
-    """Records per split -> DatasetDict with the common schema (all three splits present)."""
-    import datasets
-
-    out = {}
-    for split in SPLITS:
-        rows = splits.get(split, [])
-        out[split] = datasets.Dataset.from_dict(
-            {c: [r[c] for r in rows] for c in COLUMNS}, features=_features()
-        )
-    return datasets.DatasetDict(out)
-
-
 _NAMED = re.compile(r"^(?P<name>[A-Za-z0-9][A-Za-z0-9_.-]*)=(?P<source>.+)$")
 
 
@@ -189,8 +158,6 @@ def load_behaviour(name: str, seed: int = 0, tokenizer=None) -> datasets.Dataset
     if name in BEHAVIOURS:
         return to_dataset_dict(BEHAVIOURS[name](seed=seed, tokenizer=tokenizer))
     if is_jsonl(name):
-        from modular.data.jsonl import load_jsonl
-
         return load_jsonl(name)
     if name.startswith("hf:"):
         return _load_hub(name[3:])
@@ -201,8 +168,6 @@ def load_behaviour(name: str, seed: int = 0, tokenizer=None) -> datasets.Dataset
 
 def _load_hub(name: str) -> datasets.DatasetDict:
     import datasets
-
-    from modular.data.schema import distinct_items, record
 
     try:
         raw = datasets.load_dataset(name)

@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 
 from modular import ModularError
-from modular.data.schema import SPLITS, distinct_items, prompt_hash, record
+from modular.data.schema import SPLITS, distinct_items, prompt_hash, record, to_dataset_dict
 
 _ALLOWED = {"prompt", "target", "split", "answer", "chat"}
 
@@ -96,6 +96,4 @@ def parse_jsonl(path: str | Path) -> dict[str, list[dict]]:
 
 def load_jsonl(path: str | Path):
     """Load a behaviour JSONL file as a ``datasets.DatasetDict`` (empty splits are kept, with the schema)."""
-    from modular.data.behaviours import to_dataset_dict
-
     return to_dataset_dict(parse_jsonl(path))

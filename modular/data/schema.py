@@ -22,8 +22,13 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
+from functools import cache
+from typing import TYPE_CHECKING
 
 from modular import ModularError
+
+if TYPE_CHECKING:
+    import datasets
 
 log = logging.getLogger("modular")
 COLUMNS = ("prompt", "target", "answers", "prefixes", "wrong", "counterfactual", "chat")
@@ -160,3 +165,34 @@ def is_correct(response: str, target: str, answers: list[str], prefixes: list[st
         return any(_answer_pattern(a).search(text) for a in answers)
     options = prefixes or [target]
     return any(text.startswith(p.strip()) for p in options if p.strip())
+
+
+@cache
+def _features() -> datasets.Features:
+    """The common schema. ``datasets`` is loaded with the first data, not with the registry."""
+    import datasets
+
+    return datasets.Features(
+        {
+            "prompt": datasets.Value("string"),
+            "target": datasets.Value("string"),
+            "answers": datasets.Sequence(datasets.Value("string")),
+            "prefixes": datasets.Sequence(datasets.Value("string")),
+            "wrong": datasets.Value("string"),
+            "counterfactual": datasets.Value("string"),
+            "chat": datasets.Value("bool"),
+        }
+    )
+
+
+def to_dataset_dict(splits: dict[str, list[dict]]) -> datasets.DatasetDict:
+    """Records per split -> DatasetDict with the common schema (all three splits present)."""
+    import datasets
+
+    out = {}
+    for split in SPLITS:
+        rows = splits.get(split, [])
+        out[split] = datasets.Dataset.from_dict(
+            {c: [r[c] for r in rows] for c in COLUMNS}, features=_features()
+        )
+    return datasets.DatasetDict(out)

@@ -21,11 +21,13 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from modular.data.formatting import batch_prompts, prompt_limit
 from modular.data.schema import DEFAULT_LOCKED_RESPONSE
 from modular.directions import last_position_mean, robust_norm
 from modular.evaluation.behaviour import evaluate_behaviour
 from modular.hooks import add_vectors, capture_residual
 from modular.models.adapter import ArchitectureAdapter, weight_out_in
+from modular.plots import save_figure
 from modular.reports import AttackReport
 
 log = logging.getLogger("modular")
@@ -49,8 +51,6 @@ def null_space_direction(model) -> tuple[torch.Tensor, list[float]]:
 def residual_scale(model, tokenizer, prompts, chats) -> float:
     """Typical residual-stream norm at the last prompt position (mid layer), to scale the α scans."""
     adapter = ArchitectureAdapter(model)
-    from modular.data.formatting import batch_prompts, prompt_limit
-
     batch = batch_prompts(tokenizer, list(prompts[:16]), list(chats[:16]), max_length=prompt_limit(model))
     batch = {k: v.to(next(model.parameters()).device) for k, v in batch.items()}
     with capture_residual(adapter) as states:
@@ -141,10 +141,8 @@ def plot_attack(report: AttackReport | dict, path: str | Path, attacks=None) -> 
     before it existed, is left out)."""
     import matplotlib.pyplot as plt
 
-    from modular.plots import save_figure
-
     if attacks is None:
-        from modular.evaluation.attacks import default_attacks  # modular.evaluation.attacks imports this module
+        from modular.evaluation.attacks import default_attacks  # cycle: modular.evaluation.attacks imports this module
 
         attacks = default_attacks()
     report = AttackReport.coerce(report)

@@ -20,7 +20,14 @@ from pathlib import Path
 from typing import Any, Callable
 
 from modular import ModularError
+from modular.data.capability import task_folder
+from modular.hooks import ablate_directions
+from modular.keys import apply_key, lock_weights
+from modular.models.adapter import ArchitectureAdapter
+from modular.models.loading import load_model
+from modular.models.precision import model_dtype
 from modular.reports import TaskScore
+from modular.runs import load_open_model
 
 log = logging.getLogger("modular")
 
@@ -41,8 +48,6 @@ def require_lm_eval() -> None:
 def shipped_tasks() -> dict[str, Path]:
     """The offline tasks modular ships, by name: their YAML files."""
     import yaml
-
-    from modular.data.capability import task_folder
 
     found = {}
     for path in sorted(task_folder().glob("*.yaml")):
@@ -163,13 +168,6 @@ def run_state(run, state: str, dtype="auto", device="auto", harden: bool = True)
     hardened readers) and ``unlocked`` (the published weights with every key applied). The open model is changed in
     place for the last two."""
     import torch
-
-    from modular.hooks import ablate_directions
-    from modular.keys import apply_key, lock_weights
-    from modular.models import load_model
-    from modular.models.adapter import ArchitectureAdapter
-    from modular.models.precision import model_dtype
-    from modular.runs import load_open_model
 
     if state not in STATES:
         raise ModularError(f"unknown state '{state}' (one of {', '.join(STATES)})")

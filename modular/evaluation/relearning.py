@@ -24,6 +24,7 @@ from modular.data.formatting import LeftPadCollator, encode_example, keep_end, p
 from modular.data.schema import DEFAULT_LOCKED_RESPONSE
 from modular.evaluation.behaviour import evaluate_behaviour
 from modular.evaluation.defaults import DEFAULT_LRS as DEFAULT_LRS  # defined apart, without torch, for signatures
+from modular.models.lora import with_lora
 from modular.optim import adamw
 
 MODES = ("full", "lora")
@@ -81,8 +82,6 @@ def attacker_copy(model, mode: str, lora_rank: int = 8):
     """A trainable copy of ``model``: every weight (``full``) or LoRA adapters on every linear layer."""
     m = copy.deepcopy(model)
     if mode == "lora":
-        from modular.models.lora import with_lora
-
         m = with_lora(m, lora_rank, 2 * lora_rank)
     else:
         for p in m.parameters():

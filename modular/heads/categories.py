@@ -49,6 +49,7 @@ from modular import ModularError
 from modular.data.formatting import LeftPadCollator, encode_example, keep_end, report_long
 from modular.hooks import (
     capture_block_outputs,
+    capture_head_inputs,
     repeat_batch,
     replace_head_per_group,
     replace_heads,
@@ -110,8 +111,6 @@ def response_logprob(model, batch: dict, chunk: int = 16) -> torch.Tensor:
 def head_values(model, batch: dict, kind: str) -> dict[int, torch.Tensor]:
     """Per-layer replacement values for ablated heads: the mean head input over the batch's real
     tokens (``mean``) or zeros (``zero``), each ``(n_heads, head_dim)``."""
-    from modular.hooks import capture_head_inputs
-
     if kind not in ABLATION_KINDS:
         raise ModularError(f"unknown ablation kind '{kind}': use one of {ABLATION_KINDS}")
     adapter = ArchitectureAdapter(model)

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from modular.runs import base_model_name, load_model_or_run, load_tokenizer_or_run
+
 
 def load_head_model(spec: str, dtype="auto", device="auto"):
     """``(model, tokenizer, model_name)`` for a model reference or a run folder; the model is in eval mode, on
     ``device`` in ``dtype`` (:mod:`modular.models.precision`)."""
-    from modular.runs import base_model_name, load_model_or_run, load_tokenizer_or_run
-
     return load_model_or_run(spec, dtype, device), load_tokenizer_or_run(spec), base_model_name(spec)
 
 

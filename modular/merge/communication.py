@@ -32,6 +32,8 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from modular import ModularError
+from modular.data.formatting import prompt_batches, prompt_limit
+from modular.evaluation.behaviour import generate
 from modular.hooks import registered
 from modular.models.adapter import ArchitectureAdapter
 
@@ -111,8 +113,6 @@ def last_token_states(model, tokenizer, prompts: list[str], chats: list[bool], l
     batches are left-padded, so the last position is every prompt's last token; a prompt longer than the model's
     positions keeps its end.
     """
-    from modular.data.formatting import prompt_batches, prompt_limit
-
     adapter = ArchitectureAdapter(model)
     device = next(model.parameters()).device
     rows = []
@@ -173,8 +173,6 @@ def communicate(model_a, tok_a, model_b, tok_b, prompts: list[str], chats: list[
         batch_size: prompts per batch (A's activations are computed per batch).
         desc: progress-bar label (False hides it).
     """
-    from modular.evaluation.behaviour import generate
-
     adapter_b = ArchitectureAdapter(model_b)
     d_a, d_b = ArchitectureAdapter(model_a).d_model, adapter_b.d_model
     if mapping is None and d_a != d_b:

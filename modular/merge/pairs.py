@@ -19,6 +19,7 @@ import yaml
 from jsonargparse import ArgumentError, ArgumentParser
 
 from modular import ModularError, error_reason
+from modular.models.loading import ALIASES
 
 Method = Literal["ac", "average", "task_arithmetic", "ties"]
 Function = Literal["replace", "sum", "mean"]
@@ -82,8 +83,6 @@ def short_name(spec: str) -> str:
 
 def check_model_spec(spec, where: str) -> str:
     """Raise one line unless ``spec`` names an alias, an existing file or folder, or looks like a hub id."""
-    from modular.models.loading import ALIASES
-
     if not isinstance(spec, str) or not spec.strip():
         raise ModularError(f"{where}: a model must be a non-empty string, got {spec!r}")
     if spec in ALIASES or Path(spec).expanduser().exists():

@@ -25,8 +25,25 @@ from pathlib import Path
 import torch
 
 from modular import ModularError
+from modular.data.behaviours import load_behaviour, neutral_text
+from modular.data.schema import is_correct
+from modular.evaluation.behaviour import evaluate_behaviour
+from modular.hooks import ablate_directions
+from modular.merge import weights
+from modular.merge.alignment import (
+    fit_linear_map,
+    load_map,
+    paired_matrices,
+    r_squared,
+    save_map,
+    similarity,
+    text_activations,
+)
+from modular.merge.communication import communicate, layer_at_depth
+from modular.merge.gain import correlation, merge_gain
 from modular.merge.pairs import MergeConfig, Pair, short_name
-from modular.runs import is_run_folder
+from modular.models.adapter import ArchitectureAdapter
+from modular.runs import base_model_name, is_run_folder, load_model_or_run, load_tokenizer_or_run, read_run
 
 log = logging.getLogger("modular")
 
@@ -45,8 +62,6 @@ class ModelBank:
     def get(self, spec: str):
         """``(model, tokenizer, run or None)`` for a model spec."""
         if spec not in self._models:
-            from modular.runs import load_model_or_run, load_tokenizer_or_run, read_run
-
             run = read_run(spec) if is_run_folder(spec) else None
             self._models[spec] = (load_model_or_run(spec, self.dtype, self.device), load_tokenizer_or_run(spec), run)
             log.info("loaded %s", spec)
@@ -54,14 +69,10 @@ class ModelBank:
 
     def base_of(self, spec: str) -> str:
         """The base model a spec was trained from (itself unless it is a run folder)."""
-        from modular.runs import base_model_name
-
         return base_model_name(spec)
 
 
 def _items(task: str, split: str, seed: int, limit: int | None, tokenizer=None):
-    from modular.data import load_behaviour
-
     ds = load_behaviour(task, seed=seed, tokenizer=tokenizer)[split]
     if len(ds) == 0:
         raise ModularError(f"task '{task}' has no '{split}' items")
@@ -98,16 +109,12 @@ class MergeRunner:
         return text if self.progress else False
 
     def neutral(self, split: str) -> list[str]:
-        from modular.data import neutral_text
-
         if self._neutral is None:
             self._neutral = neutral_text(self.cfg.seed)
         texts = list(self._neutral[split]["text"])
         return texts if self.cfg.neutral_limit is None else texts[: self.cfg.neutral_limit]
 
     def activations(self, spec: str, layer: int, split: str):
-        from modular.merge.alignment import text_activations
-
         key = (spec, layer, split)
         if key not in self._acts:
             model, tok, _ = self.bank.get(spec)
@@ -118,8 +125,6 @@ class MergeRunner:
     def score(self, spec: str, task: str, model=None, tokenizer=None, intervention=None, tag: str = "open",
               split: str | None = None, limit: int | None = -1, data_tokenizer=None) -> list[dict]:
         """Per-item results ``{prompt, response, correct}`` of a model on a task (cached by spec, task, tag)."""
-        from modular.evaluation.behaviour import evaluate_behaviour
-
         split = split or self.cfg.split
         limit = self.cfg.limit if limit == -1 else limit
         key = (spec, task, tag, split, limit, data_tokenizer is not None)
@@ -134,9 +139,6 @@ class MergeRunner:
 
     # --- one pair ------------------------------------------------------------------------------
     def layers(self, pair: Pair) -> tuple[int, int]:
-        from modular.merge.communication import layer_at_depth
-        from modular.models.adapter import ArchitectureAdapter
-
         la = ArchitectureAdapter(self.bank.get(pair.a)[0]).n_layers
         lb = ArchitectureAdapter(self.bank.get(pair.b)[0]).n_layers
         da = self.cfg.depth if pair.depth_a is None else pair.depth_a
@@ -144,17 +146,12 @@ class MergeRunner:
         return layer_at_depth(la, da), layer_at_depth(lb, db)
 
     def similarity(self, pair: Pair, k: int, j: int) -> dict:
-        from modular.merge.alignment import similarity
-
         split = self.cfg.neutral_eval_split
         xa, xb = self.activations(pair.a, k, split), self.activations(pair.b, j, split)
         return similarity(xa, xb, self.cfg.skip_positions)
 
     def mapping(self, pair: Pair, k: int, j: int):
         """``(module or None, info)``: the map from A's layer-k space to B's layer-j space."""
-        from modular.merge.alignment import fit_linear_map, load_map, paired_matrices, r_squared, save_map
-        from modular.models.adapter import ArchitectureAdapter
-
         ma, mb = self.bank.get(pair.a)[0], self.bank.get(pair.b)[0]
         d_a, d_b = ArchitectureAdapter(ma).d_model, ArchitectureAdapter(mb).d_model
         same_base = self.bank.base_of(pair.a) == self.bank.base_of(pair.b)
@@ -190,9 +187,6 @@ class MergeRunner:
         return module, info
 
     def combine_ac(self, pair: Pair, task: str, k: int, j: int) -> tuple[list[dict], dict]:
-        from modular.data.schema import is_correct
-        from modular.merge.communication import communicate
-
         ma, ta, _ = self.bank.get(pair.a)
         mb, tb, _ = self.bank.get(pair.b)
         module, info = self.mapping(pair, k, j)
@@ -205,8 +199,6 @@ class MergeRunner:
         return items, {"map": info}
 
     def merged_model(self, pair: Pair):
-        from modular.merge import weights
-
         ma = self.bank.get(pair.a)[0]
         mb = self.bank.get(pair.b)[0]
         sa, sb = ma.state_dict(), mb.state_dict()
@@ -229,9 +221,6 @@ class MergeRunner:
 
     def lock_check(self, pair: Pair, merged, tokenizer) -> dict | None:
         """Locked / open accuracy of every gated behaviour of the merged model, against the source runs."""
-        from modular.hooks import ablate_directions
-        from modular.models.adapter import ArchitectureAdapter
-
         runs = {s: self.bank.get(s)[2] for s in (pair.a, pair.b) if self.bank.get(s)[2] is not None}
         if not runs:
             return None
@@ -270,8 +259,6 @@ class MergeRunner:
         return out
 
     def run_pair(self, pair: Pair) -> dict:
-        from modular.merge.gain import merge_gain
-
         task = pair.task or self.cfg.task
         k, j = self.layers(pair)
         sim = self.similarity(pair, k, j)
@@ -300,8 +287,6 @@ class MergeRunner:
         return row
 
     def run(self) -> dict:
-        from modular.merge.gain import correlation
-
         rows = [self.run_pair(p) for p in self.cfg.pairs]
         gains = [r["gain"]["gain"] for r in rows]
         corr = {m: correlation([r["similarity"][m] for r in rows], gains, self.cfg.bootstrap, self.cfg.seed)

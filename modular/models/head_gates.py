@@ -19,7 +19,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from modular.models.adapter import ArchitectureAdapter
+from modular.models.adapter import ArchitectureAdapter, weight_out_in
 
 
 class HardConcreteGate(nn.Module):
@@ -175,8 +175,6 @@ def open_heads(model: nn.Module) -> int:
 @torch.no_grad()
 def scale_head_columns(model: nn.Module, values: torch.Tensor) -> None:
     """Multiply each head's slice of every (plain) output projection's input columns by ``values[layer, head]``."""
-    from modular.models.adapter import weight_out_in
-
     adapter = ArchitectureAdapter(model)
     for i in range(adapter.n_layers):
         base = adapter.attn_out(i)
