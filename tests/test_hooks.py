@@ -252,14 +252,14 @@ def test_edit_writes_edits_every_write_site_once_and_cleans_up(tiny_model, token
 def test_one_basis_per_lock_for_writes_without_a_post_norm(arch, tokens, monkeypatch):
     """The write sites without a post-sublayer norm share one orthonormal basis per context (computed on entry,
     not once per write), sites with one (OLMo2) get their own; one direction needs no QR solver."""
-    import modular.hooks as hooks
+    import modular.hooks.ablation as ablation
 
     model = make_tiny_model(arch)
     adapter = ArchitectureAdapter(model)
     u = _unit(D, k=2)
     calls, qr = [], []
-    orthonormal, linalg_qr = hooks._orthonormal, torch.linalg.qr
-    monkeypatch.setattr(hooks, "_orthonormal", lambda d: (calls.append(d.shape[0]), orthonormal(d))[1])
+    orthonormal, linalg_qr = ablation._orthonormal, torch.linalg.qr
+    monkeypatch.setattr(ablation, "_orthonormal", lambda d: (calls.append(d.shape[0]), orthonormal(d))[1])
     monkeypatch.setattr(torch.linalg, "qr", lambda *a, **k: (qr.append(1), linalg_qr(*a, **k))[1])
     own = sum(site.post_norm is not None for site in adapter.write_sites())
     with ablate_directions(adapter, u), ablate_rows(adapter, [(torch.tensor([True, False]), u[:1])]):
@@ -274,7 +274,7 @@ def test_one_basis_per_lock_for_writes_without_a_post_norm(arch, tokens, monkeyp
 def test_one_direction_projection_has_the_formula_s_gradients(masked):
     """The one-direction projection (a function of its own, whose backward is the same projection) gives the plain
     formula's value, gradient and second-order gradient."""
-    from modular.hooks import _project_out
+    from modular.hooks.ablation import _project_out
 
     torch.manual_seed(0)
     x = torch.randn(3, 4, 6, dtype=torch.float64, requires_grad=True)

@@ -108,7 +108,7 @@ def test_bf16_bit_exact_key_is_small_and_a_one_ulp_key_smaller(tmp_path):
 
 
 def test_grid_order_counts_steps_and_round_trips_every_16_bit_pattern():
-    from modular.keys import _from_grid_order, _grid_order
+    from modular.keys.grid import _from_grid_order, _grid_order
 
     for dtype in (torch.bfloat16, torch.float16):
         bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
@@ -131,7 +131,7 @@ def test_grid_order_counts_steps_and_round_trips_every_16_bit_pattern():
 
 def test_a_residual_stream_for_other_weights_is_refused():
     from modular import ModularError
-    from modular.keys import _decode_residual, _encode_residual
+    from modular.keys.grid import _decode_residual, _encode_residual
 
     stream = _encode_residual(torch.tensor([0, 1, -1, 70000, -65535]))
     assert torch.equal(_decode_residual(stream, 5) % 2**16, torch.tensor([0, 1, -1, 70000, -65535]) % 2**16)
@@ -207,7 +207,8 @@ def _locked_by(keys: dict, model) -> None:
     """Lock ``model`` with the keys' own components, as :func:`lock_weights` subtracts them (each parameter: every
     behaviour's component in key order, in float64, rounded once each). Recomputing the components instead would
     tie the fixture to one machine: their float64 products and QR directions differ in the last bits elsewhere."""
-    from modular.keys import _apply_component, untie_embeddings
+    from modular.keys import untie_embeddings
+    from modular.keys.key import _apply_component
 
     untie_embeddings(model)
     params = dict(model.named_parameters())
@@ -242,7 +243,7 @@ def test_modular_key_3_and_4_files_still_unlock_the_weights_they_were_made_for(v
 
 
 def test_corrections_pack_into_uint16_gaps_and_the_narrowest_exact_dtype():
-    from modular.keys import MAX_GAP, _pack_fix, _unpack_fix
+    from modular.keys.keyfile import MAX_GAP, _pack_fix, _unpack_fix
 
     # gaps of one, of exactly MAX_GAP, of a multiple of it and longer
     index = torch.tensor([0, 5, 5 + MAX_GAP, 5 + 3 * MAX_GAP, 5 + 4 * MAX_GAP + 7, 10**9])

@@ -15,10 +15,6 @@ CYCLE_TAG = "# cycle:"
 #: and files, relative to the repository root. Empty it as they are done.
 EXCLUDED = (
     "modular/app",
-    "modular/gating",
-    "modular/keys.py",
-    "modular/hooks.py",
-    "modular/models/loading.py",
 )
 
 

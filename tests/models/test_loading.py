@@ -71,7 +71,7 @@ def test_truncated_run_checkpoint_is_one_line(tmp_path):
 
 def test_gguf_conversion_cache_is_named_by_content(tmp_path, isolated_cache):
     """The same GGUF file in two environments (two clones' .venv) shares one conversion; other bytes do not."""
-    from modular.models.loading import _gguf_cache_folder
+    from modular.models.cache import _gguf_cache_folder
 
     a, b, c = (tmp_path / d / "m.gguf" for d in ("one", "two", "three"))
     for path, content in ((a, b"same bytes"), (b, b"same bytes"), (c, b"other bytes")):
@@ -88,7 +88,7 @@ def test_a_conversion_another_process_finished_first_is_kept(tmp_path, isolated_
     rename comes second finds the folder in place, keeps it and removes its own copy; no traceback, no leftovers."""
     import transformers
 
-    from modular.models import loading
+    from modular.models import resolve
     from tests.conftest import make_tiny_model, make_tiny_tokenizer
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: make_tiny_model("llama"))
@@ -104,7 +104,7 @@ def test_a_conversion_another_process_finished_first_is_kept(tmp_path, isolated_
         replace(src, dst)
 
     monkeypatch.setattr(os, "replace", the_other_process_first)
-    loading._convert_gguf(gguf, out)
+    resolve._convert_gguf(gguf, out)
     assert [p.name for p in out.parent.iterdir()] == [out.name]  # the temporary copy removed
     assert not (out / "SOURCE").exists()  # the other process's folder, kept as it was
 
@@ -166,7 +166,7 @@ def test_a_models_fingerprint_is_its_content(tmp_path, isolated_cache):
     """Two copies of one model (a second clone's, a published folder) share a fingerprint, whatever their paths;
     other weights, tokenizer, chat template or config at the same path do not: a reference computed from the old
     files must not be read back for the new ones."""
-    from modular.models.loading import model_fingerprint
+    from modular.models.resolve import model_fingerprint
 
     a = save_tiny_folder(tmp_path / "a")
     b = shutil.copytree(a, tmp_path / "another" / "clone" / "b")
@@ -184,55 +184,57 @@ def test_a_models_fingerprint_is_its_content(tmp_path, isolated_cache):
 def test_file_digests_are_kept_on_disk_while_size_and_times_stay(tmp_path, isolated_cache, monkeypatch):
     """A large model is hashed once per file, not once per run: the digests are kept in the cache by absolute path,
     size and times, and a file whose size or time changed is hashed again (alone)."""
-    import modular.models.loading as loading
+    import modular.models.cache as cache
+    from modular.models.resolve import model_fingerprint
 
     folder = _settled(save_tiny_folder(tmp_path / "m"))
     hashed = []
-    sha256 = loading._sha256
-    monkeypatch.setattr(loading, "_sha256", lambda path: hashed.append(Path(path).name) or sha256(path))
-    first = loading.model_fingerprint(folder)
+    sha256 = cache._sha256
+    monkeypatch.setattr(cache, "_sha256", lambda path: hashed.append(Path(path).name) or sha256(path))
+    first = model_fingerprint(folder)
     assert "model.safetensors" in hashed and "config.json" in hashed
     index = json.loads((isolated_cache / "digests.json").read_text())
     assert str((folder / "model.safetensors").resolve()) in index
     hashed.clear()
-    assert loading.model_fingerprint(folder) == first and hashed == []  # read from disk: no file read again
+    assert model_fingerprint(folder) == first and hashed == []  # read from disk: no file read again
 
     weights = folder / "model.safetensors"
     st = weights.stat()
     os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # a new time, the same bytes
-    assert loading.model_fingerprint(folder) == first and hashed == ["model.safetensors"]
+    assert model_fingerprint(folder) == first and hashed == ["model.safetensors"]
     hashed.clear()
-    assert loading.model_fingerprint(folder) == first and hashed == []
+    assert model_fingerprint(folder) == first and hashed == []
     st = weights.stat()
     time.sleep(0.05)  # past the file system's time resolution
     _flip_last_byte(weights)  # the same size, its old time restored (cp -p, rsync -t): its change time tells
     os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert weights.stat().st_size == st.st_size and weights.stat().st_mtime_ns == st.st_mtime_ns
-    second = loading.model_fingerprint(folder)
+    second = model_fingerprint(folder)
     assert second != first and hashed == ["model.safetensors"]
     hashed.clear()
     weights.write_bytes(weights.read_bytes() + b"\0")  # another size, its old time restored
     os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
-    assert loading.model_fingerprint(folder) not in (first, second) and hashed == ["model.safetensors"]
+    assert model_fingerprint(folder) not in (first, second) and hashed == ["model.safetensors"]
 
     (isolated_cache / "digests.json").write_text("{not json")  # a damaged memo is rebuilt, not a traceback
     hashed.clear()
-    third = loading.model_fingerprint(folder)
-    assert "model.safetensors" in hashed and loading.model_fingerprint(folder) == third
+    third = model_fingerprint(folder)
+    assert "model.safetensors" in hashed and model_fingerprint(folder) == third
     assert str(weights.resolve()) in json.loads((isolated_cache / "digests.json").read_text())
 
 
 def test_a_file_written_a_moment_ago_is_not_memoised(tmp_path, isolated_cache, monkeypatch):
     """Rewritten within its time's resolution, a file could keep its size and time: its digest is kept only once
     its time is past."""
-    import modular.models.loading as loading
+    import modular.models.cache as cache
+    from modular.models.resolve import model_fingerprint
 
     folder = save_tiny_folder(tmp_path / "m")
     hashed = []
-    sha256 = loading._sha256
-    monkeypatch.setattr(loading, "_sha256", lambda path: hashed.append(Path(path).name) or sha256(path))
-    loading.model_fingerprint(folder)
-    loading.model_fingerprint(folder)
+    sha256 = cache._sha256
+    monkeypatch.setattr(cache, "_sha256", lambda path: hashed.append(Path(path).name) or sha256(path))
+    model_fingerprint(folder)
+    model_fingerprint(folder)
     assert hashed.count("model.safetensors") == 2
 
 
@@ -240,27 +242,28 @@ def test_a_gguf_conversion_is_keyed_by_the_gguf_files_digest(tmp_path, monkeypat
     """The conversion folder of a built-in alias or a .gguf file is named by the GGUF file's SHA-256: its fingerprint
     is that digest, whatever the cache's path ($MODULAR_CACHE) or the venv the GGUF file is installed in, and its
     files are not hashed again. A folder of the same name elsewhere is hashed like any other."""
-    import modular.models.loading as loading
+    import modular.models.cache as cache
+    from modular.models.resolve import model_fingerprint
 
     hashed = []
-    sha256 = loading._sha256
-    monkeypatch.setattr(loading, "_sha256", lambda path: hashed.append(Path(path).name) or sha256(path))
+    sha256 = cache._sha256
+    monkeypatch.setattr(cache, "_sha256", lambda path: hashed.append(Path(path).name) or sha256(path))
     fingerprints = []
     for n, alias in enumerate(("smollm2-135m-instruct", "SmolLM2-135M-Instruct.Q4_1")):
         monkeypatch.setenv("MODULAR_CACHE", str(tmp_path / f"cache{n}"))
         gguf = tmp_path / f"venv{n}" / "site-packages" / "x.gguf"
         gguf.parent.mkdir(parents=True)
         gguf.write_bytes(b"the same GGUF bytes")
-        folder = loading._gguf_cache_folder(gguf, alias)
+        folder = cache._gguf_cache_folder(gguf, alias)
         save_tiny_folder(folder, seed=n)  # a stand-in for the conversion: other weights, to show they are not read
         (folder / "SOURCE").write_text(f"{gguf}\n")
         hashed.clear()
-        fingerprints.append(loading.model_fingerprint(str(folder)))
+        fingerprints.append(model_fingerprint(str(folder)))
         assert hashed == []
     digest = hashlib.sha256(b"the same GGUF bytes").hexdigest()
     assert fingerprints[0] == fingerprints[1] and digest[:12] in fingerprints[0]
     elsewhere = shutil.copytree(folder, tmp_path / "copied" / folder.name)
-    assert loading.model_fingerprint(elsewhere) != fingerprints[0] and "model.safetensors" in hashed
+    assert model_fingerprint(elsewhere) != fingerprints[0] and "model.safetensors" in hashed
 
 
 def test_a_hub_ids_fingerprint_is_the_id_and_its_cached_revision(tmp_path, monkeypatch):
@@ -268,7 +271,7 @@ def test_a_hub_ids_fingerprint_is_the_id_and_its_cached_revision(tmp_path, monke
     it holds one (read offline)."""
     from huggingface_hub import constants
 
-    from modular.models.loading import model_fingerprint
+    from modular.models.resolve import model_fingerprint
 
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     assert model_fingerprint("org/model") == "hub:org/model"
@@ -287,7 +290,7 @@ def test_hub_origin_is_each_aliases_hub_model_and_licence_and_what_a_reference_n
     cache snapshot's model; nothing where nothing names a hub model."""
     from huggingface_hub import constants
 
-    from modular.models.loading import ALIASES, HubOrigin, hub_origin
+    from modular.models.aliases import ALIASES, HubOrigin, hub_origin
 
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     assert hub_origin("smollm2-135m-instruct") == HubOrigin("HuggingFaceTB/SmolLM2-135M-Instruct", "apache-2.0")
