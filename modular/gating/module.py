@@ -39,6 +39,7 @@ from modular.gating.step import StepRunner
 from modular.hooks import ablate_directions, enable_checkpointing
 from modular.models import empty_model, load_model
 from modular.models.adapter import ArchitectureAdapter
+from modular.models.compiled import compile_blocks
 from modular.models.lora import with_lora
 from modular.optim import adamw
 from modular.runs import DIRECTIONS, read_directions
@@ -70,6 +71,9 @@ def check_model_options(options) -> dict:
     if groups["head_gates"] is not None and groups["memory"].gradient_checkpointing:
         # the gates' scopes are module state, not hooks: a recomputed block would not see them
         raise ModularError("model.memory.gradient_checkpointing is not available with head_gates")
+    memory = groups["memory"]
+    if memory.compile and (groups["head_gates"] is not None or memory.gradient_checkpointing):
+        raise ModularError("model.memory.compile is not available with head_gates or gradient_checkpointing")
     return groups
 
 
@@ -165,6 +169,8 @@ class GatedLM(L.LightningModule):
             self.head_gates.install(self.hf_model)
         if self.memory_options.gradient_checkpointing:
             enable_checkpointing(self.hf_model)
+        if self.memory_options.compile:  # each block's forward, compiled on its first call
+            compile_blocks(self.adapter, self.memory_options.compile)
         for term in self.objectives:
             term.check_model(self.hf_model)
         d = ArchitectureAdapter(self.hf_model).d_model

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields, is_dataclass
 
 from modular import ModularError
+from modular.models.compiled import check_backend
 
 
 def check_ranges(group: str, options, ranges: dict[str, tuple[float, bool]]) -> None:
@@ -138,7 +139,7 @@ class SteeringOptions:
 
 @dataclass(frozen=True)
 class MemoryOptions:
-    """Memory for large models (``model.memory``).
+    """Memory and speed for large models (``model.memory``).
 
     Args:
         gradient_checkpointing: Recompute each block in the backward pass instead of keeping its activations (less
@@ -150,7 +151,16 @@ class MemoryOptions:
             one's weights. Host memory for one copy of the model instead of one per process, for models that do not
             fit several times. Refused under other strategies with several processes. A single process reads the
             weights as without it.
+        compile: A ``torch.compile`` backend for each transformer block's forward (regional compilation,
+            :mod:`modular.models.compiled`): ``inductor`` (compiled kernels: fewer, fused launches on a GPU, where a
+            gated step is bound by the host), ``aot_eager`` (traced, run eagerly: checks a trace without a compiler);
+            null: eager. The first steps compile (and recompile once for dynamic sequence lengths). Not available with
+            head gates or gradient checkpointing.
     """
 
     gradient_checkpointing: bool = False
     empty_init: bool = False
+    compile: str | None = None
+
+    def __post_init__(self) -> None:
+        check_backend(self.compile)
