@@ -85,14 +85,16 @@ def plain_loss(model, plain_batches) -> torch.Tensor:
     return loss
 
 
-def gated_module(folder, mode: str, precision: str, device: torch.device):
+def gated_module(folder, mode: str, precision: str, device: torch.device, compile: str | None = None):
     """``(module, tokenizer)``: a GatedLM of the model in ``folder`` (``mode``: full or lora) with a random unit
-    direction, on ``device`` in training mode, ready for ``model_step`` outside a Trainer."""
+    direction, on ``device`` in training mode, ready for ``model_step`` outside a Trainer (``compile``: a
+    torch.compile backend for its blocks, ``model.memory.compile``; the plain step runs the same compiled blocks)."""
     from modular.gating.module import GatedLM
     from modular.models import load_tokenizer
 
     torch.manual_seed(0)
-    module = GatedLM(model_name=str(folder), finetuning={"mode": mode}, load_dtype=precision)
+    module = GatedLM(model_name=str(folder), finetuning={"mode": mode}, load_dtype=precision,
+                     memory={"compile": compile})
     tok = load_tokenizer(str(folder))
     attach_tokenizer(module, tok)
     module.directions.copy_(torch.nn.functional.normalize(torch.randn_like(module.directions), dim=-1))

@@ -14,8 +14,8 @@ On a GPU two more readings tell a step bound by host work from one bound by the 
     the device (each such wait stops the host from queueing work ahead of the device).
 
 Usage: python benchmarks/step_time.py [--sizes 135M] [--modes full lora] [--batch_sizes 8] [--repeats 12]
-       [--device auto] [--precision auto] [--tokenizer ALIAS_OR_FOLDER] [--models DIR] [--profile] [--sync_check]
-       [--out outputs/benchmarks]
+       [--device auto] [--precision auto] [--tokenizer ALIAS_OR_FOLDER] [--models DIR] [--compile inductor]
+       [--peak_tflops 989] [--profile] [--sync_check] [--out outputs/benchmarks]
 Writes step_time.json (one row per size, mode and batch).
 """
 
@@ -68,7 +68,8 @@ def sync_points(step) -> list[str]:
 def measure(folder: Path, mode: str, batch_sizes: list[int], args, device: torch.device) -> list[dict]:
     from common import gated_module, to_device, training_batch, training_step
 
-    module, tok = gated_module(folder, mode, args.precision, device)
+    module, tok = gated_module(folder, mode, args.precision, device, args.compile)
+    n_params = sum(p.numel() for p in module.model.parameters())
     opt = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-5)
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -78,8 +79,12 @@ def measure(folder: Path, mode: str, batch_sizes: list[int], args, device: torch
         batch, plain_batches = to_device(batch, device), to_device(plain_batches, device)
 
         steps = {kind: training_step(module, opt, kind, batch, plain_batches) for kind in ("plain", "gated")}
-        for run in (*steps.values(), *steps.values()):  # warm-up: the optimiser's state, kernels chosen
+        t = time.perf_counter()
+        for run in (*steps.values(), *steps.values()):  # warm-up: the optimiser's state, kernels chosen (compiled)
             run()
+        sync()
+        warmup_s = time.perf_counter() - t
+        tokens = sum(b["input_ids"].numel() for b in plain_batches)  # the examples' tokens, padding included
         sync()
         times = {"plain": [], "gated": []}
         for _ in range(args.repeats):
@@ -89,8 +94,14 @@ def measure(folder: Path, mode: str, batch_sizes: list[int], args, device: torch
                 sync()
                 times[kind].append(time.perf_counter() - t)
         plain_q, gated_q = quartiles(times["plain"]), quartiles(times["gated"])
-        row = {"mode": mode, "batch_size": batch_size, "plain_s": plain_q, "gated_s": gated_q,
-               "time_ratio": gated_q[1] / plain_q[1], "times_s": times}
+        row = {"mode": mode, "batch_size": batch_size, "compile": args.compile, "plain_s": plain_q, "gated_s": gated_q,
+               "time_ratio": gated_q[1] / plain_q[1], "warmup_s": warmup_s, "parameters": n_params, "tokens": tokens,
+               "times_s": times}
+        # the useful work of a training step, 6 · parameters · tokens (forward and backward), against the card's
+        # dense bf16 rate: the share of the device a step uses
+        for kind, q in (("plain", plain_q), ("gated", gated_q)):
+            row[f"{kind}_tflops"] = 6 * n_params * tokens / q[1] / 1e12
+            row[f"{kind}_share_of_peak"] = row[f"{kind}_tflops"] / args.peak_tflops
         if cuda and args.profile:
             row["profile"] = {kind: profile_step(run, device) for kind, run in steps.items()}
         if cuda and args.sync_check:
@@ -117,6 +128,10 @@ def main() -> None:
                     "built-in alias (default) or any folder or hub id that holds it")
     ap.add_argument("--models", default=None, help="folder for the random-initialised models (default: a temporary "
                     "folder)")
+    ap.add_argument("--compile", default=None, choices=["inductor", "aot_eager"],
+                    help="a torch.compile backend for every block (model.memory.compile; both steps run it)")
+    ap.add_argument("--peak_tflops", type=float, default=989.0,
+                    help="the device's dense bf16 rate in TFLOP/s (989: H100 and H200 SXM), for the share of it used")
     ap.add_argument("--profile", action="store_true", help="GPU: kernels and device busy time of one step of each kind")
     ap.add_argument("--sync_check", action="store_true", help="GPU: where a step made the host wait for the device")
     ap.add_argument("--out", default="outputs/benchmarks", help="output folder")
@@ -133,7 +148,7 @@ def main() -> None:
     root = Path(args.models) if args.models else Path(tempfile.mkdtemp(prefix="modular-steps-"))
     report = {"device": str(device), "device_name": torch.cuda.get_device_name(device) if device.type == "cuda"
               else "cpu", "precision": args.precision, "repeats": args.repeats, "lm_length": args.lm_length,
-              "torch": torch.__version__, "results": []}
+              "torch": torch.__version__, "compile": args.compile, "peak_tflops": args.peak_tflops, "results": []}
     for size in args.sizes:
         folder = build_folder(size, root, PRECISIONS[args.precision], args.tokenizer)
         for mode in args.modes:
@@ -155,7 +170,8 @@ def main() -> None:
                     extra += f"  waits plain {len(row['syncs']['plain'])} gated {len(row['syncs']['gated'])}"
                 print(f"{size:>5} {mode:<4} b{row['batch_size']:<3} plain {p[1] * 1e3:7.1f} ms "
                       f"({p[0] * 1e3:.0f}-{p[2] * 1e3:.0f})  gated {g[1] * 1e3:7.1f} ms ({g[0] * 1e3:.0f}-"
-                      f"{g[2] * 1e3:.0f})  ×{row['time_ratio']:.3f}{extra}", flush=True)
+                      f"{g[2] * 1e3:.0f})  ×{row['time_ratio']:.3f}  {row['plain_tflops']:.0f} / "
+                      f"{row['gated_tflops']:.0f} TFLOP/s{extra}", flush=True)
                 if "syncs" in row:
                     print("      gated waits at: " + json.dumps(sorted(set(row["syncs"]["gated"]))), flush=True)
     print(f"wrote {Path(args.out) / 'step_time.json'}")

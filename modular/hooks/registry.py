@@ -10,6 +10,8 @@ from typing import Callable, Iterable, Iterator
 import torch
 from torch import nn
 
+from modular.models.compiled import any_compiled
+
 #: the intervention hooks registered now (through :func:`registered`), in order: what a recomputed block must see
 _ACTIVE: list[tuple[nn.Module, str, Callable]] = []
 
@@ -17,6 +19,8 @@ _ACTIVE: list[tuple[nn.Module, str, Callable]] = []
 def _register(hooks: Iterable[tuple[nn.Module, str, Callable]]) -> list:
     handles = []
     for module, kind, fn in hooks:
+        if any_compiled():  # run as Python, never traced: in a compiled block the hook's own state (its bases,
+            fn = torch.compiler.disable(fn)  # masks and caches, new every step) would be guarded and recompile
         if kind == "forward":
             handles.append(module.register_forward_hook(fn))
         elif kind == "pre":
