@@ -5,6 +5,7 @@ which behaviours are locked and by which key file, and the numbers of the lock r
 from __future__ import annotations
 
 from modular.keys import KEY_SUFFIX
+from modular.lock_kind import LockKind, lock_kinds
 from modular.models.loading import HubOrigin, hub_origin
 from modular.reports import HeldOut, LockReport
 
@@ -24,11 +25,13 @@ def card_data(base: str, origin: HubOrigin | None = None):
 
 def model_card(behaviours: list[str], base: str, measured: LockReport | dict | None, hardened: bool,
                step: int | None = None, lock_check: dict | None = None, dtype: str | None = None,
-               origin: HubOrigin | None = None) -> str:
+               origin: HubOrigin | None = None, kinds: dict[str, LockKind] | None = None) -> str:
     """The published folder's ``README.md``: front matter the hub reads (:func:`card_data`; ``origin``: where the
     base model comes from, default read from ``base``), which behaviours are locked, that the keys are distributed
     apart (by file name, never a path), warnings where the lock was not verified or did not hold, and the measured
-    numbers (``measured``, a lock report: a :class:`~modular.reports.LockReport`, or its JSON)."""
+    numbers (``measured``, a lock report: a :class:`~modular.reports.LockReport`, or its JSON), and what kind of
+    lock each is (``kinds``, default: :func:`~modular.lock_kind.lock_kinds` of the lock report alone: what it
+    measured, and what it did not)."""
     from huggingface_hub import ModelCard
 
     measured = LockReport.coerce(measured) if measured else None
@@ -56,6 +59,8 @@ def model_card(behaviours: list[str], base: str, measured: LockReport | dict | N
     lines += ["", "**The keys are not part of this folder.** They are distributed apart from these weights, by the",
               "publisher, to whoever may unlock a behaviour. With a key:",
               "`modular unlock --model <this folder> --key <key file> --out <folder>`.", ""]
+    kinds = kinds if kinds is not None else lock_kinds(measured) if measured is not None else {}
+    lines += _kinds_section(kinds, behaviours)
     if step is not None:
         lines += [f"Trained weights: step {step} of the training run.", ""]
     if dtype == "float32":
@@ -67,6 +72,27 @@ def model_card(behaviours: list[str], base: str, measured: LockReport | dict | N
         lines += _measured(measured, behaviours, held_out)
     front = card_data(base, origin).to_yaml()
     return str(ModelCard(f"---\n{front}\n---\n\n" + "\n".join(lines)))
+
+
+KINDS_HEADING = "## What the lock is"
+
+
+def _kinds_section(kinds: dict[str, LockKind], behaviours: list[str]) -> list[str]:
+    if not kinds:
+        return []
+    return [KINDS_HEADING, ""] + [f"- {kinds[b].text()}" for b in behaviours if b in kinds] + [""]
+
+
+def with_lock_kinds(card: str, kinds: dict[str, LockKind], behaviours: list[str]) -> str:
+    """``card`` (a card :func:`model_card` wrote) with its section on what the lock is replaced by ``kinds``'s (e.g.
+    once the published model was attacked), or added after the behaviours' table where it has none."""
+    section = "\n".join(_kinds_section(kinds, behaviours))
+    start = card.find(KINDS_HEADING)
+    if start >= 0:
+        end = card.find("\n\n", card.find("\n\n", start) + 2)  # the heading's blank line, then the list's end
+        return card[:start] + section.rstrip("\n") + card[end if end >= 0 else len(card):]
+    anchor = card.find("**The keys are not part of this folder.**")
+    return card if anchor < 0 else card[:anchor] + section + "\n" + card[anchor:]
 
 
 def _measured(measured: LockReport, behaviours: list[str], held_out: HeldOut | None) -> list[str]:

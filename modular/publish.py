@@ -36,8 +36,9 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from modular import ModularError, error_reason
-from modular.card import model_card
+from modular.card import model_card, with_lock_kinds
 from modular.files import (
+    atomic_path,
     disk_full_error,
     is_disk_full,
     match_folder_mode,
@@ -433,3 +434,21 @@ def push_folder(folder: str | Path, repo_id: str, private: bool = False) -> str:
         except Exception as err:  # noqa: BLE001 - the hub's HTTP errors, no network, a refused token: one line
             raise ModularError(f"uploading {folder} to {repo_id} failed: {error_reason(err)}") from None
     return str(getattr(commit, "commit_url", None) or f"https://huggingface.co/{repo_id}")
+
+
+def record_lock_kinds(folder: str | Path, kinds: dict) -> None:
+    """Write what kind of lock each behaviour of the published ``folder`` is (``kinds``:
+    :func:`~modular.lock_kind.lock_kinds`, from the run's reports) into its card and its manifest, each file replaced
+    whole."""
+    folder = Path(folder)
+    manifest = json.loads((folder / MANIFEST).read_text())
+    behaviours = list(manifest.get("locked_behaviours", kinds))
+    manifest["lock_kinds"] = {b: k.to_json() for b, k in kinds.items()}
+    card = folder / "README.md"
+    text = with_lock_kinds(card.read_text(), kinds, behaviours) if card.is_file() else None
+    with atomic_path(folder / MANIFEST) as tmp:
+        tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+    if text is not None:
+        with atomic_path(card) as tmp:
+            tmp.write_text(text)
+
