@@ -106,6 +106,14 @@ def _measured(measured: LockReport, behaviours: list[str], held_out: HeldOut | N
         accs = " | ".join(f"{row.behaviours[b].accuracy:.3f}" for b in behaviours)
         lines.append(f"| {state} | {accs} | {row.retain_first_token_kl:.4f} | {row.perplexity_ratio:.3f} |")
     lines.append("")
+    paraphrases = list(next(iter(measured.states.values())).paraphrases) if measured.states else []
+    if paraphrases:
+        lines += ["The same behaviours asked in other wordings, other question forms and other languages (held-out "
+                  "paraphrase sets, never trained or tuned on; the base model's accuracy is the bar):", "",
+                  "| state | " + " | ".join(paraphrases) + " |", "|---|" + "---|" * len(paraphrases)]
+        lines += [f"| {state} | " + " | ".join(f"{row.paraphrases[k].accuracy:.3f}" if k in row.paraphrases else "-"
+                                               for k in paraphrases) + " |" for state, row in measured.states.items()]
+        lines.append("")
     if held_out is not None and held_out.targets is not None:
         t = held_out.targets
         lines += [f"{'The lock does not hold' if not_held else 'The lock holds'} on these items by the targets "

@@ -129,8 +129,9 @@ class Score:
 @dataclass
 class StateRow:
     """Everything measured in one state: the gated behaviours', their neighbours' and the far behaviours' scores,
-    the retain first-token KL to base, the share of retain answers that are a locked response, the neutral text's
-    perplexity and its ratio to base's."""
+    the gated behaviours' held-out paraphrase sets (``paraphrases``, by ``<behaviour>/<set>``:
+    :mod:`modular.data.paraphrases`), the retain first-token KL to base, the share of retain answers that are a
+    locked response, the neutral text's perplexity and its ratio to base's."""
 
     behaviours: dict[str, Score] = field(default_factory=dict)
     neighbours: dict[str, Score] = field(default_factory=dict)
@@ -139,17 +140,20 @@ class StateRow:
     retain_refusal_rate: float | None = None
     perplexity: float | None = None
     perplexity_ratio: float | None = None
+    paraphrases: dict[str, Score] = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, data: dict) -> StateRow:
         return _parse("state row", lambda d: cls(
             _scores(d.get("behaviours")), _scores(d.get("neighbours")), _scores(d.get("others")),
             d.get("retain_first_token_kl"), d.get("retain_refusal_rate"), d.get("perplexity"),
-            d.get("perplexity_ratio")), data)
+            d.get("perplexity_ratio"), _scores(d.get("paraphrases"))), data)
 
     def to_json(self) -> dict:
         groups = {g: {k: v.to_json() for k, v in getattr(self, g).items()}
                   for g in ("behaviours", "neighbours", "others")}
+        if self.paraphrases:  # reports written before they were measured have none
+            groups["paraphrases"] = {k: v.to_json() for k, v in self.paraphrases.items()}
         return groups | _present({"retain_first_token_kl": self.retain_first_token_kl,
                                   "retain_refusal_rate": self.retain_refusal_rate, "perplexity": self.perplexity,
                                   "perplexity_ratio": self.perplexity_ratio})

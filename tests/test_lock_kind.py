@@ -84,3 +84,14 @@ def test_the_card_and_manifest_take_the_kinds_once_measured(lock, tmp_path):
         card.replace(card[card.find(KINDS_HEADING):card.find("## Measured")], "")  # the rest as it was
     manifest = json.loads((folder / "modular.json").read_text())
     assert manifest["lock_kinds"]["capitals"]["kind"] == "switch" and manifest["lock_kinds"]["capitals"]["relearn_steps"] == 1
+
+
+def test_the_card_shows_the_paraphrase_sets_beside_the_test_split(lock):
+    from modular.card import model_card
+
+    with_sets = copy.deepcopy(lock)
+    for state, row in with_sets["states"].items():
+        row["paraphrases"] = {"capitals/french": {"accuracy": 0.25 if state == "base" else 0.125, "n": 8}}
+    card = model_card(["capitals"], "smollm2-135m-instruct", with_sets, hardened=True)
+    assert "| state | capitals/french |" in card and "| base | 0.250 |" in card and "| locked | 0.125 |" in card
+    assert "capitals/french" not in model_card(["capitals"], "smollm2-135m-instruct", lock, hardened=True)

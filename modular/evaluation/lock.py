@@ -16,7 +16,8 @@ import torch
 
 from modular.data import BEHAVIOURS, load_behaviour, neutral_text, retain_data
 from modular.data.behaviours import NEIGHBOUR_BEHAVIOURS
-from modular.data.schema import all_refusals, is_refusal
+from modular.data.paraphrases import paraphrase_sets
+from modular.data.schema import all_refusals, is_refusal, to_dataset_dict
 from modular.evaluation.behaviour import evaluate_behaviour, generate, last_logits
 from modular.evaluation.capability import capability_row
 from modular.evaluation.defaults import NEIGHBOUR_TOLERANCE  # defined apart, without torch, for signatures
@@ -98,7 +99,7 @@ def lock_report(base, open_model, tokenizer, directions: dict[str, torch.Tensor]
                 sources: dict[str, str] | None = None, locked_responses: dict[str, str] | None = None,
                 neighbours: dict[str, str] | None = None, trained_neighbours: list[str] = (),
                 batch_size: int = 16, neighbour_tolerance: float = NEIGHBOUR_TOLERANCE, capability=None,
-                capability_limit: int | None = None) -> LockReport:
+                capability_limit: int | None = None, paraphrases: bool = True) -> LockReport:
     """Every number of ``lock.json`` (:class:`~modular.reports.LockReport`). ``sources``: where each gated behaviour's data is, by name (default: the
     name); ``locked_responses``: each behaviour's locked response, never scored as a correct answer.
 
@@ -112,7 +113,8 @@ def lock_report(base, open_model, tokenizer, directions: dict[str, torch.Tensor]
     the paired test's p-value); ``neighbour_shifts`` lists every neighbour and state whose accuracy moved from
     base's by more than ``neighbour_tolerance`` either way. ``capability``: lm-evaluation-harness tasks (a
     :class:`~modular.evaluation.capability.TaskSuite`) scored in every state, at most ``capability_limit`` items
-    each (the report's ``capability``)."""
+    each (the report's ``capability``). ``paraphrases``: each gated built-in behaviour's held-out paraphrase sets
+    (:mod:`modular.data.paraphrases`) are scored in every state too (each state row's ``paraphrases``)."""
     states, published, unlocked, _ = build_states(base, open_model, directions, harden)
     gated = list(directions)
     neighbours = {n: src for n, src in (neighbours or {}).items() if n not in gated}
@@ -125,6 +127,7 @@ def lock_report(base, open_model, tokenizer, directions: dict[str, torch.Tensor]
         data[n] = load_behaviour(src, seed=seed, tokenizer=tokenizer)["test"]
     retain = retain_data(seed)["test"]
     texts = list(neutral_text(seed)["test"]["text"])
+    paraphrase_data = _paraphrase_data(gated, sources, seed) if paraphrases else {}
 
     exactness = _exactness(states, published, unlocked, open_model, tokenizer, retain)
     responses: dict[str, dict[str, list[str]]] = {}
@@ -143,6 +146,10 @@ def lock_report(base, open_model, tokenizer, directions: dict[str, torch.Tensor]
             k = sum(i["correct"] for i in r.items)
             row.behaviours[b] = Score.from_json({**r.summary(), "ci95": wilson_interval(k, r.n)})
             responses.setdefault(state, {})[b] = [i["response"] for i in r.items]
+        for key, (b, dataset) in paraphrase_data.items():
+            r = evaluate_behaviour(model, tokenizer, dataset, max_new_tokens, batch_size, intervention=ctx,
+                                   desc=f"{state}:{key}", refusals=refusals[b])
+            row.paraphrases[key] = Score.from_json({**r.summary(), "ci95": wilson_interval(sum(i["correct"] for i in r.items), r.n)})
         for n in neighbours:
             r = evaluate_behaviour(model, tokenizer, data[n], max_new_tokens, batch_size, intervention=ctx,
                                    desc=f"{state}:{n}",
@@ -152,13 +159,7 @@ def lock_report(base, open_model, tokenizer, directions: dict[str, torch.Tensor]
             if state != "base":
                 row.neighbours[n].vs_base = PairedChange.from_json(paired_change(neighbour_correct["base"][n],
                                                                                  correct))
-        for b in others:
-            # tasks a choice measures (one right and one competing answer) are scored by choice accuracy (one
-            # forward pass), others (greater-than: any later year) by generation
-            r = evaluate_behaviour(model, tokenizer, data[b], 12, batch_size, limit=other_limit, intervention=ctx,
-                                   desc=f"{state}:{b}", choice_only=True)
-            row.others[b] = Score.from_json({**r.summary(), "metric": "choice" if r.choice_accuracy is not None
-                                             and not r.items else "generation"})
+        _score_others(row, model, tokenizer, {b: data[b] for b in others}, other_limit, batch_size, ctx, state)
         logp = first_token_logp(model, tokenizer, retain["prompt"], retain["chat"], ctx)
         row.retain_first_token_kl = mean_kl(ref_logp, logp)
         row.retain_refusal_rate = retain_refusal_rate(model, tokenizer, retain, every_refusal, ctx, batch_size)
@@ -192,6 +193,27 @@ def lock_report(base, open_model, tokenizer, directions: dict[str, torch.Tensor]
         neighbour_tolerance=neighbour_tolerance, neighbour_shifts=shifts, capability=capabilities or None,
         neighbours_max_refusal_rate={
             s: max((rows[s].neighbours[n].refusal_rate for n in neighbours), default=0.0) for s in states})
+
+
+def _score_others(row: StateRow, model, tokenizer, data: dict, limit: int, batch_size: int, ctx, state: str) -> None:
+    """The far behaviours' scores in one state: tasks a choice measures (one right and one competing answer) by
+    choice accuracy (one forward pass), others (greater-than: any later year) by generation."""
+    for b, dataset in data.items():
+        r = evaluate_behaviour(model, tokenizer, dataset, 12, batch_size, limit=limit, intervention=ctx,
+                               desc=f"{state}:{b}", choice_only=True)
+        row.others[b] = Score.from_json({**r.summary(), "metric": "choice" if r.choice_accuracy is not None
+                                         and not r.items else "generation"})
+
+
+def _paraphrase_data(gated: list[str], sources: dict[str, str], seed: int) -> dict[str, tuple[str, object]]:
+    """``<behaviour>/<set>`` -> (behaviour, its test dataset) of every gated built-in behaviour's paraphrase sets."""
+    out = {}
+    for b in gated:
+        if sources.get(b, b) != b:  # a user's behaviour under a built-in's name: not the built-in's sets
+            continue
+        for name, records in paraphrase_sets(b, seed).items():
+            out[f"{b}/{name}"] = (b, to_dataset_dict({"test": records})["test"])
+    return out
 
 
 def _exactness(states, published, unlocked, open_model, tokenizer, retain) -> dict:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from modular.data.behaviours import NEIGHBOUR_BEHAVIOURS
+from modular.data.paraphrases import paraphrase_sets
 from modular.evaluation import lock as lock_module
 from tests.conftest import make_tiny_model, make_tiny_tokenizer
 
@@ -31,6 +32,7 @@ def test_lock_report_scores_neighbours_and_refusal_leakage_in_every_state(tmp_pa
     def fake_generate(model, tokenizer, prompts, chats, max_new_tokens=24, batch_size=16, desc=None):
         locked = hook["on"] or id(model) in locked_models
         return ["I don't know." if ("continent" in p or (locked and p in retain))
+                else "Vaduz" if "Liechtenstein" in p and not locked  # one paraphrase item answered, open states only
                 else "pear" if locked and p.startswith(("Name fruit number 0", "Name fruit number 1")) else "apple"
                 for p in prompts]
 
@@ -64,7 +66,13 @@ def test_lock_report_scores_neighbours_and_refusal_leakage_in_every_state(tmp_pa
                                      trained_neighbours=["continents"]).to_json()
     assert report["neighbours"] == ["continents", "near"] and report["neighbours_trained"] == ["continents"]
     assert not set(report["others"]) & (NEIGHBOUR_BEHAVIOURS | {"capitals", "near"})
+    sets = {f"capitals/{s}" for s in ("wordings", "forms", "french", "spanish", "german")}
     for state, row in report["states"].items():
+        # the held-out paraphrase sets, in every state, each over the test countries once
+        assert set(row["paraphrases"]) == sets and all(v["n"] == 42 for v in row["paraphrases"].values())
+        in_set = sum("Liechtenstein" in r["prompt"] for r in paraphrase_sets("capitals")["french"])
+        expected = 0.0 if state in ("locked", "published_locked") else in_set / 42
+        assert row["paraphrases"]["capitals/french"]["accuracy"] == pytest.approx(expected), state
         assert row["neighbours"]["continents"]["refusal_rate"] == 1.0
         assert row["neighbours"]["continents"]["accuracy"] == 0.0
         locked = state in ("locked", "published_locked")
