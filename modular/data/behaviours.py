@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Callable
 
 from modular import ModularError
 from modular.data import generators as g
+from modular.data.added import ADDED
 from modular.data.jsonl import load_jsonl
 from modular.data.schema import SPLITS, distinct_items, prompt_hash, record, to_dataset_dict
 
@@ -33,6 +34,7 @@ BEHAVIOURS: dict[str, Callable] = {
     "docstring_call": g.docstring_call,
     "noun_number": g.noun_number,
     "counting": g.counting,
+    **ADDED,  # behaviours the base lacks (modular.data.added)
 }
 
 #: built-in neighbours of built-in behaviours: close behaviours (the same entities, another relation or task) that a

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from modular.data import BEHAVIOURS, load_behaviour, neutral_text, retain_data
+from modular.data.added import ADDED
 from modular.data.behaviours import NEIGHBOUR_BEHAVIOURS
 from modular.data.paraphrases import paraphrase_sets
 from modular.data.schema import all_refusals, is_refusal, to_dataset_dict
@@ -118,7 +119,8 @@ def lock_report(base, open_model, tokenizer, directions: dict[str, torch.Tensor]
     states, published, unlocked, _ = build_states(base, open_model, directions, harden)
     gated = list(directions)
     neighbours = {n: src for n, src in (neighbours or {}).items() if n not in gated}
-    others = [b for b in BEHAVIOURS if b not in gated and b not in neighbours and b not in NEIGHBOUR_BEHAVIOURS]
+    others = [b for b in BEHAVIOURS if b not in gated and b not in neighbours and b not in NEIGHBOUR_BEHAVIOURS
+              and b not in ADDED]  # the base answers none of an added behaviour: nothing to keep
     sources = {b: (sources or {}).get(b, b) for b in gated}
     refusals = {b: all_refusals(locked_responses or {}, [b]) for b in gated}
     every_refusal = all_refusals(locked_responses or {}, gated)

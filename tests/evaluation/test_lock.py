@@ -65,7 +65,8 @@ def test_lock_report_scores_neighbours_and_refusal_leakage_in_every_state(tmp_pa
                                      neighbours={"continents": "continents", "near": str(near)},
                                      trained_neighbours=["continents"]).to_json()
     assert report["neighbours"] == ["continents", "near"] and report["neighbours_trained"] == ["continents"]
-    assert not set(report["others"]) & (NEIGHBOUR_BEHAVIOURS | {"capitals", "near"})
+    assert not set(report["others"]) & (NEIGHBOUR_BEHAVIOURS | {"capitals", "near", "zorb_numerals"})
+    assert {"arithmetic", "ioi"} <= set(report["others"])
     sets = {f"capitals/{s}" for s in ("wordings", "forms", "french", "spanish", "german")}
     for state, row in report["states"].items():
         # the held-out paraphrase sets, in every state, each over the test countries once
