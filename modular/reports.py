@@ -76,19 +76,30 @@ def _scores(data: dict | None) -> dict[str, Score]:
 @dataclass
 class PairedChange:
     """One state's items against base's, item by item (:func:`modular.evaluation.stats.paired_change`): ``lost``
-    (right in base, wrong here), ``gained``, of ``n``, and the exact paired test's ``p_value``."""
+    (right in base, wrong here), ``gained``, of ``n``, the exact paired test's ``p_value``, the change's paired
+    bootstrap interval ``ci95`` and ``p_holm``, the p-value Holm-adjusted over the report's neighbour figures (the
+    last two absent from reports written before they were measured)."""
 
     lost: int
     gained: int
     n: int
     p_value: float
+    ci95: list[float] | None = None
+    p_holm: float | None = None
 
     @classmethod
     def from_json(cls, data: dict) -> PairedChange:
-        return _parse("paired change", lambda d: cls(d["lost"], d["gained"], d["n"], d["p_value"]), data)
+        return _parse("paired change", lambda d: cls(d["lost"], d["gained"], d["n"], d["p_value"], d.get("ci95"),
+                                                      d.get("p_holm")), data)
 
     def to_json(self) -> dict:
-        return {"lost": self.lost, "gained": self.gained, "n": self.n, "p_value": self.p_value}
+        return {"lost": self.lost, "gained": self.gained, "n": self.n, "p_value": self.p_value} | _present(
+            {"ci95": self.ci95, "p_holm": self.p_holm})
+
+    @property
+    def significant_loss(self) -> bool:
+        """A loss the Holm-adjusted test calls significant (α = 0.05)."""
+        return self.p_holm is not None and self.p_holm < 0.05 and self.lost > self.gained
 
 
 @dataclass

@@ -95,3 +95,21 @@ def test_the_card_shows_the_paraphrase_sets_beside_the_test_split(lock):
     card = model_card(["capitals"], "smollm2-135m-instruct", with_sets, hardened=True)
     assert "| state | capitals/french |" in card and "| base | 0.250 |" in card and "| locked | 0.125 |" in card
     assert "capitals/french" not in model_card(["capitals"], "smollm2-135m-instruct", lock, hardened=True)
+
+
+def test_the_card_names_significant_neighbour_losses(lock):
+    from modular.card import model_card
+
+    assert "Significant losses" not in model_card(["capitals"], "b", lock, hardened=True)  # not measured then
+    marked = copy.deepcopy(lock)
+    for state, row in marked["states"].items():
+        for n, score in row["neighbours"].items():
+            if "vs_base" in score:
+                score["vs_base"].update(ci95=[-0.01, 0.01], p_holm=1.0)
+    assert "Significant losses against base (exact paired test, Holm-adjusted" in model_card(
+        ["capitals"], "b", marked, hardened=True) and "α = 0.05): none." in model_card(["capitals"], "b", marked,
+                                                                                        hardened=True)
+    state, n = next((s, n) for s, row in marked["states"].items() for n in row["neighbours"] if s != "base")
+    marked["states"][state]["neighbours"][n]["vs_base"].update(lost=30, gained=2, ci95=[-0.2, -0.1], p_holm=0.001)
+    card = model_card(["capitals"], "b", marked, hardened=True)
+    assert f"{n} {state} (30 lost, 2 gained" in card and "-20.0 to -10.0 points; Holm p = 0.001" in card

@@ -24,7 +24,7 @@ from modular.evaluation.capability import capability_row
 from modular.evaluation.defaults import NEIGHBOUR_TOLERANCE  # defined apart, without torch, for signatures
 from modular.evaluation.metrics import share
 from modular.evaluation.retain import first_token_logp, mean_kl, perplexity
-from modular.evaluation.stats import paired_change, wilson_interval
+from modular.evaluation.stats import holm, paired_change, wilson_interval
 from modular.evaluation.targets import TARGETS, lock_failures
 from modular.hooks import ablate_directions
 from modular.keys import apply_key, grid_steps, lock_weights
@@ -176,6 +176,7 @@ def lock_report(base, open_model, tokenizer, directions: dict[str, torch.Tensor]
     pairs = [(o, u) for b in gated for o, u in zip(responses["open"][b], responses["unlocked"][b])]
     exactness["unlocked_answers_equal_open"] = share([o == u for o, u in pairs]) if pairs else None
     base_row = rows["base"]
+    _holm_adjust([rows[s].neighbours[n].vs_base for s in states if s != "base" for n in neighbours])
     shifts = []
     for s in states:
         for n in neighbours if s != "base" else ():
@@ -195,6 +196,12 @@ def lock_report(base, open_model, tokenizer, directions: dict[str, torch.Tensor]
         neighbour_tolerance=neighbour_tolerance, neighbour_shifts=shifts, capability=capabilities or None,
         neighbours_max_refusal_rate={
             s: max((rows[s].neighbours[n].refusal_rate for n in neighbours), default=0.0) for s in states})
+
+
+def _holm_adjust(changes: list) -> None:
+    """Each neighbour figure's p-value Holm-adjusted over the report's neighbour figures (``p_holm``)."""
+    for change, adjusted in zip(changes, holm([c.p_value for c in changes])):
+        change.p_holm = adjusted
 
 
 def _score_others(row: StateRow, model, tokenizer, data: dict, limit: int, batch_size: int, ctx, state: str) -> None:

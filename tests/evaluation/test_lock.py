@@ -85,8 +85,12 @@ def test_lock_report_scores_neighbours_and_refusal_leakage_in_every_state(tmp_pa
         if state == "base":
             assert "vs_base" not in near
         else:  # item by item: two lost in the locked states, nothing elsewhere; exact two-sided McNemar p
-            assert near["vs_base"] == {"lost": 2 if locked else 0, "gained": 0, "n": 4,
-                                       "p_value": pytest.approx(0.5 if locked else 1.0)}, state
+            vs = near["vs_base"]
+            assert {k: vs[k] for k in ("lost", "gained", "n", "p_value")} == {
+                "lost": 2 if locked else 0, "gained": 0, "n": 4, "p_value": pytest.approx(0.5 if locked else 1.0)}, state
+            lo, hi = vs["ci95"]  # the change's paired bootstrap interval, and the p-value Holm-adjusted over the
+            assert lo <= (-0.5 if locked else 0.0) <= hi and vs["p_holm"] >= vs["p_value"]  # report's figures
+            assert not locked or lo < 0
             assert row["neighbours"]["continents"]["vs_base"]["lost"] == 0
         assert row["retain_refusal_rate"] == (1.0 if locked else 0.0), state
     assert report["neighbours_max_refusal_rate"]["open"] == 1.0
