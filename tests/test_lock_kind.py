@@ -102,8 +102,8 @@ def test_the_card_names_significant_neighbour_losses(lock):
 
     assert "Significant losses" not in model_card(["capitals"], "b", lock, hardened=True)  # not measured then
     marked = copy.deepcopy(lock)
-    for state, row in marked["states"].items():
-        for n, score in row["neighbours"].items():
+    for row in marked["states"].values():
+        for score in row["neighbours"].values():
             if "vs_base" in score:
                 score["vs_base"].update(ci95=[-0.01, 0.01], p_holm=1.0)
     assert "Significant losses against base (exact paired test, Holm-adjusted" in model_card(
