@@ -113,16 +113,21 @@ def _quantized(kind: LockKind, quantized: dict) -> None:
     kind.quantized_restores = restores
 
 
-def lock_kinds(lock: LockReport | dict, attack: AttackReport | dict | None = None,
+def lock_kinds(lock: LockReport | dict | None, attack: AttackReport | dict | None = None,
                quantized: dict | None = None) -> dict[str, LockKind]:
-    """Each locked behaviour's :class:`LockKind` from the run's lock report (its base accuracy on the test split),
-    and where given, its attack report and its ``quantized.json`` (the report of ``modular quantized``)."""
-    lock = LockReport.coerce(lock)
+    """Each locked behaviour's :class:`LockKind` from the run's lock report (its base accuracy on the test split;
+    without one, the attack report's), and where given, its attack report and its ``quantized.json`` (the report of
+    ``modular quantized``)."""
     attack = AttackReport.coerce(attack) if attack else None
-    base = lock.states.get("base")
+    if lock is not None:
+        base = LockReport.coerce(lock).states.get("base")
+        base_accuracy = {b: s.accuracy for b, s in base.behaviours.items()} if base is not None else {}
+    else:
+        base_accuracy = {b: e.base_accuracy for b, e in (attack.behaviours.items() if attack else ())
+                         if e.base_accuracy is not None}
     kinds = {}
-    for b, score in (base.behaviours.items() if base is not None else ()):
-        kind = LockKind(b, score.accuracy, score.accuracy > BASE_HAS_BEHAVIOUR)
+    for b, accuracy in base_accuracy.items():
+        kind = LockKind(b, accuracy, accuracy > BASE_HAS_BEHAVIOUR)
         if attack is not None and b in attack.behaviours:
             _relearning(kind, attack.behaviours[b])
         if quantized:

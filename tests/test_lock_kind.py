@@ -113,3 +113,11 @@ def test_the_card_names_significant_neighbour_losses(lock):
     marked["states"][state]["neighbours"][n]["vs_base"].update(lost=30, gained=2, ci95=[-0.2, -0.1], p_holm=0.001)
     card = model_card(["capitals"], "b", marked, hardened=True)
     assert f"{n} {state} (30 lost, 2 gained" in card and "-20.0 to -10.0 points; Holm p = 0.001" in card
+
+
+def test_an_attack_report_alone_gives_the_kind():
+    attack = _attack(_sweep({"a": 0.5}, 4), None)
+    attack["behaviours"]["capitals"]["base_accuracy"] = 0.5
+    kind = lock_kinds(None, attack)["capitals"]
+    assert kind.switch and kind.relearn_steps == 4 and kind.base_accuracy == 0.5
+    assert lock_kinds(None, None) == {}
