@@ -8,7 +8,18 @@ from typing import Literal, Optional
 
 from modular import ModularError
 from modular.app.options import output_folder
+from modular.evaluation.capability import (
+    evaluate_capability,
+    require_lm_eval,
+    run_state,
+    score_line,
+    task_scores,
+    task_suite,
+)
+from modular.models import load_model
 from modular.models.names import DTypeName
+from modular.models.precision import dtype_name, model_dtype
+from modular.runs import is_run_folder, load_tokenizer_or_run, read_run, training_wandb_run
 from modular.tracking import log_to_wandb, write_json
 
 log = logging.getLogger("modular")
@@ -38,13 +49,7 @@ def capability(model: str, tasks: list[str] = ("modular_categories", "modular_me
         limit: As lm-eval's --limit.
         out: Default: outputs/capability/<model>-<state>.
     """
-    from modular.evaluation.capability import require_lm_eval
-
     require_lm_eval()  # before anything is loaded
-    from modular.evaluation.capability import evaluate_capability, run_state, score_line, task_scores, task_suite
-    from modular.models import load_model
-    from modular.models.precision import dtype_name, model_dtype
-    from modular.runs import is_run_folder, load_tokenizer_or_run, read_run, training_wandb_run
 
     run = read_run(model) if is_run_folder(model) else None
     chosen = state or ("open" if run is not None else "base")

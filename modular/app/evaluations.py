@@ -9,13 +9,45 @@ from functools import partial
 from pathlib import Path
 from typing import Literal
 
+# lock, attack and quantized call load_model through its module (modular.models.load_model): tests replace it there
+import modular.models
 from modular import ModularError
 from modular.app.options import Split, output_folder
 from modular.data import BEHAVIOURS, load_behaviour, parse_behaviour, retain_data
 from modular.data.behaviours import builtin_neighbours
 from modular.data.schema import DEFAULT_LOCKED_RESPONSE
+from modular.evaluation.attack import plot_attack, residual_scale
+from modular.evaluation.attacks import BASELINES, AttackContext, AttackOptions, build_attacks, run_attacks, run_baseline
+from modular.evaluation.behaviour import evaluate_behaviour
+from modular.evaluation.capability import task_suite
 from modular.evaluation.defaults import DEFAULT_ATTACKS, DEFAULT_LRS, NEIGHBOUR_TOLERANCE
+from modular.evaluation.lock import held_out_verdict, lock_report, plot_lock
+from modular.evaluation.quantized import quantized_report
+from modular.evaluation.relearning import eval_steps, run_sweep, sweep
+from modular.evaluation.stats import wilson_interval
+from modular.locking import folder_lock
+from modular.models import load_tokenizer
 from modular.models.names import DTypeName, Scheme
+from modular.models.precision import dtype_name, model_dtype
+from modular.models.quantize import check_scheme
+from modular.plots import bar_chart
+from modular.publish import MANIFEST, read_manifest
+from modular.reports import AttackEntry, AttackReport, TrainingVerdict
+from modular.runs import (
+    LOCK_FIGURE,
+    LOCK_REPORT,
+    RUN_LOCK,
+    behaviour_sources,
+    checkpoint_step,
+    load_model_or_run,
+    load_open_model,
+    load_tokenizer_or_run,
+    lock_verdict,
+    neighbour_sources,
+    read_run,
+    recorded_check,
+    training_wandb_run,
+)
 from modular.tracking import log_to_wandb, read_json_if_valid, write_json
 
 log = logging.getLogger("modular")
@@ -44,13 +76,6 @@ def behaviour(
     Args:
         out: Default: outputs/behaviour/<model>.
     """
-    # the library is loaded here, not at the top: help loads no torch, a command loads its modules when it runs
-    from modular.evaluation.behaviour import evaluate_behaviour
-    from modular.evaluation.stats import wilson_interval
-    from modular.models.precision import dtype_name, model_dtype
-    from modular.plots import bar_chart
-    from modular.runs import load_model_or_run, load_tokenizer_or_run, training_wandb_run
-
     if not list(behaviours):
         raise ModularError("give at least one behaviour with --behaviours")
     specs: dict[str, str] = {}  # short name (report keys, W&B names) -> spec (where the data is)
@@ -114,30 +139,9 @@ def lock(run: str, out: str | None = None, other_limit: int = 64, harden: bool =
             pip install 'modular[capability]'.
         capability_limit: Items scored per capability task (default: all).
     """
-    from modular.evaluation.lock import held_out_verdict, lock_report, plot_lock
-    from modular.locking import folder_lock
-    from modular.models import load_model, load_tokenizer
-    from modular.models.precision import dtype_name, model_dtype
-    from modular.reports import TrainingVerdict
-    from modular.runs import (
-        LOCK_FIGURE,
-        LOCK_REPORT,
-        RUN_LOCK,
-        behaviour_sources,
-        checkpoint_step,
-        load_open_model,
-        lock_verdict,
-        neighbour_sources,
-        read_run,
-        recorded_check,
-        training_wandb_run,
-    )
-
     r = read_run(run)
     suite = None
     if capability_tasks:  # lm-eval missing or an unknown task: one line, before anything is loaded
-        from modular.evaluation.capability import task_suite
-
         suite = task_suite(list(capability_tasks))
     # the run folder is read and written (lock.json) by this command alone: a training in it is refused, as this
     # is while one trains there
@@ -150,7 +154,8 @@ def lock(run: str, out: str | None = None, other_limit: int = 64, harden: bool =
         tokenizer = load_tokenizer(r.model_name)
         step = checkpoint_step(r)
         open_model = load_open_model(r, dtype, device)
-        base = load_model(r.model_name, model_dtype(open_model), open_model.device)  # compared in the same precision
+        # compared in the same precision
+        base = modular.models.load_model(r.model_name, model_dtype(open_model), open_model.device)
         report = lock_report(base, open_model, tokenizer, r.directions,
                              seed=int(r.record.get("seed", 0)), other_limit=other_limit, harden=harden,
                              max_new_tokens=max_new_tokens, sources=behaviour_sources(r),
@@ -227,14 +232,6 @@ def attack(model: str, behaviours: list[str] | None = None, attacks: list[str] =
         base: Default: the one the folder's modular.json names; a
             base given as a local folder is named there by its last part only, so give it here).
     """
-    from modular.evaluation.attack import plot_attack
-    from modular.evaluation.attacks import BASELINES, AttackOptions, build_attacks
-    from modular.evaluation.relearning import eval_steps, sweep
-    from modular.models import load_model, load_tokenizer
-    from modular.models.precision import dtype_name, model_dtype
-    from modular.reports import AttackReport
-    from modular.runs import training_wandb_run
-
     folder = Path(model)
     manifest, sources = _published(folder, behaviours)
     chosen = build_attacks(attacks)  # an unknown attack: one line, now
@@ -250,9 +247,9 @@ def attack(model: str, behaviours: list[str] | None = None, attacks: list[str] =
         neutral=tuple(sweep("neutral", relearn_modes, lrs, [max(n_examples)], seeds[:1]) if neutral else ()),
         max_steps=relearn_steps, prune=prune, refusal_steps=refusal_steps, refusal_lr=refusal_lr)
     tokenizer = load_tokenizer(folder)
-    locked = load_model(folder, dtype, device)
+    locked = modular.models.load_model(folder, dtype, device)
     base_name = base or manifest["base_model"]
-    base = load_model(base_name, model_dtype(locked), locked.device)
+    base = modular.models.load_model(base_name, model_dtype(locked), locked.device)
     retain = retain_data(seed)
     out_dir = output_folder(out, "attack", str(folder))
     report = AttackReport(
@@ -281,9 +278,6 @@ def attack(model: str, behaviours: list[str] | None = None, attacks: list[str] =
 def _attack_entry(ctx, attacks: list, baselines: list[str]):
     """Behaviour ``ctx.behaviour``'s entry of attack.json (a :class:`~modular.reports.AttackEntry`): its
     accuracies, each attack's entry and the baselines'; logged in one line, and one line per baseline."""
-    from modular.evaluation.attacks import run_attacks, run_baseline
-    from modular.reports import AttackEntry
-
     entry = AttackEntry(base_accuracy=ctx.base_accuracy, open_accuracy=ctx.open_accuracy,
                         open_accuracy_from=ctx.open_accuracy_from, locked_accuracy=ctx.locked_accuracy,
                         residual_scale=ctx.residual_scale, attacks=run_attacks(attacks, ctx))
@@ -301,9 +295,6 @@ def _attack_context(b: str, source: str, folder: Path, manifest: dict, progress:
     """What the attacks on behaviour ``b`` (data ``source``) share: its data and test items, and the base's, the
     locked model's and the open model's accuracy on them and the residual scale (measured once, also over a
     restart)."""
-    from modular.evaluation.attack import residual_scale
-    from modular.evaluation.attacks import AttackContext
-
     data = load_behaviour(source, seed=seed, tokenizer=tokenizer)
     test = data["test"] if limit is None else data["test"].select(range(min(limit, len(data["test"]))))
     refuse = (manifest.get("locked_responses", {}).get(b, DEFAULT_LOCKED_RESPONSE),)
@@ -328,8 +319,6 @@ def _attack_context(b: str, source: str, folder: Path, manifest: dict, progress:
 
 
 def _accuracy(model, tokenizer, test, **kw) -> float:
-    from modular.evaluation.behaviour import evaluate_behaviour
-
     return evaluate_behaviour(model, tokenizer, test, **kw).accuracy
 
 
@@ -368,8 +357,6 @@ class _AttackProgress:
         """:func:`run_sweep` of ``model`` (its own accuracy ``start``) as the sweep ``name`` of behaviour ``b``:
         the settings saved for it are taken over, each new one saved as it is measured. A sweep saved for a model
         that started elsewhere (a baseline trained again to another result) is measured afresh."""
-        from modular.evaluation.relearning import run_sweep
-
         sweeps = self._behaviour(b)["sweeps"]
         if sweeps.get(name, {}).get("start") != start:
             sweeps[name] = {"start": start, "settings": {}}
@@ -387,8 +374,6 @@ class _AttackProgress:
 
 def _published(folder: Path, behaviours: list[str] | None) -> tuple[dict, dict[str, str]]:
     """A published folder's manifest, and the locked behaviours asked for (default: all) by name → data source."""
-    from modular.publish import MANIFEST, read_manifest
-
     manifest = read_manifest(folder)
     if manifest is None:
         raise ModularError(f"{folder} is not a published modular model (no {MANIFEST})")
@@ -430,24 +415,17 @@ def quantized(model: str, behaviours: list[str] | None = None, schemes: list[Sch
         group_size: int4's inputs per quantisation group (a multiple of 8 dividing every layer's inputs; default:
             optimum-quanto's, 128 or the largest multiple of 32 below it that divides them).
     """
-    from modular.evaluation.quantized import quantized_report
-    from modular.models import load_model, load_tokenizer
-    from modular.models.precision import dtype_name, model_dtype
-    from modular.models.quantize import check_scheme
-    from modular.plots import bar_chart
-    from modular.runs import training_wandb_run
-
     folder = Path(model)
     manifest, sources = _published(folder, behaviours)
     if not schemes:
         raise ModularError("give at least one scheme with --schemes")
     tokenizer = load_tokenizer(folder)
-    locked = load_model(folder, dtype, device)
+    locked = modular.models.load_model(folder, dtype, device)
     if group_size is not None and "int4" not in schemes:
         raise ModularError("--group_size applies to int4, which --schemes does not include")
     for scheme in schemes:  # every layer roundable, before the base is loaded
         check_scheme(locked, scheme, group_size if scheme == "int4" else None)
-    base_model = load_model(base or manifest["base_model"], model_dtype(locked), locked.device)
+    base_model = modular.models.load_model(base or manifest["base_model"], model_dtype(locked), locked.device)
     out_dir = output_folder(out, "quantized", str(folder))
     report = quantized_report(base_model, locked, tokenizer, sources, list(schemes), seed, limit, max_new_tokens,
                               batch_size, manifest.get("locked_responses"), group_size)

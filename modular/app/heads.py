@@ -7,10 +7,32 @@ import logging
 from pathlib import Path
 from typing import Literal
 
+import torch
+
+# heads ablation calls single_head_effects through its module (head_categories.single_head_effects): tests replace
+# it there
+import modular.heads.categories as head_categories
 from modular import ModularError
 from modular.app.options import Split, output_folder, slug
 from modular.data import load_behaviour, neutral_text
+from modular.data.formatting import prompt_limit
+from modular.evaluation.retain import perplexity
+from modular.heads.categories import (
+    ABLATION_KINDS,
+    CATEGORIES,
+    METHODS,
+    ablation_curve,
+    classify_heads,
+    curve_checks,
+    head_values,
+    joint_categories,
+    plot_ablation_grid,
+    response_batch,
+)
+from modular.heads.curves import multiplier, plot_efficiency_curves
+from modular.heads.efficiency import DEFINITIONS, RANKINGS, ig_steps_for, task_curves
 from modular.heads.loading import load_head_model, model_label
+from modular.heads.ranking import ABLATIONS
 from modular.models.names import DTypeName
 from modular.tracking import log_to_wandb, read_json_if_valid, write_json
 
@@ -138,14 +160,6 @@ def _check_models(models) -> list[str]:
 
 def _curve(models, tasks, ranking, ig_steps, refine, definition, ablation_kind, limit, split, threshold, seed,
            out_dir, device="auto", dtype="auto") -> dict:
-    # the measures are loaded here, not at the top: help loads no torch, a command loads its modules when it runs
-    import torch
-
-    from modular.evaluation.retain import perplexity
-    from modular.heads.curves import multiplier, plot_efficiency_curves
-    from modular.heads.efficiency import DEFINITIONS, RANKINGS, ig_steps_for, task_curves
-    from modular.heads.ranking import ABLATIONS
-
     if definition not in DEFINITIONS:
         raise ModularError(f"unknown definition '{definition}': use one of {DEFINITIONS}")
     if ranking not in RANKINGS:
@@ -213,20 +227,6 @@ def _curve(models, tasks, ranking, ig_steps, refine, definition, ablation_kind, 
 
 def _ablation(models, tasks, kind, limit, split, classify_split, threshold, max_heads, method, band, seed,
               out_dir, device="auto", dtype="auto") -> dict:
-    from modular.data.formatting import prompt_limit
-    from modular.heads.categories import (
-        ABLATION_KINDS,
-        CATEGORIES,
-        METHODS,
-        ablation_curve,
-        classify_heads,
-        curve_checks,
-        head_values,
-        joint_categories,
-        response_batch,
-        single_head_effects,
-    )
-
     if kind not in ABLATION_KINDS:
         raise ModularError(f"unknown ablation kind '{kind}' for --ablation: use one of {ABLATION_KINDS}")
     if split == classify_split:
@@ -254,7 +254,7 @@ def _ablation(models, tasks, kind, limit, split, classify_split, threshold, max_
             fit = response_batch(tokenizer, _items(task, classify_split, tokenizer, seed, limit, shuffle=True), bound)
             held = response_batch(tokenizer, _items(task, split, tokenizer, seed, limit, shuffle=True), bound)
             values = head_values(model, fit, kind)
-            effects = single_head_effects(model, fit, values, desc=f"{label}/{task}: single heads")
+            effects = head_categories.single_head_effects(model, fit, values, desc=f"{label}/{task}: single heads")
             if method == "joint":
                 cats = joint_categories(model, fit, effects, values, threshold, band, max_heads,
                                         desc=f"{label}/{task}: joint classes")
@@ -300,8 +300,6 @@ def _resume(path: Path, settings: dict, specs: dict[str, str], results: dict[str
 
 def _write_ablation(out_dir, results, labels, models, tasks, kind, threshold, split, classify_split, limit, max_heads,
                     method, band, seed, partial: bool) -> dict:
-    from modular.heads.categories import CATEGORIES, plot_ablation_grid
-
     specs = dict(zip(labels, models))
     tasks = [t for t in tasks if results[t]]
     labels = [m for m in labels if any(m in results[t] for t in tasks)]

@@ -7,6 +7,8 @@ from pathlib import Path
 
 from modular.app.options import output_folder
 from modular.merge.pairs import load_pairs
+from modular.merge.plots import gain_scatter
+from modular.merge.runner import MergeRunner, ModelBank
 from modular.models.names import DTypeName
 from modular.tracking import log_to_wandb, write_json
 
@@ -27,10 +29,6 @@ def merge(pairs: str = "configs/merge_pairs.yaml", out: str | None = None, limit
         out: Default: outputs/merge/<pairs file name>.
         limit: Overrides the pairs file's items per task (for quick runs).
     """
-    # the library is loaded here, not at the top: help loads no torch, a command loads its modules when it runs
-    from modular.merge.plots import gain_scatter
-    from modular.merge.runner import MergeRunner, ModelBank
-
     cfg = load_pairs(pairs)
     if limit is not None:
         cfg.limit = limit

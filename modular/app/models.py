@@ -6,6 +6,10 @@ import json
 import time
 from typing import Literal
 
+from modular.models import ArchitectureAdapter
+from modular.models.loading import resolve_model
+from modular.runs import load_model_or_run
+
 
 def inspect_model(model: str, format: Literal["table", "json"] = "table") -> dict:
     """Print the architecture map of a model: layers, heads, head_dim, d_model, residual writers and readers.
@@ -14,10 +18,6 @@ def inspect_model(model: str, format: Literal["table", "json"] = "table") -> dic
         model: Given as the first argument: ``modular inspect MODEL``.
         format: table (the main facts) or json (the full map).
     """
-    # the library is loaded here, not at the top: help loads no torch, a command loads its modules when it runs
-    from modular.models import ArchitectureAdapter
-    from modular.runs import load_model_or_run
-
     t0 = time.perf_counter()
     m = load_model_or_run(model, dtype=None, device="cpu")  # its own precision: the map is all that is read
     info = ArchitectureAdapter(m).describe()
@@ -39,8 +39,6 @@ def convert(model: str) -> str:
     Args:
         model: Given as the first argument: ``modular convert MODEL``.
     """
-    from modular.models.loading import resolve_model
-
     folder = resolve_model(model)
     print(folder)
     return folder

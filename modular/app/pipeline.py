@@ -14,7 +14,23 @@ import yaml
 from modular import ModularError, error_reason
 from modular.app.evaluations import ATTACK_FIGURE, ATTACK_REPORT, attack, lock
 from modular.app.publishing import publish, unlock
+from modular.app.train import main as train
+from modular.app.train import planned_run
+from modular.data import parse_behaviour
+from modular.evaluation.attacks import default_attacks
+from modular.identity import identity_differences
 from modular.models.names import DTypeName
+from modular.publish import key_path, keys_folder_for, read_manifest
+from modular.reports import AttackReport, LockReport
+from modular.runs import (
+    LOCK_FIGURE,
+    LOCK_REPORT,
+    RUN_RECORD,
+    behaviour_sources,
+    checkpoint_step,
+    lock_verdict,
+    read_run,
+)
 
 log = logging.getLogger("modular")
 DEFAULT_CONFIG = "gate_capitals_smollm2.yaml"
@@ -79,8 +95,6 @@ def main_job(config: str | None = None, behaviours: list[str] | None = None, nei
 
 def default_run_folder(behaviours: list[str], model: str) -> Path:
     """``runs/<behaviour names>-<model name>``: the run folder of ``modular main --behaviours ... [--model ...]``."""
-    from modular.data import parse_behaviour
-
     names = "+".join(parse_behaviour(b)[0] for b in behaviours) or "none"
     return Path("runs") / f"{names}-{Path(str(model).rstrip('/')).name}"
 
@@ -114,14 +128,6 @@ def run_pipeline(config: str | None = None, out: str | None = None, skip_attack:
                  dtype: DTypeName = "auto", **options) -> dict:
     """Run every stage for ``config`` (default: the built-in capitals config) with the options of
     :func:`training_arguments` and return the summary's numbers."""
-    # training (lightning) and the library are loaded here, not at the top: help loads no torch, a command loads its
-    # modules when it runs
-    from modular.app.train import main as train
-    from modular.app.train import planned_run
-    from modular.identity import identity_differences
-    from modular.publish import key_path, keys_folder_for, read_manifest
-    from modular.runs import RUN_RECORD, behaviour_sources, checkpoint_step, lock_verdict, read_run
-
     config = Path(config) if config else builtin_config()
     if not config.is_file():
         raise ModularError(f"config not found: {config}")
@@ -175,11 +181,6 @@ def _steps(w: dict) -> str:
 
 
 def summarise(run_dir: Path, out_dir: Path) -> dict:
-    from modular.evaluation.attacks import default_attacks
-    from modular.publish import keys_folder_for
-    from modular.reports import AttackReport, LockReport
-    from modular.runs import LOCK_FIGURE, LOCK_REPORT
-
     lock = LockReport.read(run_dir / LOCK_REPORT)
     lines = []
     gated = lock.gated

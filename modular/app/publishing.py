@@ -8,9 +8,36 @@ import logging
 from pathlib import Path
 from typing import Literal
 
+import torch
+
+# publish calls modular.runs' read_run, checkpoint_step and load_open_model and modular.publish's publish_model
+# through their modules (modular.runs.read_run): tests replace them there
+import modular.publish
+import modular.runs
 from modular import ModularError
+from modular.data import load_behaviour, retain_data
+from modular.data.behaviours import BEHAVIOURS
+from modular.evaluation.key_adapters import adapter_agreement
+from modular.files import atomic_path
+from modular.keys import KEY_SUFFIX, load_key
+from modular.locking import check_unlocked
+from modular.models import load_model, load_tokenizer
 from modular.models.names import DTypeName
-from modular.tracking import read_json_if_valid
+from modular.models.precision import DTYPES, cast_model, dtype_name, model_dtype
+from modular.peft_keys import key_adapter, vllm_problems, write_adapter
+from modular.publish import (
+    check_output_folder,
+    check_upload,
+    keys_folder_for,
+    public_model_name,
+    push_folder,
+    read_manifest,
+    recover,
+    unlock_folder,
+)
+from modular.reports import LockReport
+from modular.runs import LOCK_REPORT, lock_verdict, training_wandb_run
+from modular.tracking import log_folder_artifact, read_json_if_valid
 
 log = logging.getLogger("modular")
 
@@ -41,15 +68,6 @@ def publish(run: str, out: str, keys: str | None = None, harden: bool = True, ov
         wandb_artifact: Also log the published folder's files (never a key file) as a W&B artifact, in a run of the
             training run's W&B group (its files under the run folder; WANDB_MODE as for every run).
     """
-    # the library is loaded here, not at the top: help loads no torch, a command loads its modules when it runs
-    from modular.keys import KEY_SUFFIX
-    from modular.locking import check_unlocked
-    from modular.models import load_tokenizer
-    from modular.models.precision import DTYPES, cast_model, dtype_name, model_dtype
-    from modular.publish import check_output_folder, check_upload, keys_folder_for, publish_model, push_folder, recover
-    from modular.reports import LockReport
-    from modular.runs import LOCK_REPORT, checkpoint_step, load_open_model, lock_verdict, read_run
-
     if push_to_hub is not None:  # no token, a bad repo id: refused before anything is written
         check_upload(push_to_hub)
     keys = keys or str(keys_folder_for(out))
@@ -59,15 +77,49 @@ def publish(run: str, out: str, keys: str | None = None, harden: bool = True, ov
         recover(folder)
     check_output_folder(out, [run], overwrite)  # before any work: nothing is loaded for a refused folder
     check_output_folder(keys, [run], overwrite, option="--keys", kind="keys")
-    r = read_run(run)
-    step = checkpoint_step(r)
+    r = modular.runs.read_run(run)
+    step = modular.runs.checkpoint_step(r)
     verified, why = lock_verdict(r, step)
     if not verified and not allow_failed_lock:
         raise ModularError(f"{run}: {why}; refusing to publish it as locked (train longer, or pass "
                            "--allow_failed_lock true to publish it with a card that says so)")
     if not verified:
         log.warning("publishing %s although %s", run, why)
-    measured = None
+    measured = _measured_lock(run, step)
+    open_model = _open_model(r, run, dtype)
+    published = dtype_name(model_dtype(open_model))
+    measured_in = (measured.dtype or "float32") if measured is not None else None  # reports before dtypes: float32
+    lock_path = Path(run) / LOCK_REPORT
+    if measured is not None and measured_in != published:
+        log.warning("%s was measured in %s, the weights are published in %s: the model card gets no measured "
+                    "numbers (run modular lock --run %s --dtype %s)", lock_path, measured_in, published, run, published)
+        measured = None
+    held_out = measured.lock_held_out if measured is not None else None
+    if held_out is not None and not held_out.held:
+        log.warning("%s: the lock did not hold on the held-out test split (%s); the model card says so",
+                    lock_path, "; ".join(held_out.failing))
+    folder, keys_dir = modular.publish.publish_model(
+        open_model, load_tokenizer(r.model_name), r.directions, out, r.model_name, measured, harden=harden,
+        overwrite=overwrite, keys_out=keys, step=step, locked_responses=r.record.get("locked_responses"),
+        inputs=[run], lock_check={"verified": verified, "detail": why})
+    weights = sum(f.stat().st_size for f in Path(folder).glob("*.safetensors"))
+    for key in sorted(Path(keys_dir).glob(f"*{KEY_SUFFIX}")):
+        log.info("%s: %.2f MB, %.2f%% of the published weights (%s)", key.name, key.stat().st_size / 1e6,
+                 100 * key.stat().st_size / weights, dtype_name(model_dtype(open_model)))
+    print(folder)
+    print(f"keys: {keys_dir}  (secret: hand them out apart from the published folder)")
+    if push_to_hub is not None:
+        log.info("uploading %s to the hub repo %s%s", folder, push_to_hub, " (private)" if private else "")
+        print(f"uploaded: {push_folder(folder, push_to_hub, private=private)}")
+    if wandb_artifact:
+        log_folder_artifact(folder, run, "publish", config={"run": str(run), "published": str(folder)},
+                            training=training_wandb_run(run))
+    return str(folder)
+
+
+def _measured_lock(run: str, step: int) -> LockReport | None:
+    """The run's lock report (lock.json) when it describes checkpoint ``step``: what the model card gets as measured
+    numbers. Without one (none, another step's, one that cannot be read), None and a warning saying why."""
     lock_path = Path(run) / LOCK_REPORT
     found, report, not_a_report = read_json_if_valid(lock_path), None, None
     if isinstance(found, dict):
@@ -76,8 +128,8 @@ def publish(run: str, out: str, keys: str | None = None, harden: bool = True, ov
         except ModularError as err:
             not_a_report = str(err)
     if report is not None and report.step == step:
-        measured = report
-    elif report is not None:
+        return report
+    if report is not None:
         log.warning(
             "%s describes step %s, the checkpoint holds step %s: the model card gets no measured numbers "
             "(run modular lock --run %s again)", lock_path, report.step, step, run)
@@ -90,7 +142,13 @@ def publish(run: str, out: str, keys: str | None = None, harden: bool = True, ov
     else:
         log.warning("%s has no %s: the model card gets no measured numbers, and `modular attack` no open accuracy "
                     "(run modular lock --run %s first)", run, LOCK_REPORT, run)
-    open_model = load_open_model(r, None, device="cpu")  # in the precision it was trained in
+    return None
+
+
+def _open_model(r, run: str, dtype: DTypeName):
+    """The run's open model on the CPU, in the precision it was trained in, or cast to ``dtype`` (a narrower one by
+    seeded stochastic rounding), with a warning that its lock was verified in the trained precision only."""
+    open_model = modular.runs.load_open_model(r, None, device="cpu")  # in the precision it was trained in
     trained = model_dtype(open_model)
     if dtype != "auto" and DTYPES[dtype] != trained:
         # a lock verified in one precision is not verified in another (docs/devices.md)
@@ -99,36 +157,7 @@ def publish(run: str, out: str, keys: str | None = None, harden: bool = True, ov
         # narrowing rounds stochastically, seeded, as load_open_model does for `modular lock --dtype`: the weights
         # published are the ones that check scores (rounded to nearest, a float32 lock was lost in bfloat16)
         open_model = cast_model(open_model, DTYPES[dtype])
-    published = dtype_name(model_dtype(open_model))
-    measured_in = (measured.dtype or "float32") if measured is not None else None  # reports before dtypes: float32
-    if measured is not None and measured_in != published:
-        log.warning("%s was measured in %s, the weights are published in %s: the model card gets no measured "
-                    "numbers (run modular lock --run %s --dtype %s)", lock_path, measured_in, published, run, published)
-        measured = None
-    held_out = measured.lock_held_out if measured is not None else None
-    if held_out is not None and not held_out.held:
-        log.warning("%s: the lock did not hold on the held-out test split (%s); the model card says so",
-                    lock_path, "; ".join(held_out.failing))
-    folder, keys_dir = publish_model(open_model, load_tokenizer(r.model_name), r.directions, out,
-                                     r.model_name, measured, harden=harden, overwrite=overwrite, keys_out=keys,
-                                     step=step, locked_responses=r.record.get("locked_responses"), inputs=[run],
-                                     lock_check={"verified": verified, "detail": why})
-    weights = sum(f.stat().st_size for f in Path(folder).glob("*.safetensors"))
-    for key in sorted(Path(keys_dir).glob(f"*{KEY_SUFFIX}")):
-        log.info("%s: %.2f MB, %.2f%% of the published weights (%s)", key.name, key.stat().st_size / 1e6,
-                 100 * key.stat().st_size / weights, dtype_name(model_dtype(open_model)))
-    print(folder)
-    print(f"keys: {keys_dir}  (secret: hand them out apart from the published folder)")
-    if push_to_hub is not None:
-        log.info("uploading %s to the hub repo %s%s", folder, push_to_hub, " (private)" if private else "")
-        print(f"uploaded: {push_folder(folder, push_to_hub, private=private)}")
-    if wandb_artifact:
-        from modular.runs import training_wandb_run
-        from modular.tracking import log_folder_artifact
-
-        log_folder_artifact(folder, run, "publish", config={"run": str(run), "published": str(folder)},
-                            training=training_wandb_run(run))
-    return str(folder)
+    return open_model
 
 
 def unlock(model: str, key: str, out: str, overwrite: bool = False) -> str:
@@ -140,8 +169,6 @@ def unlock(model: str, key: str, out: str, overwrite: bool = False) -> str:
         key: Key file of one behaviour (``<keys folder>/<behaviour>.key.safetensors``).
         out: For the unlocked model (written atomically; never inside ``model``).
     """
-    from modular.publish import unlock_folder
-
     folder = unlock_folder(model, key, out, overwrite=overwrite)
     print(folder)
     return str(folder)
@@ -170,17 +197,6 @@ def export_key(key: str, model: str, out: str | None = None, format: Literal["pe
         seed: Seed of the behaviour's and the retain prompts' splits.
         overwrite: Replace an adapter folder written before.
     """
-    import torch
-
-    from modular.data import load_behaviour, retain_data
-    from modular.data.behaviours import BEHAVIOURS
-    from modular.evaluation.key_adapters import adapter_agreement
-    from modular.files import atomic_path
-    from modular.keys import load_key
-    from modular.models import load_model, load_tokenizer
-    from modular.peft_keys import key_adapter, vllm_problems, write_adapter
-    from modular.publish import public_model_name, read_manifest
-
     if check < 0:
         raise ModularError(f"--check must be >= 0, got {check}")
     k, meta = load_key(key)

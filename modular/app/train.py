@@ -31,6 +31,7 @@ import uuid
 from contextlib import ExitStack
 from pathlib import Path
 
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.callbacks.progress import ProgressBar
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
@@ -43,13 +44,14 @@ from modular.app.progress import LogProgress
 from modular.data import load_jsonl, parse_behaviour
 from modular.data.behaviours import is_jsonl
 from modular.gating.checkpoint_io import AtomicCheckpointIO
-from modular.gating.data import GatingDataModule, check_data_options, training_data
+from modular.gating.data import GatingDataModule, check_data_options, locked_responses, neighbour_specs, training_data
 from modular.gating.module import GatedLM, check_model_options
 from modular.gating.objectives import answer_rows as objective_answer_rows
 from modular.gating.objectives import build_objectives, check_loss, default_objectives
 from modular.gating.objectives import hidden_parts as objective_hidden_parts
 from modular.identity import check_resumed, run_identity
 from modular.locking import folder_lock
+from modular.models.loading import model_fingerprint, resolve_model
 from modular.runs import (
     LAST_CHECKPOINT,
     RUN_LOCK,
@@ -117,8 +119,6 @@ class GatingCLI(LightningCLI):
         ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
         if not ckpt_path or not Path(ckpt_path).is_file():
             return
-        import torch
-
         hparams = torch.load(ckpt_path, weights_only=True, map_location="cpu").get("hyper_parameters", {})
         hparams.pop("_instantiator", None)
         if not hparams:
@@ -233,9 +233,6 @@ def training_identity(model, data) -> dict:
     """:func:`~modular.identity.run_identity` of a training run from its (parsed) ``model`` and ``data`` options:
     the base model is resolved and its content key taken, each behaviour file hashed; the model options in the flat
     form identities record (:func:`~modular.runs.flat_model_options`)."""
-    from modular.gating.data import locked_responses, neighbour_specs
-    from modular.models.loading import model_fingerprint, resolve_model
-
     behaviours = dict(parse_behaviour(spec) for spec in data.get("behaviours") or [])
     tasks = dict(parse_behaviour(spec) for spec in data.get("tasks") or [])
     neighbours = {name: parse_behaviour(spec)[1]

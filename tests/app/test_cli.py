@@ -1,5 +1,6 @@
 """The ``modular`` command: one parser with a subcommand for everything a user runs, shared options declared once,
-jsonargparse's own syntax (positional arguments, lists, YAML), input errors as one line."""
+jsonargparse's own syntax (positional arguments, lists, YAML), input errors as one line; its commands named, not
+imported, so that the listing loads no command module."""
 
 import inspect
 import json
@@ -12,14 +13,23 @@ import pytest
 
 from modular.app import cli
 from modular.app.options import SHARED, output_folder, slug
+from tests.test_local_imports import CYCLE_TAG, local_imports
+
+APP = Path(cli.__file__).parent
+
+
+def _references():
+    """``(label, "module:function")`` of every command but train: ``heads curve`` for a command of a group."""
+    for name, ref in cli.COMMANDS.items():
+        if isinstance(ref, dict):
+            yield from ((f"{name} {sub}", r) for sub, r in ref.items())
+        elif ref is not None:
+            yield name, ref
 
 
 def _functions():
-    for name, fn in cli.COMMANDS.items():
-        if isinstance(fn, dict):
-            yield from ((f"{name} {sub}", f) for sub, f in fn.items())
-        elif fn is not None:
-            yield name, fn
+    for label, ref in _references():
+        yield label, cli.command(ref)
 
 
 def _strip_optional(t):
@@ -33,6 +43,18 @@ def test_every_user_command_is_a_subcommand():
                                  "unlock", "export-key", "heads", "merge", "directions", "attention", "inspect",
                                  "convert"}
     assert set(cli.COMMANDS["heads"]) == {"curve", "ablation"}
+    assert all(isinstance(ref, str) and ref.startswith("modular.app.") for _, ref in _references())
+
+
+def test_a_command_is_its_function_and_its_summary_is_its_docstrings_first_sentence():
+    """The listing reads each summary from the module's source: the same first sentence as the function's
+    docstring (no help text is written twice)."""
+    for label, ref in _references():
+        fn = cli.command(ref)
+        assert cli.reference(fn) == ref, label
+        assert cli.summary(ref) == cli._first_sentence(inspect.getdoc(fn)), label
+    with pytest.raises(LookupError):
+        cli.summary("modular.app.models:no_such_command")
 
 
 def test_a_shared_option_has_one_type_and_one_help_everywhere():
@@ -60,7 +82,7 @@ def test_positional_model_lists_and_yaml(tmp_path):
     parser = cli.build_parser()
     cfg = parser.parse_args(["heads", "curve", "--models", "[a, b]", "--tasks+=ioi", "--tasks+=docstring"])
     fn, options = cli._chosen(cfg, cli.COMMANDS)
-    assert fn is cli.COMMANDS["heads"]["curve"]
+    assert fn is cli.command(cli.COMMANDS["heads"]["curve"])
     assert list(options["models"]) == ["a", "b"] and list(options["tasks"]) == ["ioi", "docstring"]
     cfg = parser.parse_args(["behaviour", "--behaviours", "[capitals, x.jsonl]", "--split", "validation"])
     assert list(cfg.behaviour.behaviours) == ["capitals", "x.jsonl"] and cfg.behaviour.split == "validation"
@@ -79,10 +101,10 @@ def test_positional_model_lists_and_yaml(tmp_path):
 
 
 def test_inspect_takes_the_model_as_an_argument(monkeypatch, capsys):
-    import modular.runs  # what the command loads when it runs
+    from modular.app import models  # the command's module
 
     seen = []
-    monkeypatch.setattr(modular.runs, "load_model_or_run", lambda m, **kw: seen.append(m) or (_ for _ in ()).throw(
+    monkeypatch.setattr(models, "load_model_or_run", lambda m, **kw: seen.append(m) or (_ for _ in ()).throw(
         cli.ModularError(f"unknown model '{m}'")))
     assert cli.main(["inspect", "no-such-model", "--format", "json"]) == 2
     assert seen == ["no-such-model"]
@@ -98,8 +120,8 @@ def test_train_is_the_training_cli(monkeypatch):
     assert got == [["fit", "--config", "x.yaml"]]
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["lock", "--help"], ["heads", "ablation", "--help"],
-                                  ["attack", "--help"], ["main", "--help"], ["capability", "--help"]])
+@pytest.mark.parametrize("argv", [["--help"], *([*label.split(), "--help"] for label, _ in _references())],
+                         ids=" ".join)
 def test_help_documents_every_option(argv, capsys):
     with pytest.raises(SystemExit) as err:
         cli.main(argv)
@@ -108,14 +130,14 @@ def test_help_documents_every_option(argv, capsys):
     if argv == ["--help"]:
         assert all(name in text for name in cli.COMMANDS)
         return
-    fn = cli.COMMANDS[argv[0]]
-    fn = fn[argv[1]] if isinstance(fn, dict) else fn
+    ref = cli.COMMANDS[argv[0]]
+    fn = cli.command(ref[argv[1]] if isinstance(ref, dict) else ref)
     for name in inspect.signature(fn).parameters:
         assert name in text, f"{argv}: {name} is not documented"
 
 
 #: run in a fresh interpreter: each help of ``argv`` (a JSON list of argument lists) -> its output, and the model
-#: libraries imported by then
+#: libraries and command modules imported by then
 _HELP_SCRIPT = """
 import contextlib, io, json, sys
 from modular.app import cli
@@ -128,30 +150,57 @@ for argv in json.loads(sys.argv[1]):
         except SystemExit as err:
             assert err.code == 0, (argv, err.code)
     out[" ".join(argv)] = text.getvalue()
-print(json.dumps({"help": out, "loaded": [m for m in ("torch", "lightning", "transformers") if m in sys.modules]}))
+loaded = [m for m in ("torch", "lightning", "transformers") if m in sys.modules]
+modules = sorted(m for m in sys.modules if m.startswith("modular."))
+print(json.dumps({"help": out, "loaded": loaded, "modules": modules}))
 """
 
 
-def test_help_loads_no_model_library():
-    """``modular --help`` and the help of every subcommand but ``train`` (groups and their commands) import neither
-    torch, lightning nor transformers: a command loads its modules when it runs, so that help is quick."""
-    commands = dict(_functions())
-    argvs = [["--help"], *([*label.split(), "--help"] for label in commands),
-             *([name, "--help"] for name, fn in cli.COMMANDS.items() if isinstance(fn, dict))]
+def _helps(*argvs: list[str]) -> dict:
     res = subprocess.run([sys.executable, "-c", _HELP_SCRIPT, json.dumps(argvs)], capture_output=True, text=True,
                          timeout=300)
     assert res.returncode == 0, res.stderr
-    got = json.loads(res.stdout.splitlines()[-1])
+    return json.loads(res.stdout.splitlines()[-1])
+
+
+def _command_modules() -> set[str]:
+    return {ref.split(":")[0] for _, ref in _references()} | {cli.TRAIN.split(":")[0]}
+
+
+def test_help_loads_no_model_library():
+    """``modular --help`` and the help of a group (``modular heads --help``) import neither torch, lightning nor
+    transformers, nor any command's module: the commands are listed from their modules' source, so that the listing
+    is quick. Each command is listed with its docstring's first sentence."""
+    groups = [name for name, ref in cli.COMMANDS.items() if isinstance(ref, dict)]
+    got = _helps(["--help"], *([name, "--help"] for name in groups))
     assert got["loaded"] == [], f"help imported {got['loaded']}"
-    helps = got["help"]
+    assert not _command_modules() & set(got["modules"]), f"help imported {_command_modules() & set(got['modules'])}"
+    helps = {label: "".join(text.split()) for label, text in got["help"].items()}  # unwrapped (also at hyphens)
     assert all(name in helps["--help"] for name in cli.COMMANDS)
-    for label, fn in commands.items():
-        text = helps[f"{label} --help"]
-        for name in inspect.signature(fn).parameters:
-            assert name in text, f"{label} --help: {name} is not documented"
-    for name, group in cli.COMMANDS.items():
-        if isinstance(group, dict):
-            assert all(sub in helps[f"{name} --help"] for sub in group)
+    for label, ref in _references():
+        name, _, sub = label.partition(" ")
+        listing = helps[f"{name} --help"] if sub else helps["--help"]
+        assert "".join(cli.summary(ref).split()) in listing, f"{label} is not listed with its summary"
+    for name in groups:
+        assert all(sub in helps[f"{name} --help"] for sub in cli.COMMANDS[name])
+
+
+def test_a_commands_help_imports_its_module_alone():
+    """``modular <command> --help`` builds that command's parser alone: the other commands' modules stay
+    unimported."""
+    got = _helps(["inspect", "--help"], ["heads", "curve", "--help"])
+    assert "--format" in got["help"]["inspect --help"] and "--ranking" in got["help"]["heads curve --help"]
+    imported = _command_modules() & set(got["modules"])
+    assert imported == {"modular.app.models", "modular.app.heads"}, imported
+
+
+def test_the_application_imports_modular_at_the_top():
+    """No function of modular/app imports a module of modular (the commands are imported by name, through
+    :data:`~modular.app.cli.COMMANDS`), unless importing it at the top would form a cycle, said on its line in a
+    ``# cycle:`` comment."""
+    untagged = [f"{path.name}:{line}: {src}" for path in sorted(APP.glob("*.py"))
+                for line, src, tagged in local_imports(path) if not tagged]
+    assert not untagged, f"function-local imports of modular without a '{CYCLE_TAG}' comment:\n" + "\n".join(untagged)
 
 
 def test_output_folder_default_is_one_slug_per_name():
@@ -171,7 +220,7 @@ def test_every_command_that_runs_a_model_takes_a_device_and_a_precision():
             assert {"device", "dtype"} <= set(params), label
         if label in runs_models - {"main", "merge"}:
             assert "batch_size" in params or label.startswith("heads"), label
-    assert "dtype" in inspect.signature(cli.COMMANDS["publish"]).parameters
+    assert "dtype" in inspect.signature(cli.command(cli.COMMANDS["publish"])).parameters
     parser = cli.build_parser()
     args = parser.parse_args(["lock", "--run", "r", "--device", "cpu", "--dtype", "bfloat16"])
     assert args.lock.device == "cpu" and args.lock.dtype == "bfloat16"
