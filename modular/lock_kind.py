@@ -70,7 +70,8 @@ class LockKind:
     def _relearning(self) -> str:
         if self.relearn_steps is not None:
             return (f"fine-tuning restored half the open accuracy in {self.relearn_steps} step"
-                    f"{'s' if self.relearn_steps != 1 else ''} ({self.relearn_setting})")
+                    f"{'s' if self.relearn_steps != 1 else ''}"
+                    + (f" ({self.relearn_setting})" if self.relearn_setting else ""))
         if self.relearn_more_than is not None:
             return f"no fine-tuning setting restored half the open accuracy within {self.relearn_more_than} steps"
         return "fine-tuning: not measured (modular attack)"

@@ -25,6 +25,7 @@ from modular.evaluation.lock import held_out_verdict, lock_report, plot_lock
 from modular.evaluation.quantized import quantized_report
 from modular.evaluation.relearning import eval_steps, run_sweep, sweep
 from modular.evaluation.stats import wilson_interval
+from modular.lock_kind import lock_kinds
 from modular.locking import folder_lock
 from modular.models import load_tokenizer
 from modular.models.names import DTypeName, Scheme
@@ -116,7 +117,8 @@ def behaviour(
 def lock(run: str, out: str | None = None, other_limit: int = 64, harden: bool = True,
          max_new_tokens: int = 24, neighbours: list[str] | None = None, neighbour_tolerance: float = NEIGHBOUR_TOLERANCE,
          batch_size: int = 16, device: str = "auto", dtype: DTypeName = "auto",
-         capability_tasks: list[str] | None = None, capability_limit: int | None = None) -> dict:
+         capability_tasks: list[str] | None = None, capability_limit: int | None = None,
+         paraphrases: bool = True) -> dict:
     """Lock evaluation of a gated run: accuracy and retain measures for base, open, locked (hooks),
     published_locked (weights) and unlocked (keys applied), for the gated behaviours, their neighbours (with the
     share of answers that are the locked response) and far built-in behaviours, and whether the lock holds on these
@@ -138,6 +140,8 @@ def lock(run: str, out: str | None = None, other_limit: int = 64, harden: bool =
             ``capability`` (state -> task -> headline metric, standard error, items). Default: none. Needs lm-eval:
             pip install 'modular[capability]'.
         capability_limit: Items scored per capability task (default: all).
+        paraphrases: Also score each gated built-in behaviour's held-out paraphrase sets (other wordings, other
+            question forms, other languages; never trained on) in every state, beside the test split.
     """
     r = read_run(run)
     suite = None
@@ -162,7 +166,8 @@ def lock(run: str, out: str | None = None, other_limit: int = 64, harden: bool =
                              locked_responses=r.record.get("locked_responses"), neighbours=named,
                              trained_neighbours=list(trained), batch_size=batch_size,
                              neighbour_tolerance=neighbour_tolerance, capability=suite,
-                             capability_limit=capability_limit)
+                             capability_limit=capability_limit, paraphrases=paraphrases)
+        _log_paraphrases_and_kind(report)
         if report.neighbour_shifts:
             log.warning("neighbours moved more than %.0f points from base: %s", 100 * neighbour_tolerance,
                         "; ".join(x.text() for x in report.neighbour_shifts))
@@ -175,12 +180,25 @@ def lock(run: str, out: str | None = None, other_limit: int = 64, harden: bool =
         report = replace(report, run=str(run), model=r.model_name, step=step,  # the checkpoint step it describes
                          dtype=dtype_name(model_dtype(open_model)), lock_held_out=held_out,
                          lock_in_training=TrainingVerdict(verified, why))
+        report.extra["lock_kinds"] = {b: k.to_json() for b, k in lock_kinds(report).items()}
         report.write(out_dir / LOCK_REPORT)
         fig = plot_lock(report, out_dir / LOCK_FIGURE)
         log_to_wandb(out_dir, "evaluate-lock", report.to_json(), config={"run": str(run)}, figures={"lock": fig},
                      training=training_wandb_run(run))
         log.info("wrote %s and %s", out_dir / LOCK_REPORT, fig)
         return report.to_json()
+
+
+def _log_paraphrases_and_kind(report) -> None:
+    """One line per held-out paraphrase set (its accuracy in each state), and one per behaviour saying which kind of
+    lock it is from what this report measured."""
+    states = list(report.states)
+    for key in report.states["base"].paraphrases if "base" in report.states else ():
+        log.info("paraphrases %-22s %s", key, " | ".join(
+            f"{s} {report.states[s].paraphrases[key].accuracy:.3f}" for s in states
+            if key in report.states[s].paraphrases))
+    for kind in lock_kinds(report).values():
+        log.info("%s", kind.text())
 
 
 def attack(model: str, behaviours: list[str] | None = None, attacks: list[str] = DEFAULT_ATTACKS,
@@ -266,6 +284,10 @@ def attack(model: str, behaviours: list[str] | None = None, attacks: list[str] =
         ctx = _attack_context(b, source, folder, manifest, progress, locked, base, tokenizer, retain, options, limit,
                               seed, batch_size)
         report.behaviours[b] = _attack_entry(ctx, chosen, baselines)
+    kinds = lock_kinds(None, report)  # which kind of lock each is, from these figures
+    report.extra["lock_kinds"] = {b: k.to_json() for b, k in kinds.items()}
+    for kind in kinds.values():
+        log.info("%s", kind.text())
     report.write(out_dir / ATTACK_REPORT)
     progress.finish()
     fig = plot_attack(report, out_dir / ATTACK_FIGURE, chosen)

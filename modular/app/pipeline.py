@@ -19,8 +19,9 @@ from modular.app.train import planned_run
 from modular.data import parse_behaviour
 from modular.evaluation.attacks import default_attacks
 from modular.identity import identity_differences
+from modular.lock_kind import lock_kinds
 from modular.models.names import DTypeName
-from modular.publish import key_path, keys_folder_for, read_manifest
+from modular.publish import key_path, keys_folder_for, read_manifest, record_lock_kinds
 from modular.reports import AttackReport, LockReport
 from modular.runs import (
     LOCK_FIGURE,
@@ -173,6 +174,9 @@ def run_pipeline(config: str | None = None, out: str | None = None, skip_attack:
         attack(model=str(published), behaviours=[f"{b}={s}" if s != b else b for b, s in sources.items()],
                out=str(out_dir / ATTACK), base=run.model_name, device=device, dtype=dtype, seeds=[0],
                relearn_steps=16, prune=True)
+        # the card says what kind of lock it is, now from the attack's figures too
+        record_lock_kinds(published, lock_kinds(LockReport.read(run_dir / LOCK_REPORT),
+                                                AttackReport.read(out_dir / ATTACK / ATTACK_REPORT)))
     return summarise(run_dir, out_dir)
 
 
@@ -209,8 +213,9 @@ def summarise(run_dir: Path, out_dir: Path) -> dict:
     lines.append(f"published vs hook-locked max |Δlogit|: {ex['published_vs_hook_locked_max_abs_logit_diff']:.2e}; "
                  f"unlocked vs open max |Δw|: {ex['unlocked_vs_open_max_abs_weight_diff']:.2e}")
     attack_path = out_dir / ATTACK / ATTACK_REPORT
-    if attack_path.is_file():
-        attack = AttackReport.read(attack_path)
+    attack = AttackReport.read(attack_path) if attack_path.is_file() else None
+    lines += [kind.text() for kind in lock_kinds(lock, attack).values()]  # which kind of lock, from these figures
+    if attack is not None:
         for b, entry in attack.behaviours.items():
             # each attack the report holds says its result: one line for those without sweeps, one per sweep
             r = entry.to_json()  # the row, as each attack reads its entry back

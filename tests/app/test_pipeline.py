@@ -118,9 +118,9 @@ def test_the_summary_names_every_sweeps_worst_case(tmp_path, capsys):
     state = {"behaviours": {"capitals": {"accuracy": 0.5}}, "retain_first_token_kl": 0.01, "perplexity_ratio": 1.0}
     state.update(neighbours={"continents": {"accuracy": 0.643}, "currencies": {"accuracy": 0.1}}, retain_refusal_rate=0.0)
     (tmp_path / "lock.json").write_text(json.dumps({
-        "gated": ["capitals"], "states": {"open": state}, "neighbours": ["continents", "currencies"],
+        "gated": ["capitals"], "states": {"base": state, "open": state}, "neighbours": ["continents", "currencies"],
         "lock_held_out": {"held": False, "failing": ["capitals locked accuracy 0.62 > 0.05"]},
-        "neighbours_trained": ["continents"], "neighbours_max_refusal_rate": {"open": 0.0},
+        "neighbours_trained": ["continents"], "neighbours_max_refusal_rate": {"base": 0.0, "open": 0.0},
         "neighbour_tolerance": 0.03, "neighbour_shifts": [{"state": "open", "neighbour": "continents", "change": -3 / 42,
                                                            "lost": 3, "gained": 0, "n": 42, "p_value": 0.25}],
         "exactness": {"published_vs_hook_locked_max_abs_logit_diff": 1e-5, "unlocked_vs_open_max_abs_weight_diff": 0}}))
@@ -149,6 +149,9 @@ def test_the_summary_names_every_sweeps_worst_case(tmp_path, capsys):
     assert "gated (c) relearning: worst case over 36 settings, steps to 50% / 90% of open: 1 / 3" in text
     assert "gated (d) neutral: worst case over 6 settings, steps to 50% / 90% of open: >16 / >16" in text
     assert "refusal baseline (c) relearning: worst case over 36 settings, steps to 50% / 90% of open: 2 / 4" in text
+    # which kind of lock, from these figures: the base answers half, fine-tuning restores it in one step
+    assert ("capitals: a switch, not a barrier: the base model, which anyone can download, answers 50% of the held-out "
+            "items; fine-tuning restored half the open accuracy in 1 step; re-quantisation: not measured") in text
 
 
 
