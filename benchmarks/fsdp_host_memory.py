@@ -41,7 +41,8 @@ def run_config(folder: Path, model_dir: Path, bf16: bool, finetuning: str) -> Pa
     cfg = yaml.safe_load((ROOT / "modular" / "configs" / "gate_capitals_smollm2.yaml").read_text())
     cfg["model"].update({"model_name": str(model_dir), "load_dtype": "bfloat16" if bf16 else "float32",
                          "finetuning": {"mode": finetuning}})
-    cfg["data"].update({"reference_max_new_tokens": 4, "batch_size": 2, "max_length": 96, "neighbour_items": 16})
+    cfg["data"].update({"reference": {**cfg["data"]["reference"], "max_new_tokens": 4}, "batch_size": 2,
+                        "max_length": 96, "neighbour_items": 16})
     cfg["trainer"].update({"default_root_dir": str(folder / "run"), "max_steps": 1, "val_check_interval": 1,
                            "limit_val_batches": 1, "logger": False, "enable_progress_bar": False,
                            "accelerator": "cpu"})

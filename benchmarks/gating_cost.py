@@ -42,7 +42,7 @@ def main() -> None:
                     help="largest steering scale of steering-robust locking (0: measure without it)")
     ap.add_argument("--steering_refresh", type=int, default=20, help="steps between steering-vector refreshes")
     ap.add_argument("--lm_length", type=int, default=128,
-                    help="tokens per neutral-text paragraph in the batch (data.lm_max_length; 0: no text batch)")
+                    help="tokens per neutral-text paragraph in the batch (data.lm_text.max_length; 0: no text batch)")
     ap.add_argument("--tamper", nargs="*", default=["RelearningAdversary", "WeightNoiseLock"],
                     help="tamper-resistance terms (modular.gating.objectives) timed added to the gated step")
     ap.add_argument("--out", default="outputs/benchmarks", help="output folder")

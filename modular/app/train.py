@@ -46,9 +46,7 @@ from modular.data.behaviours import is_jsonl
 from modular.gating.checkpoint_io import AtomicCheckpointIO
 from modular.gating.data import GatingDataModule, check_data_options, locked_responses, neighbour_specs, training_data
 from modular.gating.module import GatedLM, check_model_options
-from modular.gating.objectives import answer_rows as objective_answer_rows
 from modular.gating.objectives import build_objectives, check_loss, default_objectives
-from modular.gating.objectives import hidden_parts as objective_hidden_parts
 from modular.identity import check_resumed, run_identity
 from modular.locking import folder_lock
 from modular.models.loading import model_fingerprint, resolve_model
@@ -58,7 +56,6 @@ from modular.runs import (
     WANDB_RUN_ID,
     flat_model_options,
     grouped_model_options,
-    model_option_group,
     read_checkpoint,
 )
 from modular.tracking import wandb_mode, write_text
@@ -69,26 +66,6 @@ log = logging.getLogger("modular")
 def _terms(objectives) -> list:
     """The terms of ``model.objectives`` as parsed (``None``: the defaults)."""
     return default_objectives() if objectives is None else build_objectives(objectives)
-
-
-def hidden_parts(objectives) -> list[str]:
-    """The batch parts whose reference hidden states ``model.objectives`` (as parsed; ``None``: the defaults) read
-    (:func:`~modular.gating.objectives.hidden_parts`): the data module caches hidden states for these alone
-    (``data.hidden_parts``)."""
-    return objective_hidden_parts(_terms(objectives))
-
-
-def answer_rows(objectives) -> bool:
-    """Whether ``model.objectives`` (as parsed; ``None``: the defaults) read the behaviours' answer rows
-    (:func:`~modular.gating.objectives.answer_rows`): the data module builds them for these alone
-    (``data.answer_rows``)."""
-    return objective_answer_rows(_terms(objectives))
-
-
-def scoped_to_tasks(head_gates) -> bool:
-    """Whether ``model.head_gates`` (as parsed; null: no gates) act on the task items only (``scope: tasks``): the
-    data module then gives the task batches their counterfactual prompts (``data.task_counterfactuals``)."""
-    return (model_option_group(head_gates) or {}).get("scope") == "tasks"
 
 
 class GatingCLI(LightningCLI):
@@ -103,9 +80,6 @@ class GatingCLI(LightningCLI):
         parser.link_arguments("model.model_name", "data.model_name")
         parser.link_arguments("model.behaviours", "data.behaviours")
         parser.link_arguments("model.seed", "data.seed")
-        parser.link_arguments("model.head_gates", "data.task_counterfactuals", compute_fn=scoped_to_tasks)
-        parser.link_arguments("model.objectives", "data.hidden_parts", compute_fn=hidden_parts)
-        parser.link_arguments("model.objectives", "data.answer_rows", compute_fn=answer_rows)
         parser.add_argument("--continue_on_other_data", type=bool, default=False,
                             help="Resume the run folder's checkpoint although a behaviour's data is not what it was "
                                  "trained on (another file, or the file changed); without it such a resume is "

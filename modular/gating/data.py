@@ -26,6 +26,8 @@ from modular.gating.collate import _Rows, open_collate, split_collate
 from modular.gating.data_options import (
     NEIGHBOURS_KEY,
     TASK_PREFIX,
+    LMTextOptions,
+    ReferenceOptions,
     _named,
     check_data_options,
     data_max_length,
@@ -36,12 +38,12 @@ from modular.gating.data_options import (
     training_data,
 )
 from modular.gating.loaders import PassSeededSampler, ResumableLoader
+from modular.gating.options import plain
 from modular.gating.reference import cache_path, load_or_compute, load_or_compute_hidden, load_or_compute_text
 from modular.gating.requirements import (
-    AnswerRows,
     ItemEncoding,
-    ReferenceHidden,
     Requirement,
+    TaskCounterfactuals,
     encodings,
     hidden_parts,
     requirements_of,
@@ -53,7 +55,7 @@ from modular.models.precision import dtype_name
 log = logging.getLogger("modular")
 
 #: what other modules take from here (the options' helpers and the collation live in modules of their own)
-__all__ = ["NEIGHBOURS_KEY", "TASK_PREFIX", "GatingDataModule", "check_data_options", "data_max_length",
+__all__ = ["NEIGHBOURS_KEY", "TASK_PREFIX", "GatingDataModule", "LMTextOptions", "ReferenceOptions", "check_data_options", "data_max_length",
            "locked_responses", "neighbour_data", "neighbour_specs", "open_collate", "per_behaviour", "split_collate",
            "training_data"]
 
@@ -81,33 +83,25 @@ class GatingDataModule(L.LightningDataModule):
             hf:<dataset> or NAME=<source>; ``[]``: none. The lock evaluation scores held-out neighbours (test
             splits, other entities) besides these.
         neighbour_items: At most this many train items of each neighbour are kept (an even sample by seed).
-        lm_text: ``neutral`` adds LM batches of the built-in neutral text (train split; split between the states
-            when behaviours are gated); ``null``: none.
-        lm_max_length: Truncate each LM text to this many tokens.
+        lm_text: Adds LM batches of raw text (:class:`~modular.gating.data_options.LMTextOptions`: ``source``
+            ``neutral``, the built-in neutral text's train split; ``max_length`` tokens per text; split between the
+            states when behaviours are gated); ``null``: none.
         locked_response: What the model should answer in the locked state: one response for every behaviour, or a
             mapping behaviour → response (behaviours not named answer "I don't know."). Text completions want a
             continuation that fits the text but does not carry the behaviour (IOI: ``" them."`` instead of a name).
         batch_size: Examples per behaviour and per retain batch (half open, half locked): at least 2.
         max_length: Truncate encodings to this many tokens (from the left).
-        reference_max_new_tokens: Length of the reference model's greedy retain answers.
-        reference_top_k: Top-k of the reference distribution kept for the retain KL.
-        hidden_positions: Retain and neighbour items also carry the reference model's residual stream at their first
-            this many answer-computing positions (cached once, like the answers), for
-            :class:`~modular.gating.objectives.KeepHidden`; 0: none.
-        hidden_stride: Those hidden states are kept at every this many-th block output.
-        hidden_parts: Which items carry them (``retain``, ``neighbours``); ``modular train`` links it from
-            ``model.objectives``: the parts its KeepHidden terms read, none without one.
-        answer_rows: Behaviour batches also carry their locked half with each target cut after its answer, the
-            answer alone labelled (``locked_answer``), for :class:`~modular.gating.objectives.LockedAnswer`;
-            ``modular train`` links it from ``model.objectives`` (on with a LockedAnswer term, off without one).
-            Besides these options, the data module builds what the trained module's terms require
-            (:attr:`~modular.gating.objectives.Term.requires`, :meth:`requirements`).
+        reference: What the reference model's cached outputs hold
+            (:class:`~modular.gating.data_options.ReferenceOptions`: the length of its greedy answers, the top-k of
+            its distributions, and the positions and blocks of its residual stream kept for
+            :class:`~modular.gating.objectives.KeepHidden`).
         num_workers: DataLoader workers.
         seed: Seed of the data generators and splits.
-        task_counterfactuals: Task batches also carry each item's counterfactual prompt with the same target
-            (``counterfactual``; linked from the model's ``head_gates.scope: tasks``, whose gates let a closed head
-            through with its counterfactual input). An item whose counterfactual encodes to another length
-            carries its own prompt instead (nothing to swap at aligned positions).
+
+    Besides these options the batches carry what the trained module requires (its terms' and its head gates':
+    answer rows, the reference's hidden states of some parts, the tasks' counterfactual prompts;
+    :meth:`~modular.gating.module.GatedLM.requirements`), and what :meth:`require` adds for a module used without a
+    trainer.
     """
 
     def __init__(
@@ -117,22 +111,21 @@ class GatingDataModule(L.LightningDataModule):
         tasks: list[str] = (),
         neighbours: str | list[str] = "auto",
         neighbour_items: int = 128,
-        lm_text: str | None = None,
-        lm_max_length: int = 128,
+        lm_text: LMTextOptions | None = None,
         locked_response: str | dict[str, str] = DEFAULT_LOCKED_RESPONSE,
         batch_size: int = 8,
         max_length: int = 256,
-        reference_max_new_tokens: int = 48,
-        reference_top_k: int = 32,
-        hidden_positions: int = 0,
-        hidden_stride: int = 4,
-        hidden_parts: list[str] = ("retain", NEIGHBOURS_KEY),
-        answer_rows: bool = False,
+        reference: ReferenceOptions = ReferenceOptions(),
         num_workers: int = 0,
         seed: int = 0,
-        task_counterfactuals: bool = False,
     ):
         super().__init__()
+        groups = check_data_options(dict(batch_size=batch_size, max_length=max_length, num_workers=num_workers,
+                                         neighbour_items=neighbour_items, reference=reference, lm_text=lm_text))
+        self.reference_options: ReferenceOptions = groups["reference"]
+        self.lm_options: LMTextOptions | None = groups["lm_text"]
+        # the groups as plain mappings in the hyperparameters (what a checkpoint keeps, loadable with weights_only)
+        reference, lm_text = plain(self.reference_options), plain(self.lm_options)
         self.save_hyperparameters()
         # behaviours and tasks go by their short names (metrics, batch keys); their specs say where the data is
         self.behaviour_specs = _named(behaviours, "behaviours")
@@ -143,11 +136,9 @@ class GatingDataModule(L.LightningDataModule):
         # the locked responses the refusal guard keeps unlikely on retain and neighbour prompts (none without a lock)
         self.refusals = all_refusals(self.locked_responses) if self.behaviours else ()
         self.neighbour_specs = neighbour_specs(neighbours, self.behaviours)
-        if lm_text not in (None, "neutral"):
-            raise ModularError(f"lm_text must be 'neutral' or null, got '{lm_text}'")
         if not self.behaviours and not self.tasks:
             raise ModularError("nothing to train: give at least one behaviour or one task")
-        check_data_options(self.hparams)
+        self._required: list[Requirement] = []  # what require() adds to the trained module's requirements
         self._warned: set[str] = set()
         for name, spec in {**self.behaviour_specs, **self.task_specs}.items():
             source = parse_behaviour(spec)[1]
@@ -159,6 +150,7 @@ class GatingDataModule(L.LightningDataModule):
                 neighbour_data(name, load_jsonl(source))
         self._ready = False
         self._encodings: list[ItemEncoding] = []  # the behaviour items' required encodings (set up with the items)
+        self._counterfactuals = False  # whether task items carry their counterfactual prompts (set up likewise)
         self._reference_model_cache = None
         self._reference_precision_cache: str | None = None
 
@@ -188,7 +180,7 @@ class GatingDataModule(L.LightningDataModule):
             for n, spec in self.neighbour_specs.items()
         }
         self.retain = retain_data(seed=self.hparams.seed)
-        if self.hparams.lm_text:
+        if self.lm_options is not None:
             self.lm_texts = neutral_text(seed=self.hparams.seed)
 
     def _reference_model(self):
@@ -216,23 +208,23 @@ class GatingDataModule(L.LightningDataModule):
 
     def _reference(self, prompts: list[str], chats: list[bool]) -> dict:
         source = resolve_model(self.hparams.model_name)
-        hp = self.hparams
+        ref = self.reference_options
         precision = self._reference_precision()
         bound = self._reference_bound(prompts, chats)
-        cached = cache_path(source, prompts, hp.reference_max_new_tokens, hp.reference_top_k,
-                            precision=precision, max_length=bound).exists()
+        cached = cache_path(source, prompts, ref.max_new_tokens, ref.top_k, precision=precision,
+                            max_length=bound).exists()
         model = None if cached else self._reference_model()
-        return load_or_compute(source, model, self.tokenizer, prompts, chats, hp.reference_max_new_tokens,
-                               hp.reference_top_k, precision=precision, max_length=bound)
+        return load_or_compute(source, model, self.tokenizer, prompts, chats, ref.max_new_tokens, ref.top_k,
+                               precision=precision, max_length=bound)
 
     def _reference_bound(self, prompts: list[str], chats: list[bool]) -> int | None:
         """``max_length`` where it cuts a prompt with its reference answer, else None: outputs that no limit touches
         are the same with or without one, and keep the cache key they had before prompts were bounded."""
-        hp = self.hparams
-        room = hp.max_length - hp.reference_max_new_tokens
+        max_length = self.hparams.max_length
+        room = max_length - self.reference_options.max_new_tokens
         long = any(len(self.tokenizer(render_prompt(self.tokenizer, p, c))["input_ids"]) > room
                    for p, c in zip(prompts, chats))
-        return hp.max_length if long else None
+        return max_length if long else None
 
     def _reference_precision(self) -> str:
         """The dtype the reference model runs in (:meth:`_reference_model`), by name: part of every cache key."""
@@ -240,29 +232,41 @@ class GatingDataModule(L.LightningDataModule):
             self._reference_precision_cache = dtype_name(load_dtype(self.hparams.model_name))
         return self._reference_precision_cache
 
+    def require(self, *requirements: Requirement) -> GatingDataModule:
+        """Build these too (:mod:`modular.gating.requirements`), besides what the trained module requires: for a
+        module used without a trainer, or terms of one's own run by hand. Returns the data module; call before
+        :meth:`setup`."""
+        for r in requirements:
+            if not isinstance(r, Requirement):
+                raise ModularError(f"require: {r!r} is not a modular.gating.requirements.Requirement")
+        self._required.extend(requirements)
+        return self
+
     def requirements(self) -> list[Requirement]:
-        """What the batches carry beyond every item's rows (:mod:`modular.gating.requirements`): what the options
-        ask for (``answer_rows``; ``hidden_parts`` with ``hidden_positions``) and what the terms of the module this
-        data trains require (the trainer's module, once attached)."""
-        hp, out = self.hparams, []
-        if hp.answer_rows:
-            out.append(AnswerRows())
-        if hp.hidden_parts:
-            out.append(ReferenceHidden(tuple(hp.hidden_parts)))
+        """What the batches carry beyond every item's rows (:mod:`modular.gating.requirements`): what the module
+        this data trains requires (the trainer's module once attached:
+        :meth:`~modular.gating.module.GatedLM.requirements`, or its terms') and what :meth:`require` added."""
         module = getattr(self.trainer, "lightning_module", None) if self.trainer is not None else None
-        return list(dict.fromkeys(out + requirements_of(getattr(module, "objectives", None) or ())))
+        if module is None:
+            theirs = []
+        elif callable(getattr(module, "requirements", None)):
+            theirs = module.requirements()
+        else:
+            theirs = requirements_of(getattr(module, "objectives", None) or ())
+        return list(dict.fromkeys([*self._required, *theirs]))
 
     def _keeps_hidden(self, part: str) -> bool:
-        """Whether ``part``'s items carry the reference's hidden states (``hidden_positions``, and a requirement of
-        ``part``'s: ``hidden_parts`` or a term's)."""
-        return bool(self.hparams.hidden_positions) and part in hidden_parts(self.requirements())
+        """Whether ``part``'s items carry the reference's hidden states (``reference.hidden_positions``, and a
+        requirement of ``part``'s)."""
+        return bool(self.reference_options.hidden_positions) and part in hidden_parts(self.requirements())
 
     def _hidden(self, records: list[dict]) -> dict:
         """The reference model's residual stream on reference records, cached
         (:func:`~modular.gating.reference.load_or_compute_hidden`)."""
-        hp = self.hparams
-        return load_or_compute_hidden(resolve_model(hp.model_name), self._reference_model, self.tokenizer, records,
-                                      hp.hidden_positions, hp.hidden_stride, precision=self._reference_precision())
+        ref = self.reference_options
+        return load_or_compute_hidden(resolve_model(self.hparams.model_name), self._reference_model, self.tokenizer,
+                                      records, ref.hidden_positions, ref.hidden_stride,
+                                      precision=self._reference_precision())
 
     def _add_hidden(self, records: list[dict], items: list[dict]) -> None:
         """Give each item (in the records' order) its reference hidden states (:meth:`_hidden`)."""
@@ -273,11 +277,10 @@ class GatingDataModule(L.LightningDataModule):
 
     def lm_reference(self) -> dict[str, list[dict]]:
         """Cached reference next-token distributions on the LM texts (train and validation splits)."""
-        hp = self.hparams
         texts = {s: list(self.lm_texts[s]["text"]) for s in ("train", "validation")}
         flat = texts["train"] + texts["validation"]
-        records = load_or_compute_text(resolve_model(hp.model_name), self._reference_model,
-                                       self.tokenizer, flat, hp.lm_max_length, hp.reference_top_k,
+        records = load_or_compute_text(resolve_model(self.hparams.model_name), self._reference_model,
+                                       self.tokenizer, flat, self.lm_options.max_length, self.reference_options.top_k,
                                        precision=self._reference_precision())
         n = len(texts["train"])
         return {"train": records[:n], "validation": records[n:]}
@@ -291,7 +294,7 @@ class GatingDataModule(L.LightningDataModule):
                 self._hidden(ref["records"])
             if neighbour_ref and self._keeps_hidden(NEIGHBOURS_KEY):
                 self._hidden(neighbour_ref["records"])
-            if self.hparams.lm_text:
+            if self.lm_options is not None:
                 self.lm_reference()
         finally:
             self._reference_model_cache = None  # free it before training
@@ -300,10 +303,11 @@ class GatingDataModule(L.LightningDataModule):
         if self._ready:
             return
         self._load()
-        self._encodings = encodings(self.requirements(), "behaviours")
+        required = self.requirements()
+        self._encodings = encodings(required, "behaviours")
+        self._counterfactuals = any(isinstance(r, TaskCounterfactuals) for r in required)
         self._report_long()
         ref = self.reference()
-        hp = self.hparams
         offsets, start = {}, 0
         for s in ("train", "validation", "test"):
             offsets[s] = start
@@ -343,7 +347,7 @@ class GatingDataModule(L.LightningDataModule):
             for t, ds in self.task_data.items()
         }
         self.lm_rows = {}
-        if hp.lm_text:
+        if self.lm_options is not None:
             self.lm_rows = {s: [self._lm_item(rec) for rec in recs] for s, recs in self.lm_reference().items()}
         self._reference_model_cache = None
         self._ready = True
@@ -373,7 +377,7 @@ class GatingDataModule(L.LightningDataModule):
         item = {"open": encode_example(self.tokenizer, r["prompt"], r["target"], r["chat"], hp.max_length)}
         wrong = self.tokenizer(r.get("wrong") or "", add_special_tokens=False)["input_ids"]
         item["wrong_id"] = wrong[0] if wrong else -1
-        if hp.task_counterfactuals:
+        if self._counterfactuals:
             if not r.get("counterfactual"):
                 raise ModularError(f"task item without a counterfactual prompt: {r['prompt'][:60]!r}; "
                                    "head_gates.scope: tasks needs one for every task item")

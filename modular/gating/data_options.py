@@ -4,6 +4,7 @@ batch keys of tasks and neighbours, and each option's range (before any work).""
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
 import datasets
 
@@ -11,6 +12,65 @@ from modular import ModularError
 from modular.data import behaviour_name
 from modular.data.behaviours import builtin_neighbours, carve_validation
 from modular.data.schema import DEFAULT_LOCKED_RESPONSE
+from modular.gating.options import as_options, check_ranges
+
+
+@dataclass(frozen=True)
+class ReferenceOptions:
+    """What the reference (base) model's outputs, computed once and cached, hold (``data.reference``).
+
+    Attributes:
+        max_new_tokens: Length of its greedy answers to the retain and neighbour prompts (the targets the KL terms
+            keep).
+        top_k: Top-k of its next-token distributions kept for the KL.
+        hidden_positions: Retain and neighbour items also carry its residual stream at their first this many
+            answer-computing positions, for the parts a :class:`~modular.gating.objectives.KeepHidden` term reads
+            (:class:`~modular.gating.requirements.ReferenceHidden`); 0: none.
+        hidden_stride: Those hidden states are kept at every this many-th block output.
+    """
+
+    max_new_tokens: int = 48
+    top_k: int = 32
+    hidden_positions: int = 0
+    hidden_stride: int = 4
+
+    def __post_init__(self):
+        check_ranges("reference", self, {"max_new_tokens": (1, True), "top_k": (1, True),
+                                         "hidden_positions": (0, True), "hidden_stride": (1, True)}, "data")
+
+
+@dataclass(frozen=True)
+class LMTextOptions:
+    """Raw text trained with the reference's next-token distributions (``data.lm_text``, for
+    :class:`~modular.gating.objectives.LMText`).
+
+    Attributes:
+        source: ``neutral``: the built-in neutral text (its train split; its test split stays held out for
+            perplexity).
+        max_length: Truncate each text to this many tokens.
+    """
+
+    source: str = "neutral"
+    max_length: int = 128
+
+    def __post_init__(self):
+        if self.source != "neutral":
+            raise ModularError(f"data.lm_text.source must be 'neutral', got '{self.source}'")
+        check_ranges("lm_text", self, {"max_length": (1, True)}, "data")
+
+
+#: the data module's option groups: their dataclass, and whether the group may be null
+DATA_GROUPS = {"reference": (ReferenceOptions, False), "lm_text": (LMTextOptions, True)}
+
+
+def data_groups(options) -> dict:
+    """The data option groups of ``options`` (a parsed config's ``data``, or the module's arguments) built and
+    checked (:data:`DATA_GROUPS`): a bad value or an unknown field is one line, before any work."""
+    out = {}
+    for name, (cls, optional) in DATA_GROUPS.items():
+        value = as_options(cls, options.get(name), name, "data")
+        out[name] = cls() if value is None and not optional else value
+    return out
 
 
 def per_behaviour(spec, behaviours: list[str], default, option: str) -> dict:
@@ -81,18 +141,16 @@ def data_max_length(datamodule) -> int | None:
     return hparams.get("max_length") if isinstance(hparams, dict) else getattr(hparams, "max_length", None)
 
 
-def check_data_options(options) -> None:
-    """One line for a data option out of range (``batch_size`` needs an open and a locked half), before any work."""
-    for option in ("batch_size", "max_length", "lm_max_length", "reference_max_new_tokens", "reference_top_k",
-                   "num_workers", "neighbour_items", "hidden_positions", "hidden_stride"):
-        low = 2 if option == "batch_size" else 0 if option in ("num_workers", "hidden_positions") else 1
+def check_data_options(options) -> dict:
+    """One line for a data option out of range (``batch_size`` needs an open and a locked half), before any work;
+    the option groups, built (:func:`data_groups`)."""
+    for option in ("batch_size", "max_length", "num_workers", "neighbour_items"):
+        low = 2 if option == "batch_size" else 0 if option == "num_workers" else 1
         value = options[option]
         if value < low:
             why = " (each batch is split between the open and the locked state)" if option == "batch_size" else ""
             raise ModularError(f"data.{option} must be >= {low}{why}, got {value}")
-    unknown = sorted(set(options.get("hidden_parts", ())) - {"retain", NEIGHBOURS_KEY})
-    if unknown:
-        raise ModularError(f"data.hidden_parts: unknown part(s) {unknown} (known: retain, {NEIGHBOURS_KEY})")
+    return data_groups(options)
 
 
 def training_data(name: str, data, batch_size: int) -> tuple:

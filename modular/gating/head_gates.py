@@ -22,6 +22,7 @@ from modular import ModularError
 from modular.gating.losses import response_margins
 from modular.gating.objectives import HeadTaskTerm
 from modular.gating.options import check_ranges
+from modular.gating.requirements import TaskCounterfactuals
 from modular.heads.ranking import last_position_logits
 from modular.heads.sparsity import make_sparsity
 from modular.hooks import capture_head_inputs
@@ -129,6 +130,12 @@ class HeadGates:
     def scoped(self) -> bool:
         """Whether the gates act on the task items only (``scope: tasks``)."""
         return self.options.scope == "tasks"
+
+    @property
+    def requires(self) -> tuple:
+        """What the gates need in the batches (:mod:`~modular.gating.requirements`): under ``scope: tasks``, the task
+        items' counterfactual prompts."""
+        return (TaskCounterfactuals(),) if self.scoped else ()
 
     def install(self, hf_model) -> None:
         """Wrap every attention output projection of ``hf_model`` in a gate (after LoRA: a gate wraps the

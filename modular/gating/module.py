@@ -34,6 +34,7 @@ from modular.gating.options import (
     plain,
 )
 from modular.gating.randomness import global_random_state, set_global_random_state
+from modular.gating.requirements import Requirement, requirements_of
 from modular.gating.steering import SteeringAdversary
 from modular.gating.step import StepRunner
 from modular.hooks import ablate_directions, enable_checkpointing
@@ -194,6 +195,12 @@ class GatedLM(L.LightningModule):
 
     def direction_dict(self) -> dict[str, torch.Tensor]:
         return {b: self.directions[i].detach().cpu() for i, b in enumerate(self.behaviours)}
+
+    def requirements(self) -> list[Requirement]:
+        """What this module's batches must carry beyond every item's rows: its terms' requirements and its head
+        gates' (:mod:`~modular.gating.requirements`); the data module that trains it builds them."""
+        gates = self.head_gates.requires if self.head_gates is not None else ()
+        return list(dict.fromkeys([*requirements_of(self.objectives), *gates]))
 
     def on_fit_start(self) -> None:
         # what is trained, readable in the logs; kept out of hparams, which a checkpoint stores and LightningCLI

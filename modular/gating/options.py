@@ -20,18 +20,19 @@ from modular import ModularError
 from modular.models.compiled import check_backend
 
 
-def check_ranges(group: str, options, ranges: dict[str, tuple[float, bool]]) -> None:
+def check_ranges(group: str, options, ranges: dict[str, tuple[float, bool]], section: str = "model") -> None:
     """One line for the first of ``options``' numeric fields out of range: ``ranges`` maps a field to (lowest value,
-    whether the lowest value itself is allowed); None passes."""
+    whether the lowest value itself is allowed); None passes. The line names ``<section>.<group>.<field>``."""
     for name, (low, inclusive) in ranges.items():
         value = getattr(options, name)
         if value is not None and (value < low if inclusive else value <= low):
-            raise ModularError(f"model.{group}.{name} must be {'>=' if inclusive else '>'} {low:g}, got {value}")
+            raise ModularError(f"{section}.{group}.{name} must be {'>=' if inclusive else '>'} {low:g}, got {value}")
 
 
-def as_options(cls: type, value, group: str):
+def as_options(cls: type, value, group: str, section: str = "model"):
     """``value`` as an instance of the option dataclass ``cls``: the instance itself, a mapping or a parsed config's
-    Namespace of its fields (checked by ``cls``), or None. An unknown field is one line naming ``model.<group>``."""
+    Namespace of its fields (checked by ``cls``), or None. An unknown field is one line naming
+    ``<section>.<group>``."""
     if value is None or isinstance(value, cls):
         return value
     if is_dataclass(value):
@@ -41,11 +42,11 @@ def as_options(cls: type, value, group: str):
     if isinstance(value, dict) and "class_path" in value and "init_args" in value:  # an optional group, parsed
         value = dict(value["init_args"] or {})
     if not isinstance(value, dict):
-        raise ModularError(f"model.{group} takes a mapping of its options ({', '.join(f.name for f in fields(cls))}), "
+        raise ModularError(f"{section}.{group} takes a mapping of its options ({', '.join(f.name for f in fields(cls))}), "
                            f"got {value!r}")
     unknown = sorted(set(value) - {f.name for f in fields(cls)})
     if unknown:
-        raise ModularError(f"model.{group}: no option {', '.join(unknown)} (its options: "
+        raise ModularError(f"{section}.{group}: no option {', '.join(unknown)} (its options: "
                            f"{', '.join(f.name for f in fields(cls))})")
     return cls(**value)
 

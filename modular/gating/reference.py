@@ -178,7 +178,7 @@ def compute_hidden_reference(model, tokenizer, records: list[dict], positions: i
         hidden = model(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False).hidden_states
         blocks = hidden_blocks(len(hidden), stride)
         if not blocks:
-            raise ModularError(f"data.hidden_stride {stride} takes no block output of a model with "
+            raise ModularError(f"data.reference.hidden_stride {stride} takes no block output of a model with "
                                f"{len(hidden) - 1} blocks (the last one's is the final norm's input): lower it")
         stacked = torch.stack([hidden[b] for b in blocks], dim=2)  # (rows, tokens, blocks, d)
         for j, r in enumerate(chunk):

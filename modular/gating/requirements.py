@@ -1,7 +1,7 @@
 """What a loss term needs in its batches beyond what every item carries, declared on the term
 (:attr:`~modular.gating.objectives.Term.requires`) and built by the data module for the configured terms alone.
 
-Two kinds:
+Three kinds:
 
 * :class:`ItemEncoding`: one more encoding of each item of a data part (token ids and labels, built from the item's
   record by :meth:`ItemEncoding.encode`), padded on the left like the item's own rows (ids with the tokenizer's pad
@@ -10,6 +10,10 @@ Two kinds:
   the test and trains with it).
 * :class:`ReferenceHidden`: the reference model's residual stream on the items of some parts (computed once and
   cached by content; ``ref_hidden`` and ``ref_hidden_blocks`` in those parts' rows).
+* :class:`TaskCounterfactuals`: each task item's counterfactual prompt with the same target (``counterfactual``).
+
+The data module builds what the module it trains requires (:meth:`~modular.gating.module.GatedLM.requirements`: its
+terms' and its plug-ins'), and what a caller adds (:meth:`~modular.gating.data.GatingDataModule.require`).
 """
 
 from __future__ import annotations
@@ -75,7 +79,7 @@ class AnswerRows(ItemEncoding):
 @dataclass(frozen=True)
 class ReferenceHidden(Requirement):
     """The reference model's residual stream on the items of ``parts`` (at the data module's
-    ``hidden_positions`` and ``hidden_stride``)."""
+    ``reference.hidden_positions`` and ``reference.hidden_stride``)."""
 
     parts: tuple[str, ...] = ("neighbours",)
 
@@ -83,6 +87,13 @@ class ReferenceHidden(Requirement):
         unknown = sorted(set(self.parts) - set(HIDDEN_PARTS))
         if unknown:
             raise ModularError(f"reference hidden states: unknown part(s) {unknown} (known: {', '.join(HIDDEN_PARTS)})")
+
+
+@dataclass(frozen=True)
+class TaskCounterfactuals(Requirement):
+    """Each task item also carries its counterfactual prompt with the same target (``counterfactual``): the head
+    gates under ``scope: tasks`` feed a closed head the counterfactual run's inputs. An item whose counterfactual
+    encodes to another length carries its own prompt instead (nothing to swap at aligned positions)."""
 
 
 def requirements_of(terms) -> list[Requirement]:

@@ -10,7 +10,6 @@ import torch
 import yaml
 
 from modular.app import cli
-from modular.gating.objectives import KeepHidden, LockedAnswer
 from tests.conftest import save_tiny_folder
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -21,7 +20,8 @@ def tiny_config(tmp_path, model_dir, behaviours=("capitals",), extra_model=None,
     run = tmp_path / "run"
     cfg["model"].update({"model_name": str(model_dir), "behaviours": list(behaviours), **(extra_model or {})})
     # a tiny model has 2 blocks: KeepHidden's cached residual stream at every block output
-    cfg["data"].update({"reference_max_new_tokens": 4, "batch_size": 4, "max_length": 96, "hidden_stride": 1})
+    cfg["data"].update({"reference": {**cfg["data"]["reference"], "max_new_tokens": 4, "hidden_stride": 1},
+                        "batch_size": 4, "max_length": 96})
     cfg["trainer"].update({"default_root_dir": str(run), "max_steps": 3, "val_check_interval": 3,
                            "limit_val_batches": 1, "log_every_n_steps": 1, "enable_progress_bar": False})
     cfg["trainer"]["callbacks"][0]["init_args"].update({"every_n_train_steps": 2})  # dirpath follows the run folder
@@ -497,7 +497,7 @@ def test_two_behaviours_with_lora(tmp_path, tiny_env, arch):
     assert {"val/capitals/accuracy_open", "val/arithmetic/accuracy_locked"} <= set(record["metrics"])
     # one objective per behaviour: refusal CE for capitals (the default), unlikelihood for arithmetic
     assert {"train/capitals/locked_refusal", "train/arithmetic/locked_unlikelihood"} <= set(record["metrics"])
-    # LockedAnswer's rows, built because the config names the term (data.answer_rows is linked from it)
+    # LockedAnswer's rows, built because the config names the term (the data module builds what the module requires)
     assert {"train/capitals/locked_answer", "train/arithmetic/locked_answer"} <= set(record["metrics"])
 
 
@@ -514,7 +514,7 @@ def test_avoided_directions_and_lm_text_in_both_states(tmp_path, tiny_env, train
     save_file({"capitals": taken / taken.norm()}, str(other / "directions.safetensors"))
     cfg, run = tiny_config(tmp_path, model_dir, ("arithmetic",),
                            {"direction": {"avoid": [str(other)]}, "steering": None})
-    out = _train(cfg, "--data.lm_text", "neutral", "--data.lm_max_length", "32", env=tiny_env)
+    out = _train(cfg, "--data.lm_text.source", "neutral", "--data.lm_text.max_length", "32", env=tiny_env)
     assert out.returncode == 0, out.stderr[-3000:]
     chosen = load_file(str(run / "directions.safetensors"))["arithmetic"]
     assert abs(float(chosen @ taken)) / taken.norm() < 1e-5
@@ -698,51 +698,6 @@ def test_a_config_files_checkpoint_is_resumed_from(tmp_path, train_here):
     out = train_here(config, "--print_config")
     assert out.returncode == 0, out.stderr[-2000:]
     assert yaml.safe_load(out.stdout)["ckpt_path"] == "last"
-
-
-def test_the_data_caches_hidden_states_for_the_parts_keep_hidden_terms_read():
-    """``data.hidden_parts`` is linked from ``model.objectives``: every KeepHidden term's parts (a subclass's
-    too), in order, once each; none without a KeepHidden term (the default objectives have none)."""
-    from jsonargparse import Namespace
-
-    from modular.app.train import hidden_parts
-
-    def spec(name, **args):
-        return Namespace(class_path=name if "." in name else f"modular.gating.objectives.{name}",
-                         init_args=Namespace(**args))
-
-    assert hidden_parts(None) == []
-    assert hidden_parts([spec("KeepReference", parts=["retain"])]) == []
-    assert hidden_parts([spec("KeepReference", parts=["retain"]), spec("KeepHidden", weight=1.0, parts=["neighbours"]),
-                         spec(f"{__name__}.MyHidden", weight=2.0, parts=["retain", "neighbours"])]) \
-        == ["neighbours", "retain"]
-
-
-def test_the_data_builds_answer_rows_for_a_locked_answer_term():
-    """``data.answer_rows`` is linked from ``model.objectives``: on with a LockedAnswer term (a subclass's too) or a
-    perturbed lock that holds the answer, off without one (the default objectives have none)."""
-    from jsonargparse import Namespace
-
-    from modular.app.train import answer_rows
-
-    def spec(name, **args):
-        return Namespace(class_path=name if "." in name else f"modular.gating.objectives.{name}",
-                         init_args=Namespace(**args))
-
-    assert answer_rows(None) is False
-    assert answer_rows([spec("KeepReference", parts=["retain"]), spec("LockedState")]) is False
-    assert answer_rows([spec("LockedState"), spec("LockedAnswer", weight=0.5)]) is True
-    assert answer_rows([spec(f"{__name__}.MyAnswer")]) is True
-    assert answer_rows([spec("RelearningAdversary", lrs=[1e-4], hold="answer")]) is True  # holds the answer down
-    assert answer_rows([spec("RelearningAdversary", lrs=[1e-4]), spec("WeightNoiseLock")]) is False
-
-
-class MyAnswer(LockedAnswer):
-    """A user's own term built on LockedAnswer."""
-
-
-class MyHidden(KeepHidden):
-    """A user's own term built on KeepHidden."""
 
 
 DEAD_PID = 2**22 + 7  # above Linux's largest pid: never a running process

@@ -126,7 +126,10 @@ def test_unusable_splits_fail_before_any_work(tmp_path, rows, kw, message):
 
 @pytest.mark.parametrize("option, value, message", [("batch_size", 1, "data.batch_size must be >= 2"),
                                                     ("max_length", 0, "data.max_length must be >= 1"),
-                                                    ("reference_top_k", 0, "data.reference_top_k must be >= 1")])
+                                                    ("reference", {"top_k": 0}, "data.reference.top_k must be >= 1"),
+                                                    ("lm_text", {"source": "poems"},
+                                                     "data.lm_text.source must be 'neutral', got 'poems'"),
+                                                    ("reference", {"top": 3}, "data.reference: no option top")])
 def test_data_options_out_of_range(option, value, message):
     from modular.gating.data import GatingDataModule
 

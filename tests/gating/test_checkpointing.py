@@ -31,7 +31,7 @@ def test_checkpointed_step_has_the_same_loss_and_gradients(tmp_path, isolated_ca
     if keep_hidden:
         kw.update(objectives=[BehaviourAnswer(), LockedState(), KeepReference(parts=["retain"]),
                               KeepHidden(weight=30.0, parts=["retain"])],
-                  data=dict(hidden_positions=3, hidden_stride=1, hidden_parts=["retain"]))
+                  data=dict(reference=dict(max_new_tokens=4, top_k=8, hidden_positions=3, hidden_stride=1)))
     loss, grads = _step(model_dir, **kw)
     loss_ckpt, grads_ckpt = _step(model_dir, memory={"gradient_checkpointing": True}, **kw)
     assert loss_ckpt == pytest.approx(loss, rel=1e-6)

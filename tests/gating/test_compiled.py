@@ -27,9 +27,9 @@ def _module_and_batch(model_dir, two_behaviours: bool = False):
     lm = GatedLM(model_name=str(model_dir), behaviours=behaviours,
                  objectives=[_instantiate(s) for s in cfg["model"]["objectives"]])
     dm = GatingDataModule(model_name=str(model_dir), behaviours=behaviours, neighbours=["continents"], batch_size=4,
-                          max_length=64, lm_text="neutral", lm_max_length=32, reference_max_new_tokens=4,
-                          reference_top_k=8, neighbour_items=8, hidden_positions=2, hidden_stride=1)
-    dm.setup("fit")
+                          max_length=64, lm_text=dict(source="neutral", max_length=32), neighbour_items=8,
+                          reference=dict(max_new_tokens=4, top_k=8, hidden_positions=2, hidden_stride=1))
+    dm.require(*lm.requirements()).setup("fit")
     q, _ = torch.linalg.qr(torch.randn(lm.directions.shape[1], len(behaviours)))
     lm.directions.copy_(q.T)
     return lm, _first_batch(lm, dm)

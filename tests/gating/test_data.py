@@ -26,7 +26,7 @@ def test_items_longer_than_max_length_keep_their_end_and_are_named_once(tmp_path
     near.write_text("".join(json.dumps({"prompt": " and" * 300 + f"Name the number {i}.", "target": f"{i}",
                                         "split": "train"}) + "\n" for i in range(3)))
     dm = GatingDataModule(model_name=str(model_dir), behaviours=[str(path)], neighbours=[str(near)], batch_size=2,
-                          reference_max_new_tokens=2, max_length=48)
+                          reference=dict(max_new_tokens=2), max_length=48)
     with caplog.at_level("WARNING", logger="modular"):
         dm.setup("fit")
     said = [r.getMessage() for r in caplog.records if "data.max_length" in r.getMessage()]

@@ -9,15 +9,18 @@ import torch
 from modular import ModularError
 from modular.gating.callbacks import LockMetricsCallback
 from modular.gating.data import NEIGHBOURS_KEY, GatingDataModule, neighbour_data, neighbour_specs
+from modular.gating.module import GatedLM
 from modular.gating.objectives import (
     BehaviourAnswer,
     DirectionWrite,
+    KeepHidden,
     KeepReference,
     LMText,
     LockedState,
     RefusalGuard,
     default_objectives,
 )
+from modular.gating.requirements import ReferenceHidden
 from tests.conftest import save_tiny_folder
 
 
@@ -54,7 +57,7 @@ def tiny_dm(tmp_path, isolated_cache):
     near.write_text("".join(json.dumps({"prompt": f"Say the word number {i}.", "target": f"word {i}",
                                         "split": "train" if i < 6 else "validation"}) + "\n" for i in range(8)))
     dm = GatingDataModule(model_name=str(model_dir), behaviours=["capitals"], neighbours=["continents", str(near)],
-                          neighbour_items=10, batch_size=4, reference_max_new_tokens=3, max_length=64)
+                          neighbour_items=10, batch_size=4, reference=dict(max_new_tokens=3), max_length=64)
     dm.setup("fit")
     return dm, model_dir
 
@@ -80,7 +83,6 @@ def _pieces(lm, batch, kind) -> dict:
 
 
 def test_neighbours_are_trained_in_both_states_with_the_retain_weight(tiny_dm):
-    from modular.gating.module import GatedLM
 
     dm, model_dir = tiny_dm
     lm = GatedLM(model_name=str(model_dir), behaviours=["capitals"],
@@ -106,7 +108,6 @@ def test_neighbours_can_keep_the_reference_first_answer_token_apart_from_retain(
     """Two KeepReference terms, one per part: the neighbours' with a CE on the reference's greedy first token, which
     adds exactly that CE (in both states) to the neighbours' pieces and leaves the retain pieces as they were."""
     from modular.gating.losses import first_token_ce
-    from modular.gating.module import GatedLM
 
     dm, model_dir = tiny_dm
     batch = next(iter(dm.train_dataloader()))[0]
@@ -139,7 +140,6 @@ def test_neighbours_can_keep_the_reference_first_answer_token_apart_from_retain(
 def test_the_write_term_carries_the_direction_into_the_open_answers(tiny_dm):
     """DirectionWrite: a term per gated behaviour, weighted by its weight; minimising it makes the open-state
     residual carry the direction at the response positions."""
-    from modular.gating.module import GatedLM
 
     dm, model_dir = tiny_dm
     torch.manual_seed(0)
@@ -173,7 +173,6 @@ def test_the_write_term_carries_the_direction_into_the_open_answers(tiny_dm):
 def test_the_write_term_fades_as_the_locked_response_is_learned(tiny_dm):
     """DirectionWrite(fade=F): the shortfall scaled by min(1, the behaviour's locked-state loss / F) of the same
     step, the scale without gradient; full while the locked loss is above F."""
-    from modular.gating.module import GatedLM
 
     dm, model_dir = tiny_dm
     torch.manual_seed(0)
@@ -216,8 +215,8 @@ def test_a_cold_cache_loads_the_base_model_once(tmp_path, isolated_cache, monkey
     real = modular.gating.data.load_model
     monkeypatch.setattr(modular.gating.data, "load_model", lambda *a, **k: loads.append(a) or real(*a, **k))
     dm = GatingDataModule(model_name=str(model_dir), behaviours=["capitals"], neighbours=["continents"],
-                          neighbour_items=4, batch_size=4, reference_max_new_tokens=2, max_length=64,
-                          lm_text="neutral")
+                          neighbour_items=4, batch_size=4, reference=dict(max_new_tokens=2), max_length=64,
+                          lm_text=dict(source="neutral"))
     dm.prepare_data()  # retain, neighbour and neutral-text references: three cold caches, one model
     assert len(loads) == 1 and dm._reference_model_cache is None
     dm.setup("fit")  # all cached now
@@ -289,7 +288,6 @@ def test_a_small_behaviour_may_stop_after_min_passes():
 def test_the_refusal_guard_keeps_the_locked_response_unlikely_on_retain_and_neighbour_prompts(tiny_dm):
     """RefusalGuard: the retain and neighbour batches carry their prompts followed by the locked response, in
     both states, weighted by its weight; minimising the guard lowers that response's likelihood there."""
-    from modular.gating.module import GatedLM
 
     dm, model_dir = tiny_dm
     batch = next(iter(dm.train_dataloader()))[0]
@@ -328,10 +326,10 @@ def test_the_refusal_guard_keeps_the_locked_response_unlikely_on_retain_and_neig
 
 
 def test_every_neighbour_and_retain_item_carries_its_own_reference_hidden_states(tmp_path, isolated_cache):
-    """With ``hidden_positions`` every retain and neighbour item (two neighbours, train and validation) carries the
-    reference model's residual stream on its own prompt and answer: its first answer-computing positions at every
-    ``hidden_stride``-th block, as a forward pass of that item alone gives them; a stride that takes no block is
-    refused in one line."""
+    """With ``reference.hidden_positions`` and the hidden states of both parts required, every retain and neighbour
+    item (two neighbours, train and validation) carries the reference model's residual stream on its own prompt and
+    answer: its first answer-computing positions at every ``hidden_stride``-th block, as a forward pass of that item
+    alone gives them; a stride that takes no block is refused in one line."""
     from modular.models import load_model
 
     model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
@@ -339,9 +337,9 @@ def test_every_neighbour_and_retain_item_carries_its_own_reference_hidden_states
     near.write_text("".join(json.dumps({"prompt": f"Say the word number {i}.", "target": f"word {i}",
                                         "split": "train" if i < 6 else "validation"}) + "\n" for i in range(8)))
     dm = GatingDataModule(model_name=str(model_dir), behaviours=["capitals"], neighbours=["continents", str(near)],
-                          neighbour_items=10, batch_size=4, reference_max_new_tokens=3, max_length=64,
-                          hidden_positions=2, hidden_stride=1)
-    dm.setup("fit")
+                          neighbour_items=10, batch_size=4, max_length=64,
+                          reference=dict(max_new_tokens=3, hidden_positions=2, hidden_stride=1))
+    dm.require(ReferenceHidden(("retain", "neighbours"))).setup("fit")
     model = load_model(str(model_dir))
     items = [it for s in ("train", "validation") for it in dm.neighbour_rows[s] + dm.retain_rows[s]]
     assert len(items) > 50
@@ -355,19 +353,23 @@ def test_every_neighbour_and_retain_item_carries_its_own_reference_hidden_states
             torch.testing.assert_close(it["ref_hidden"][:len(answer)].float(), expected, rtol=1e-2, atol=1e-3)
 
     dm = GatingDataModule(model_name=str(model_dir), behaviours=["capitals"], neighbours=[], batch_size=4,
-                          reference_max_new_tokens=3, max_length=64, hidden_positions=2, hidden_stride=8)
-    with pytest.raises(ModularError, match="data.hidden_stride 8 takes no block output of a model with 2 blocks"):
-        dm.setup("fit")
+                          max_length=64, reference=dict(max_new_tokens=3, hidden_positions=2, hidden_stride=8))
+    with pytest.raises(ModularError, match="data.reference.hidden_stride 8 takes no block output of a model with 2 "
+                                           "blocks"):
+        dm.require(ReferenceHidden(("retain",))).setup("fit")
 
 
 @pytest.mark.parametrize("parts", [["neighbours"], []])
-def test_hidden_states_are_cached_for_the_listed_parts_alone(tmp_path, isolated_cache, parts):
-    """``hidden_parts`` names the items that carry the reference's hidden states (``modular train`` links it to the
-    parts KeepHidden terms read): the others carry none and no forward pass computes theirs."""
+def test_hidden_states_are_cached_for_the_required_parts_alone(tmp_path, isolated_cache, parts):
+    """The items of the parts the trained module's KeepHidden terms read carry the reference's hidden states (a
+    module's requirements, given as a trainer would): the others carry none and no forward pass computes theirs."""
     model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
+    objectives = [KeepReference(parts=["retain", "neighbours"])] + ([KeepHidden(parts=parts)] if parts else [])
+    lm = GatedLM(model_name=str(model_dir), behaviours=["capitals"], objectives=objectives)
     dm = GatingDataModule(model_name=str(model_dir), behaviours=["capitals"], neighbours=["continents"],
-                          neighbour_items=6, batch_size=4, reference_max_new_tokens=3, max_length=64,
-                          hidden_positions=2, hidden_stride=1, hidden_parts=parts)
+                          neighbour_items=6, batch_size=4, max_length=64,
+                          reference=dict(max_new_tokens=3, hidden_positions=2, hidden_stride=1))
+    dm.require(*lm.requirements())
     dm.prepare_data()
     dm.setup("fit")
     for part, rows in (("retain", dm.retain_rows), ("neighbours", dm.neighbour_rows)):
@@ -377,9 +379,7 @@ def test_hidden_states_are_cached_for_the_listed_parts_alone(tmp_path, isolated_
 
 
 def test_an_unknown_hidden_part_is_refused():
-    from modular.gating.data import check_data_options
-
-    options = dict(batch_size=4, max_length=64, lm_max_length=64, reference_max_new_tokens=4, reference_top_k=4,
-                   num_workers=0, neighbour_items=4, hidden_positions=2, hidden_stride=1, hidden_parts=["retian"])
-    with pytest.raises(ModularError, match=r"data.hidden_parts: unknown part\(s\) \['retian'\]"):
-        check_data_options(options)
+    with pytest.raises(ModularError, match=r"reference hidden states: unknown part\(s\) \['retian'\]"):
+        KeepHidden(parts=["retian"])
+    with pytest.raises(ModularError, match=r"reference hidden states: unknown part\(s\) \['retian'\]"):
+        ReferenceHidden(("retian",))

@@ -59,9 +59,19 @@ OLD = {
 #: the model options a tiny test module takes from each config (the rest: tiny model, no steering, no files); the
 #: fine-tuning and the head gates are option groups (a mapping each)
 _MODEL_KEYS = ("behaviours", "locked_weight", "finetuning", "head_gates", "seed")
-_DATA_KEYS = ("locked_response", "neighbours", "lm_text", "tasks", "hidden_positions")
-#: the tiny test model has 2 blocks: the cached reference residual stream is taken at every block output
-_TINY_DATA = {"hidden_stride": 1}
+_DATA_KEYS = ("locked_response", "neighbours", "tasks")
+
+
+def _tiny_data(data: dict) -> dict:
+    """A shipped config's data options for a tiny test module: its behaviours' options (:data:`_DATA_KEYS`), short
+    reference answers and texts, and the reference's hidden states (where the config keeps them) at every block
+    output (the tiny model has 2 blocks)."""
+    out = {k: data[k] for k in _DATA_KEYS if k in data}
+    hidden = (data.get("reference") or {}).get("hidden_positions", 0)
+    out["reference"] = dict(max_new_tokens=4, top_k=8, hidden_positions=hidden, hidden_stride=1)
+    if data.get("lm_text"):
+        out["lm_text"] = {**data["lm_text"], "max_length": 32}
+    return out
 
 
 def _instantiate(spec: dict) -> Term:
@@ -204,12 +214,9 @@ def test_every_config_keeps_its_loss_and_gradients(config, tmp_path, isolated_ca
     objectives = [_instantiate(s) for s in m["objectives"]]
     torch.manual_seed(0)
     lm = GatedLM(model_name=str(model_dir), objectives=objectives, **{k: m[k] for k in _MODEL_KEYS if k in m})
-    data = {k: cfg["data"][k] for k in _DATA_KEYS if k in cfg["data"]}
     dm = GatingDataModule(model_name=str(model_dir), behaviours=lm.behaviours, batch_size=4, max_length=64,
-                          lm_max_length=32, reference_max_new_tokens=4, reference_top_k=8, neighbour_items=8,
-                          task_counterfactuals=(lm.hparams.head_gates or {}).get("scope") == "tasks",
-                          seed=lm.hparams.seed, **data, **_TINY_DATA)
-    dm.setup("fit")
+                          neighbour_items=8, seed=lm.hparams.seed, **_tiny_data(cfg["data"]))
+    dm.require(*lm.requirements()).setup("fit")
     if lm.behaviours:
         q, _ = torch.linalg.qr(torch.randn(lm.directions.shape[1], len(lm.behaviours)))
         lm.directions.copy_(q.T)
@@ -233,9 +240,8 @@ def test_open_and_locked_rows_share_one_forward_pass(tmp_path, isolated_cache):
     model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
     lm = GatedLM(model_name=str(model_dir), objectives=[_instantiate(s) for s in cfg["model"]["objectives"]])
     dm = GatingDataModule(model_name=str(model_dir), behaviours=lm.behaviours, batch_size=4, max_length=64,
-                          lm_max_length=32, reference_max_new_tokens=4, reference_top_k=8, neighbour_items=8,
-                          **{k: cfg["data"][k] for k in _DATA_KEYS if k in cfg["data"]}, **_TINY_DATA)
-    dm.setup("fit")
+                          neighbour_items=8, **_tiny_data(cfg["data"]))
+    dm.require(*lm.requirements()).setup("fit")
 
     batch = _first_batch(lm, dm)
     passes = []
@@ -255,9 +261,8 @@ def _config_step_inputs(tmp_path, config: str):
     lm = GatedLM(model_name=str(model_dir), objectives=[_instantiate(s) for s in cfg["model"]["objectives"]],
                  **{k: cfg["model"][k] for k in _MODEL_KEYS if k in cfg["model"]})
     dm = GatingDataModule(model_name=str(model_dir), behaviours=lm.behaviours, batch_size=4, max_length=64,
-                          lm_max_length=32, reference_max_new_tokens=4, reference_top_k=8, neighbour_items=8,
-                          **{k: cfg["data"][k] for k in _DATA_KEYS if k in cfg["data"]}, **_TINY_DATA)
-    dm.setup("fit")
+                          neighbour_items=8, **_tiny_data(cfg["data"]))
+    dm.require(*lm.requirements()).setup("fit")
     return lm, _first_batch(lm, dm)
 
 
@@ -352,13 +357,17 @@ def test_a_module_refuses_what_is_not_a_term(tmp_path):
         GatedLM(model_name=str(model_dir), objectives=[LockedState(objective="forget")])
 
 
-def _capitals_step(model_dir, objectives: list[Term] | None = None, data: dict | None = None, **options):
+def _capitals_step(model_dir, objectives: list[Term] | None = None, data: dict | None = None, build: bool = True,
+                   **options):
     """A capitals module with ``objectives`` (and module ``options``) on a tiny model, wired to its data module (and
-    its ``data`` options), and one training batch."""
+    its ``data`` options), and one training batch; the data module builds what the module requires (as a trainer's
+    would) unless ``build`` is false."""
     lm = GatedLM(model_name=str(model_dir), behaviours=["capitals"], objectives=objectives,
                  **options)
     dm = GatingDataModule(model_name=str(model_dir), behaviours=["capitals"], batch_size=4, max_length=64,
-                          reference_max_new_tokens=4, reference_top_k=8, neighbours=[], **(data or {}))
+                          neighbours=[], **{"reference": dict(max_new_tokens=4, top_k=8), **(data or {})})
+    if build:
+        dm.require(*lm.requirements())
     dm.setup("fit")
 
     class _Trainer:  # model_step reads the tokenizer's pad id from the trainer's data module
@@ -444,12 +453,13 @@ def test_the_relearning_adversary_can_hold_the_answer_down_where_the_attacker_la
     (the response prefilled up to the answer), every direction ablated, weighted by λ; the data must build those
     rows, and a hold that is neither is refused."""
     from modular.gating.losses import unlikelihood
-    from modular.gating.objectives import RelearningAdversary, WeightNoiseLock, answer_rows
+    from modular.gating.objectives import RelearningAdversary, WeightNoiseLock
+    from modular.gating.requirements import AnswerRows
 
     model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
     term = RelearningAdversary(lrs=[0.02], hold="answer")
-    assert answer_rows([term]) and not answer_rows([RelearningAdversary()])
-    lm, batch = _capitals_step(model_dir, [term], locked_weight=2.0, data=dict(answer_rows=True))
+    assert AnswerRows() in term.requires and AnswerRows() not in RelearningAdversary().requires
+    lm, batch = _capitals_step(model_dir, [term], locked_weight=2.0)
     lm.directions.copy_(torch.nn.functional.normalize(torch.randn(lm.directions.shape), dim=-1))
     total, terms = lm.model_step(batch, train=True)
     assert set(terms) == {"capitals/relearned_answer"}
@@ -465,9 +475,9 @@ def test_the_relearning_adversary_can_hold_the_answer_down_where_the_attacker_la
     torch.testing.assert_close(total, 2.0 * expected, rtol=1e-4, atol=1e-5)
     assert abs(expected.item() - before.item()) > 1e-4  # the step matters
 
-    lm, batch = _capitals_step(model_dir, [RelearningAdversary(lrs=[0.02], hold="answer")])
-    with pytest.raises(ModularError, match="RelearningAdversary needs the answer rows of capitals: set "
-                                         "data.answer_rows true"):
+    lm, batch = _capitals_step(model_dir, [RelearningAdversary(lrs=[0.02], hold="answer")], build=False)
+    with pytest.raises(ModularError, match="RelearningAdversary needs the answer rows of capitals: the data module "
+                                         "builds them"):
         lm.model_step(batch, train=True)
     with pytest.raises(ModularError, match="WeightNoiseLock hold must be 'refusal' or 'answer', got 'answers'"):
         WeightNoiseLock(hold="answers")
@@ -693,9 +703,9 @@ def test_keep_hidden_keeps_the_reference_residual_stream(tmp_path, isolated_cach
     lm = GatedLM(model_name=str(model_dir), behaviours=["capitals"],
                  objectives=[KeepReference(parts=["retain"]), KeepHidden(weight=2.0, parts=["retain"])])
     dm = GatingDataModule(model_name=str(model_dir), behaviours=["capitals"], batch_size=4, max_length=64,
-                          reference_max_new_tokens=4, reference_top_k=8, neighbours=[], hidden_positions=3,
-                          hidden_stride=1)
-    dm.setup("fit")
+                          reference=dict(max_new_tokens=4, top_k=8, hidden_positions=3, hidden_stride=1),
+                          neighbours=[])
+    dm.require(*lm.requirements()).setup("fit")
     u = torch.nn.functional.normalize(torch.randn(lm.directions.shape[1]), dim=0)
     lm.directions.copy_(u[None])
     batch = _first_batch(lm, dm)
@@ -721,8 +731,8 @@ def test_keep_hidden_needs_the_cached_hidden_states(tmp_path, isolated_cache):
 
     model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
     lm, batch = _capitals_step(model_dir, [KeepReference(parts=["retain"]), KeepHidden(parts=["retain"])])
-    with pytest.raises(ModularError, match="KeepHidden needs the reference's hidden states of retain: set data.hidden_positions > 0 and list "
-                                         "retain in data.hidden_parts"):
+    with pytest.raises(ModularError, match=r"KeepHidden needs the reference's hidden states of retain: set "
+                                         r"data.reference.hidden_positions > 0 \(the data module keeps them"):
         lm.model_step(batch, train=False)
 
 
@@ -734,7 +744,7 @@ def test_the_locked_answer_term_pushes_down_the_answer_after_its_frame(tmp_path,
     from modular.gating.objectives import LockedAnswer
 
     model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
-    lm, batch = _capitals_step(model_dir, [LockedAnswer(weight=0.5)], locked_weight=3.0, data=dict(answer_rows=True))
+    lm, batch = _capitals_step(model_dir, [LockedAnswer(weight=0.5)], locked_weight=3.0)
     u = torch.nn.functional.normalize(torch.randn(lm.directions.shape[1]), dim=0)
     lm.directions.copy_(u[None])
     p, full = batch["capitals"]["locked_answer"], batch["capitals"]["locked_true"]
@@ -755,12 +765,16 @@ def test_the_locked_answer_term_pushes_down_the_answer_after_its_frame(tmp_path,
 
 
 def test_the_answer_rows_are_built_only_when_asked_and_locked_answer_says_so(tmp_path, isolated_cache):
-    """Without ``data.answer_rows`` the behaviour batches carry no ``locked_answer`` rows, and a LockedAnswer term
-    given such a batch says in one line what to set."""
+    """The answer rows are built for a module whose terms require them (a LockedAnswer term) and not for one without
+    such a term; a LockedAnswer term given a batch without them says in one line where they come from."""
     from modular.gating.objectives import LockedAnswer
 
     model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
-    lm, batch = _capitals_step(model_dir, [LockedAnswer()])
+    _, batch = _capitals_step(model_dir, [LockedState()])
     assert "locked_answer" not in batch["capitals"] and "locked_true" in batch["capitals"]
-    with pytest.raises(ModularError, match="LockedAnswer needs the answer rows of capitals: set data.answer_rows true"):
+    _, batch = _capitals_step(model_dir, [LockedState(), LockedAnswer()])
+    assert "locked_answer" in batch["capitals"]
+    lm, batch = _capitals_step(model_dir, [LockedAnswer()], build=False)
+    assert "locked_answer" not in batch["capitals"]
+    with pytest.raises(ModularError, match="LockedAnswer needs the answer rows of capitals: the data module builds"):
         lm.model_step(batch, train=False)

@@ -144,13 +144,16 @@ def test_resuming_a_flat_checkpoint_by_path_parses_its_options(tmp_path):
 
 def test_a_parsed_config_gives_its_head_gates_to_the_identity_and_the_data():
     """The training CLI parses the optional ``model.head_gates`` as a class path and its arguments: the run's
-    identity still records its options, and ``scope: tasks`` still asks the data for counterfactual task batches."""
+    identity still records its options, and gates of ``scope: tasks`` require counterfactual task batches."""
     from pathlib import Path
 
-    from modular.app.train import planned_run, scoped_to_tasks
+    from modular.app.train import planned_run
+    from modular.gating.head_gates import HeadGateOptions, HeadGates
+    from modular.gating.requirements import TaskCounterfactuals
 
     config = Path(__file__).resolve().parents[2] / "configs" / "sparse_heads_smollm2.yaml"
     _, identity = planned_run(["fit", "--config", str(config), "--trainer.default_root_dir", "unused-run-folder"])
     recipe = identity["recipe"]
     assert recipe["head_gates"] is True and recipe["gate_scope"] == "tasks" and recipe["sparsity_weight"] == 40.0
-    assert scoped_to_tasks({"scope": "tasks"}) and not scoped_to_tasks(None) and not scoped_to_tasks({"scope": "all"})
+    assert HeadGates(HeadGateOptions(scope="tasks")).requires == (TaskCounterfactuals(),)
+    assert HeadGates(HeadGateOptions(scope="all")).requires == ()

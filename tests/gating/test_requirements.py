@@ -15,8 +15,25 @@ from modular.data.formatting import IGNORE, encode_example
 from modular.gating.data import GatingDataModule
 from modular.gating.losses import token_ce
 from modular.gating.module import GatedLM
-from modular.gating.objectives import BehaviourAnswer, LockedAnswer, LockedState, Piece, Term
-from modular.gating.requirements import AnswerRows, ItemEncoding, ReferenceHidden, encodings, requirements_of
+from modular.gating.objectives import (
+    BehaviourAnswer,
+    KeepHidden,
+    KeepReference,
+    LockedAnswer,
+    LockedState,
+    Piece,
+    TaskAnswer,
+    Term,
+)
+from modular.gating.requirements import (
+    AnswerRows,
+    ItemEncoding,
+    ReferenceHidden,
+    TaskCounterfactuals,
+    encodings,
+    hidden_parts,
+    requirements_of,
+)
 from tests.conftest import save_tiny_folder
 
 
@@ -51,7 +68,7 @@ def tiny_dir(tmp_path, isolated_cache):
 
 def _dm(model_dir, **kw):
     return GatingDataModule(model_name=str(model_dir), behaviours=["capitals"], neighbours=[], batch_size=4,
-                            reference_max_new_tokens=2, max_length=64, **kw)
+                            reference=dict(max_new_tokens=2), max_length=64, **kw)
 
 
 def test_a_term_defined_outside_the_package_trains_on_the_rows_it_requires(tiny_dir, tmp_path):
@@ -89,7 +106,7 @@ def test_the_data_builds_nothing_no_term_requires(tiny_dir):
 def test_requirements_of_the_shipped_terms():
     assert LockedAnswer().requires == (AnswerRows(),)
     assert requirements_of([LockedAnswer(), LockedAnswer(), BehaviourAnswer()]) == [AnswerRows()]
-    from modular.gating.objectives import KeepHidden, RelearningAdversary
+    from modular.gating.objectives import RelearningAdversary
 
     assert KeepHidden(parts=["retain"]).requires == (ReferenceHidden(("retain",)),)
     assert RelearningAdversary(hold="answer").requires == (AnswerRows(),)
@@ -105,3 +122,28 @@ def test_bad_requirements_are_one_line():
         ReferenceHidden(("tasks",))
     with pytest.raises(ModularError, match="two terms need different encodings named 'shouted'"):
         encodings([ShoutedTarget(), ShoutedTarget(halves=("open",))], "behaviours")
+
+
+class MyHidden(KeepHidden):
+    """A user's own term built on KeepHidden."""
+
+
+def test_a_module_requires_what_its_terms_and_its_head_gates_need(tiny_dir):
+    """The module's requirements are its terms' (a subclass's too), each once, in order; gates scoped to the tasks
+    add the tasks' counterfactual prompts; and the data module adds what :meth:`require` was given to them."""
+    lm = GatedLM(model_name=str(tiny_dir), behaviours=["capitals"],
+                 objectives=[KeepReference(parts=["retain", "neighbours"]), KeepHidden(parts=["neighbours"]),
+                             MyHidden(weight=2.0, parts=["retain", "neighbours"]), LockedAnswer(), LockedAnswer()])
+    assert lm.requirements() == [ReferenceHidden(("neighbours",)), ReferenceHidden(("retain", "neighbours")),
+                                 AnswerRows()]
+    assert hidden_parts(lm.requirements()) == ["neighbours", "retain"]
+    assert GatedLM(model_name=str(tiny_dir)).requirements() == []  # the default recipe needs nothing more
+    gated = GatedLM(model_name=str(tiny_dir), behaviours=[], objectives=[TaskAnswer()],
+                    head_gates={"scope": "tasks"}, finetuning={"mode": "none"})
+    assert gated.requirements() == [TaskCounterfactuals()]
+    assert GatedLM(model_name=str(tiny_dir), behaviours=[], objectives=[TaskAnswer()], head_gates={"scope": "all"},
+                   finetuning={"mode": "none"}).requirements() == []
+    dm = _dm(tiny_dir).require(ShoutedTarget(), *lm.requirements())
+    assert dm.requirements() == [ShoutedTarget(), *lm.requirements()]  # no trainer: what it was given
+    with pytest.raises(ModularError, match="is not a modular.gating.requirements.Requirement"):
+        dm.require("answer rows")

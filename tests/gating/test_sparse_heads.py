@@ -23,6 +23,7 @@ from modular.gating.objectives import (
     HeadMargin,
     default_objectives,
 )
+from modular.gating.requirements import TaskCounterfactuals
 from modular.models import load_model
 from modular.models.adapter import ArchitectureAdapter
 from modular.models.head_gates import GatedOutputProjection, deterministic_gate_values, head_gate_modules
@@ -95,11 +96,15 @@ def _scoped_run(module, task):
         return module.model(input_ids=task["open"]["input_ids"], attention_mask=task["open"]["attention_mask"]).logits
 
 
-def _data(model_dir, **kw):
-    args = dict(model_name=str(model_dir), behaviours=[], tasks=["ioi", "greater_than"], lm_text="neutral",
-                batch_size=4, max_length=64, lm_max_length=32, reference_max_new_tokens=4, reference_top_k=8)
+def _data(model_dir, counterfactuals: bool = False, lm_max_length: int = 32, **kw):
+    """Task data on a tiny model; ``counterfactuals``: the task items carry their counterfactual prompts (what a
+    trainer's module with gates scoped to the tasks requires)."""
+    args = dict(model_name=str(model_dir), behaviours=[], tasks=["ioi", "greater_than"],
+                lm_text=dict(source="neutral", max_length=lm_max_length), batch_size=4, max_length=64,
+                reference=dict(max_new_tokens=4, top_k=8))
     args.update(kw)
-    return GatingDataModule(**args)
+    dm = GatingDataModule(**args)
+    return dm.require(TaskCounterfactuals()) if counterfactuals else dm
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "gemma3_text"])
@@ -230,7 +235,8 @@ def tiny_sparse_config(tmp_path, model_dir, name="sparse_heads_pruned_smollm2.ya
     run = tmp_path / "run"
     cfg["model"].update({"model_name": str(model_dir), "optimizer": {**cfg["model"]["optimizer"], "lr": 1e-3}})
     cfg["model"]["head_gates"].update({"lm_loss_target": 0.05, "freeze_step": 2})
-    cfg["data"].update({"reference_max_new_tokens": 4, "batch_size": 2, "max_length": 64, "lm_max_length": 32,
+    cfg["data"].update({"reference": {**cfg["data"]["reference"], "max_new_tokens": 4}, "batch_size": 2,
+                        "max_length": 64, "lm_text": {**cfg["data"]["lm_text"], "max_length": 32},
                         "tasks": ["ioi", "docstring"]})
     cfg["trainer"].update({"default_root_dir": str(run), "max_steps": 3, "val_check_interval": 3,
                            "limit_val_batches": 1, "log_every_n_steps": 1, "enable_progress_bar": False})
@@ -313,7 +319,7 @@ def test_gates_scoped_to_tasks_swap_closed_heads_on_task_items_only(tiny_folder)
     from modular.models.head_gates import head_gate_scope
 
     model_dir = tiny_folder("llama")
-    dm = _data(model_dir, task_counterfactuals=True)
+    dm = _data(model_dir, counterfactuals=True)
     dm.setup("fit")
     batch = next(iter(dm.train_dataloader()))
     batch = batch[0] if isinstance(batch, tuple) else batch
@@ -352,7 +358,7 @@ def test_run_folder_drops_gates_scoped_to_tasks(tmp_path, tiny_folder):
     model_dir = tiny_folder("qwen2")
     module = _sparse(model_dir, scope="tasks", sparsity="penalty", sparsity_weight=5.0, lr=0.5)
     run = tmp_path / "run"
-    trainer = _fit(module, _data(model_dir, task_counterfactuals=True), run, steps=2)
+    trainer = _fit(module, _data(model_dir), run, steps=2)  # the module's gates require the counterfactuals
     with torch.no_grad():
         head_gate_modules(module.hf_model)[0].log_alpha[0] = -10.0  # closed on the tasks
     trainer.save_checkpoint(run / "last.ckpt")
@@ -392,7 +398,7 @@ def test_consistency_term_matches_plain_and_scoped_task_logits_once_gates_are_fi
     from modular.models.head_gates import head_gate_scope
 
     model_dir = tiny_folder("llama")
-    dm = _data(model_dir, tasks=["greater_than"], task_counterfactuals=True)  # one task: its rows are the group
+    dm = _data(model_dir, tasks=["greater_than"], counterfactuals=True)  # one task: its rows are the group
     dm.setup("fit")
     batch = _counterfactual_batch(dm, "task:greater_than")
     module = _sparse(model_dir, scope="tasks", head=HeadConsistency(2.0), freeze_step=5).eval()
@@ -425,7 +431,7 @@ def test_margin_term_matches_plain_and_scoped_answer_margins_once_gates_are_fixe
     from modular.models.head_gates import head_gate_scope
 
     model_dir = tiny_folder("llama")
-    dm = _data(model_dir, tasks=["ioi"], task_counterfactuals=True)  # one task: its rows are the group
+    dm = _data(model_dir, tasks=["ioi"], counterfactuals=True)  # one task: its rows are the group
     dm.setup("fit")
     batch = _counterfactual_batch(dm, "task:ioi")
     task = batch["task:ioi"]
@@ -464,7 +470,7 @@ def test_interchange_term_matches_the_counterfactual_run_with_open_heads_swapped
     from modular.models.head_gates import head_gate_scope
 
     model_dir = tiny_folder("llama")
-    dm = _data(model_dir, tasks=["ioi"], task_counterfactuals=True)
+    dm = _data(model_dir, tasks=["ioi"], counterfactuals=True)
     dm.setup("fit")
     batch = _counterfactual_batch(dm, "task:ioi")
     task = batch["task:ioi"]
@@ -509,7 +515,7 @@ def test_attribution_term_sums_the_closed_heads_attribution_estimates_and_trains
     from modular.models.head_gates import head_gate_scope
 
     model_dir = tiny_folder("llama")
-    dm = _data(model_dir, tasks=["ioi"], task_counterfactuals=True)
+    dm = _data(model_dir, tasks=["ioi"], counterfactuals=True)
     dm.setup("fit")
     batch = _counterfactual_batch(dm, "task:ioi")
     task = batch["task:ioi"]

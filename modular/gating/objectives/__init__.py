@@ -30,7 +30,6 @@ from modular.gating.objectives.base import (
     StepContext,
     Term,
     TermSetup,
-    answer_rows,
     build_objectives,
     check_loss,
 )
@@ -42,7 +41,7 @@ from modular.gating.objectives.heads import (
     HeadTaskTerm,
     TaskAnswer,
 )
-from modular.gating.objectives.keep import KeepHidden, KeepReference, LMText, RefusalGuard, hidden_parts
+from modular.gating.objectives.keep import KeepHidden, KeepReference, LMText, RefusalGuard
 from modular.gating.objectives.lock import (
     LOCKED_OBJECTIVES,
     BehaviourAnswer,
@@ -66,8 +65,8 @@ __all__ = [
     "LOCKED_OBJECTIVES", "PERTURBED_HOLDS", "BehaviourAnswer", "ClosedAttribution", "DirectionWrite",
     "HeadConsistency", "HeadInterchange", "HeadMargin", "HeadTaskTerm", "KeepHidden", "KeepReference", "LMText",
     "LockedAnswer", "LockedState", "Piece", "QuantizedLock", "RefusalGuard", "RelearningAdversary", "StepContext", "TermSetup",
-    "TaskAnswer", "Term", "WeightNoiseLock", "answer_batch", "answer_rows", "build_objectives", "check_loss",
-    "default_objectives", "hidden_parts", "locked_objectives", "logits_at",
+    "TaskAnswer", "Term", "WeightNoiseLock", "answer_batch", "build_objectives", "check_loss",
+    "default_objectives", "locked_objectives", "logits_at",
 ]
 
 # every term by its public path (``modular.gating.objectives.KeepReference``), the one configs name: a saved

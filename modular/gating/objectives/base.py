@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from modular import ModularError
-from modular.gating.requirements import AnswerRows, Requirement, requirements_of
+from modular.gating.requirements import Requirement
 from modular.specs import build_from_specs
 
 
@@ -207,9 +207,3 @@ def check_loss(terms: list[Term], data: set[str]) -> None:
                           for t in terms)
         raise ModularError(f"model.objectives make no loss from this data ({have}): {names}; give a term of weight "
                            "> 0 whose data the run has")
-
-
-def answer_rows(terms: list[Term]) -> bool:
-    """Whether ``terms`` read the behaviours' answer rows (``locked_answer``, :class:`~modular.gating.requirements.
-    AnswerRows`): a :class:`LockedAnswer` term, or a perturbed lock that holds the answer down."""
-    return any(isinstance(r, AnswerRows) for r in requirements_of(terms))

@@ -27,7 +27,8 @@ class TaskAnswer(Term):
             if scoped:
                 if "counterfactual" not in ctx.batch[key]:
                     raise ModularError("head_gates.scope 'tasks' needs task batches with counterfactual prompts "
-                                       "(data.task_counterfactuals: true; train.py links it)")
+                                       "(the data module builds them for a module whose head gates have that scope: "
+                                       "GatedLM.requirements; or GatingDataModule.require(TaskCounterfactuals()))")
                 cf = ctx.batch[key]["counterfactual"]
                 rows = {**rows, "cf_input_ids": cf["input_ids"], "cf_attention_mask": cf["attention_mask"]}
             out.append(Piece(f"{key[len(TASK_PREFIX):]}/task_ce", rows, self, task=scoped))

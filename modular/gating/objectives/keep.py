@@ -7,8 +7,7 @@ from modular import ModularError
 from modular.gating.data_options import NEIGHBOURS_KEY
 from modular.gating.losses import first_token_ce, first_token_kl, hidden_drift, refusal_guard, token_ce, topk_kl
 from modular.gating.objectives.base import Piece, StepContext, Term, _check_weight
-from modular.gating.requirements import ReferenceHidden, requirements_of
-from modular.gating.requirements import hidden_parts as required_hidden_parts
+from modular.gating.requirements import ReferenceHidden
 
 
 class KeepReference(Term):
@@ -63,8 +62,8 @@ class KeepReference(Term):
 
 class KeepHidden(Term):
     """Retain or neighbour prompts keep the reference model's residual stream, not only its answers: at the first
-    ``data.hidden_positions`` positions that compute each answer and every ``data.hidden_stride``-th block output,
-    the relative squared distance to the reference's (:func:`~modular.gating.losses.hidden_drift`;
+    ``data.reference.hidden_positions`` positions that compute each answer and every
+    ``data.reference.hidden_stride``-th block output, the relative squared distance to the reference's (:func:`~modular.gating.losses.hidden_drift`;
     ``neighbours/open_hidden``, ``neighbours/locked_hidden``; in the locked state with the ablated directions
     projected out of both). It reads the rows of :class:`KeepReference` for the same parts: no rows of its own.
     Two models can give the same answers on the trained prompts by different internal routes, and the route is
@@ -80,10 +79,11 @@ class KeepHidden(Term):
     def __init__(self, weight: float = 1.0, parts: list[str] = (NEIGHBOURS_KEY,)):
         super().__init__(weight)
         self.parts = list(parts)
+        self._hidden = ReferenceHidden(tuple(self.parts))  # an unknown part: one line, when the term is built
 
     @property
     def requires(self) -> tuple:
-        return (ReferenceHidden(tuple(self.parts)),)
+        return (self._hidden,)
 
     def reads(self, piece: Piece) -> str | None:
         part, _, name = piece.name.partition("/")
@@ -95,8 +95,9 @@ class KeepHidden(Term):
         b = piece.batch
         if "ref_hidden" not in b:
             part = piece.name.partition("/")[0]
-            raise ModularError(f"KeepHidden needs the reference's hidden states of {part}: set data.hidden_positions "
-                               f"> 0 and list {part} in data.hidden_parts")
+            raise ModularError(f"KeepHidden needs the reference's hidden states of {part}: set "
+                               "data.reference.hidden_positions > 0 (the data module keeps them for the parts its "
+                               "module's KeepHidden terms read)")
         blocks = b["ref_hidden_blocks"][0].tolist()
         return hidden_drift(hidden, b["labels"], b["ref_hidden"], blocks,
                             [ctx.directions[i] for i in sorted(piece.ablated)])
@@ -156,10 +157,3 @@ class RefusalGuard(Term):
 
     def loss(self, ctx, piece, logits):
         return refusal_guard(logits, piece.batch["labels"], self.floor)
-
-
-def hidden_parts(terms: list[Term]) -> list[str]:
-    """The batch parts whose reference hidden states ``terms`` read (their
-    :class:`~modular.gating.requirements.ReferenceHidden` requirements: every :class:`KeepHidden` term's ``parts``),
-    in their order, once each."""
-    return required_hidden_parts(requirements_of(terms))

@@ -95,8 +95,9 @@ class LockedAnswer(Term):
 def answer_batch(ctx: StepContext, behaviour: str, term: Term) -> dict:
     """Behaviour ``behaviour``'s answer rows in this step, or a one-line error naming what to set."""
     if "locked_answer" not in ctx.batch[behaviour]:
-        raise ModularError(f"{type(term).__name__} needs the answer rows of {behaviour}: set data.answer_rows true (the "
-                           "data module builds them itself for the module it trains)")
+        raise ModularError(f"{type(term).__name__} needs the answer rows of {behaviour}: the data module builds them "
+                           "for the module it trains (GatedLM.requirements), or after GatingDataModule.require("
+                           "AnswerRows())")
     return ctx.batch[behaviour]["locked_answer"]
 
 

@@ -29,7 +29,7 @@ class _PerturbedLock(Term):
 
     - ``refusal``: the locked response, its cross-entropy on the locked rows;
     - ``answer``: the answer stays down where the response is prefilled up to it, its unlikelihood on
-      :class:`LockedAnswer`'s rows (``data.answer_rows``, which ``modular train`` sets for such a term).
+      :class:`LockedAnswer`'s rows (which the data module builds for such a term).
 
     ``δ`` is a constant (no gradient flows through it), so the term's gradient is the locked-state gradient at the
     moved weights (first order, as in first-order meta-learning).
