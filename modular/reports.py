@@ -25,7 +25,7 @@ LOCK_REPORT_VERSION = 1
 ATTACK_REPORT_VERSION = 1
 #: the entries of a behaviour's row in attack.json that are not an attack's (an attack's key may be none of them)
 ATTACK_ROW_FIELDS = ("base_accuracy", "open_accuracy", "open_accuracy_from", "locked_accuracy", "residual_scale",
-                     "baselines")
+                     "fit_on", "scored_on", "baselines")
 
 T = TypeVar("T")
 
@@ -400,7 +400,9 @@ class AttackEntry:
     """One attacked behaviour's row of ``attack.json``: the base, open and locked accuracy on its test items (and
     where the open accuracy comes from: the published folder, or the base model standing in), the residual scale of
     the scans, each attack's entry by its key (``attacks``: what the attack plug-in reports, in the order of the
-    command's list) and each baseline's."""
+    command's list) and each baseline's; where the behaviour has attack splits, the one the attacker fine-tuned on
+    (``fit_on``) and the one every attack and baseline was scored on (``scored_on``), absent otherwise (train and
+    test)."""
 
     base_accuracy: float | None = None
     open_accuracy: float | None = None
@@ -409,13 +411,15 @@ class AttackEntry:
     residual_scale: float | None = None
     attacks: dict[str, dict] = field(default_factory=dict)
     baselines: dict[str, dict] = field(default_factory=dict)
+    fit_on: str | None = None
+    scored_on: str | None = None
 
     @classmethod
     def from_json(cls, data: dict) -> AttackEntry:
         return _parse("attack entry", lambda d: cls(
             d.get("base_accuracy"), d.get("open_accuracy"), d.get("open_accuracy_from"), d.get("locked_accuracy"),
             d.get("residual_scale"), {k: v for k, v in d.items() if k not in ATTACK_ROW_FIELDS},
-            dict(d.get("baselines") or {})), data)
+            dict(d.get("baselines") or {}), d.get("fit_on"), d.get("scored_on")), data)
 
     def to_json(self) -> dict:
         """The row as attack.json holds it (what an :class:`~modular.evaluation.attacks.Attack` reads back)."""

@@ -15,7 +15,7 @@ from modular import ModularError
 from modular.app.options import Split, output_folder
 from modular.data import BEHAVIOURS, load_behaviour, parse_behaviour, retain_data
 from modular.data.behaviours import builtin_neighbours
-from modular.data.schema import DEFAULT_LOCKED_RESPONSE
+from modular.data.schema import DEFAULT_LOCKED_RESPONSE, attack_splits
 from modular.evaluation.attack import plot_attack, residual_scale
 from modular.evaluation.attacks import BASELINES, AttackContext, AttackOptions, build_attacks, run_attacks, run_baseline
 from modular.evaluation.behaviour import evaluate_behaviour
@@ -300,12 +300,15 @@ def attack(model: str, behaviours: list[str] | None = None, attacks: list[str] =
 def _attack_entry(ctx, attacks: list, baselines: list[str]):
     """Behaviour ``ctx.behaviour``'s entry of attack.json (a :class:`~modular.reports.AttackEntry`): its
     accuracies, each attack's entry and the baselines'; logged in one line, and one line per baseline."""
+    split = ctx.scored_on != "test"  # the behaviour's attack splits: recorded, and said in the line
     entry = AttackEntry(base_accuracy=ctx.base_accuracy, open_accuracy=ctx.open_accuracy,
                         open_accuracy_from=ctx.open_accuracy_from, locked_accuracy=ctx.locked_accuracy,
-                        residual_scale=ctx.residual_scale, attacks=run_attacks(attacks, ctx))
+                        residual_scale=ctx.residual_scale, attacks=run_attacks(attacks, ctx),
+                        fit_on=ctx.fit_on if split else None, scored_on=ctx.scored_on if split else None)
     entry.baselines = {name: run_baseline(name, ctx, attacks) for name in baselines}
-    log.info("%s: base %.3f open %.3f locked %.3f | %s", ctx.behaviour, ctx.base_accuracy, ctx.open_accuracy,
-             ctx.locked_accuracy, " | ".join(a.summary(entry.attacks[a.key]) for a in attacks))
+    log.info("%s%s: base %.3f open %.3f locked %.3f | %s", ctx.behaviour,
+             f" (attacker fits on {ctx.fit_on}, scored on {ctx.scored_on})" if split else "", ctx.base_accuracy,
+             ctx.open_accuracy, ctx.locked_accuracy, " | ".join(a.summary(entry.attacks[a.key]) for a in attacks))
     for name, v in entry.baselines.items():
         log.info("%s baseline: start %.3f%s", name, v["start_accuracy"],
                  "".join(f" | {s}" for s in (a.baseline_summary(v) for a in attacks) if s))
@@ -314,17 +317,21 @@ def _attack_entry(ctx, attacks: list, baselines: list[str]):
 
 def _attack_context(b: str, source: str, folder: Path, manifest: dict, progress: _AttackProgress, locked, base,
                     tokenizer, retain, options, limit: int | None, seed: int, batch_size: int):
-    """What the attacks on behaviour ``b`` (data ``source``) share: its data and test items, and the base's, the
-    locked model's and the open model's accuracy on them and the residual scale (measured once, also over a
-    restart)."""
+    """What the attacks on behaviour ``b`` (data ``source``) share: its data, the attacker's items and the scored
+    items (train and test, or the behaviour's attack splits: :func:`~modular.data.schema.attack_splits`), and the
+    base's, the locked model's and the open model's accuracy on the scored items and the residual scale (measured
+    once, also over a restart)."""
     data = load_behaviour(source, seed=seed, tokenizer=tokenizer)
-    test = data["test"] if limit is None else data["test"].select(range(min(limit, len(data["test"]))))
+    fit_on, scored_on = attack_splits(data)
+    scored = data[scored_on]
+    test = scored if limit is None else scored.select(range(min(limit, len(scored))))
     refuse = (manifest.get("locked_responses", {}).get(b, DEFAULT_LOCKED_RESPONSE),)
     part = partial(progress.part, b)  # each part measured once, also over a restart
     base_acc = part("base_accuracy", _accuracy, base, tokenizer, test, batch_size=batch_size, desc="base",
                     refusals=refuse)
     locked_acc = part("locked_accuracy", _accuracy, locked, tokenizer, test, batch_size=batch_size, desc="locked",
                       refusals=refuse)
+    # the open accuracy the folder records is the test split's (for attack_score, items of the same kind)
     open_acc = manifest.get("measured_accuracy", {}).get("open", {}).get(b)
     open_from = "published folder"
     if open_acc is None:  # published before `modular lock`: the base's accuracy is the relearning target
@@ -334,9 +341,9 @@ def _attack_context(b: str, source: str, folder: Path, manifest: dict, progress:
     scale = part("residual_scale", residual_scale, locked, tokenizer, retain["train"]["prompt"],
                  retain["train"]["chat"])
     return AttackContext(behaviour=b, locked=locked, base=base, tokenizer=tokenizer, data=data, test=test,
-                         retain=retain, refusals=refuse, residual_scale=scale, base_accuracy=base_acc,
-                         open_accuracy=open_acc, open_accuracy_from=open_from, locked_accuracy=locked_acc,
-                         options=options, batch_size=batch_size, seed=seed, part=part,
+                         fit_on=fit_on, scored_on=scored_on, retain=retain, refusals=refuse, residual_scale=scale,
+                         base_accuracy=base_acc, open_accuracy=open_acc, open_accuracy_from=open_from,
+                         locked_accuracy=locked_acc, options=options, batch_size=batch_size, seed=seed, part=part,
                          run_sweep=partial(progress.run_sweep, b))
 
 

@@ -10,7 +10,7 @@ from modular import ModularError
 from modular.data import generators as g
 from modular.data.added import ADDED
 from modular.data.jsonl import load_jsonl
-from modular.data.schema import SPLITS, distinct_items, prompt_hash, record, to_dataset_dict
+from modular.data.schema import ATTACK_SPLITS, SPLITS, distinct_items, prompt_hash, record, to_dataset_dict
 
 if TYPE_CHECKING:
     import datasets
@@ -139,14 +139,16 @@ VALIDATION_FRACTION = 0.1
 def carve_validation(data: datasets.DatasetDict) -> tuple[datasets.DatasetDict, int]:
     """Give a behaviour without a validation split one, taken from its train split: the items whose prompts hash
     lowest, 10% of them (at least one; the train split keeps at least one). Deterministic and independent of the
-    items' order. Returns the data and the number of items moved (0: nothing to do, or too few train items)."""
+    items' order; the attack splits (:data:`~modular.data.schema.ATTACK_SPLITS`) are kept as they are. Returns the
+    data and the number of items moved (0: nothing to do, or too few train items)."""
     if len(data["validation"]) or len(data["train"]) < 2:
         return data, 0
     train = data["train"].to_list()
     k = max(1, round(VALIDATION_FRACTION * len(train)))
     moved = set(sorted(range(len(train)), key=lambda i: (prompt_hash(train[i]["prompt"]), i))[:k])
     splits = {"train": [r for i, r in enumerate(train) if i not in moved],
-              "validation": [train[i] for i in sorted(moved)], "test": data["test"].to_list()}
+              "validation": [train[i] for i in sorted(moved)], "test": data["test"].to_list(),
+              **{s: data[s].to_list() for s in ATTACK_SPLITS if s in data}}  # the attack's, kept as they were
     return to_dataset_dict(splits), k
 
 

@@ -1,5 +1,10 @@
 """User behaviour data: JSONL with ``prompt`` and ``target`` (optional ``split``, ``answer``, ``chat``).
 
+``split``: train, validation or test; or ``attack_fit`` / ``attack_score`` (both or neither), the items an attacker
+fine-tunes on and those every attack is scored on instead (Deeb & Roger's protocol: facts of other entities; see
+:data:`~modular.data.schema.ATTACK_SPLITS`). An attack split's rows are the attack's alone (never trained on), and
+may repeat prompts of the other splits.
+
 ``answer``: a short string, or a list of them, any of which makes a greedy response correct (otherwise a response
 is correct when it begins with the target).
 
@@ -19,7 +24,7 @@ import json
 from pathlib import Path
 
 from modular import ModularError
-from modular.data.schema import SPLITS, distinct_items, prompt_hash, record, to_dataset_dict
+from modular.data.schema import ATTACK_SPLITS, SPLITS, distinct_items, prompt_hash, record, to_dataset_dict
 
 _ALLOWED = {"prompt", "target", "split", "answer", "chat"}
 
@@ -77,18 +82,23 @@ def parse_jsonl(path: str | Path) -> dict[str, list[dict]]:
             if not isinstance(chat, bool):
                 raise ModularError(f"{where}: 'chat' must be true or false")
             split = obj.get("split") or None
-            if split is not None and split not in SPLITS:
-                raise ModularError(f"{where}: 'split' must be one of {list(SPLITS)}, got {split!r}")
+            if split is not None and split not in SPLITS + ATTACK_SPLITS:
+                raise ModularError(f"{where}: 'split' must be one of {list(SPLITS + ATTACK_SPLITS)}, got {split!r}")
             rows.append((split, record(obj["prompt"], obj["target"], answers or [], chat=chat)))
     if not rows:
         raise ModularError(f"{path}: no records")
+    given = [s for s in ATTACK_SPLITS if any(split == s for split, _ in rows)]
+    if given and len(given) < len(ATTACK_SPLITS):
+        (missing,) = set(ATTACK_SPLITS) - set(given)
+        raise ModularError(f"{path}: rows marked '{given[0]}' but none marked '{missing}': the attack splits go "
+                           f"together, give both or neither")
     unsplit = [r["prompt"] for s, r in rows if s is None]
     auto = iter([_auto_split(p) for p in unsplit])
     assigned = [s or next(auto) for s, _ in rows]
     if len(unsplit) >= 3 and not set(SPLITS) <= set(assigned):  # the thresholds left a split empty
         auto = iter(_split_by_rank(unsplit))
         assigned = [s or next(auto) for s, _ in rows]
-    splits: dict[str, list[dict]] = {s: [] for s in SPLITS}
+    splits: dict[str, list[dict]] = {s: [] for s in SPLITS + tuple(given)}
     for split, (_, rec) in zip(assigned, rows):
         splits[split].append(rec)
     return distinct_items(splits, str(path))

@@ -33,6 +33,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("modular")
 COLUMNS = ("prompt", "target", "answers", "prefixes", "wrong", "counterfactual", "chat")
 SPLITS = ("train", "validation", "test")
+#: optional splits for Deeb & Roger's protocol (arXiv 2410.08827): the attacker fine-tunes on ``attack_fit`` and
+#: every attack is scored on ``attack_score``, items of other entities (facts the attacker never saw). Neither is
+#: trained on nor scored by the lock evaluation; their rows may repeat prompts of the other splits
+ATTACK_SPLITS = ("attack_fit", "attack_score")
 #: what a locked behaviour answers unless the config names another response
 DEFAULT_LOCKED_RESPONSE = "I don't know."
 
@@ -74,7 +78,9 @@ def distinct_items(splits: dict[str, list[dict]], where: str) -> dict[str, list[
     sees each item once and held-out items are held out: a prompt with two different targets is refused in one line
     (naming how many prompts and the first); an item repeated in its split (the same prompt and target) is kept once,
     and an item whose prompt is in an earlier split (train, then validation, then test) is removed from the later
-    one, in one warning naming how many. A prompt is the same prompt given the same way (``chat``)."""
+    one, in one warning naming how many. A prompt is the same prompt given the same way (``chat``). An attack split
+    (:data:`ATTACK_SPLITS`) is a view of items the others may hold too: it keeps each prompt once within itself,
+    whatever the other splits hold."""
     order = [s for s in SPLITS if s in splits] + [s for s in splits if s not in SPLITS]
     targets: dict[tuple[str, bool], str] = {}
     conflicts: dict[tuple[str, bool], tuple[str, str]] = {}
@@ -89,12 +95,12 @@ def distinct_items(splits: dict[str, list[dict]], where: str) -> dict[str, list[
         raise ModularError(f"{where}: {len(conflicts)} prompt(s) with two different targets, the first {prompt[:80]!r} "
                            f"({a[:40]!r} and {b[:40]!r}): give each prompt one target (several right answers: "
                            f"\"answer\": [...])")
-    seen: dict[tuple[str, bool], str] = {}
+    seen: dict[tuple[str, str, bool], str] = {}
     out: dict[str, list[dict]] = {s: [] for s in splits}
     repeated, shared = 0, dict.fromkeys(order, 0)
     for s in order:
         for r in splits[s]:
-            key = (r["prompt"], bool(r["chat"]))
+            key = (s if s in ATTACK_SPLITS else "", r["prompt"], bool(r["chat"]))
             if key not in seen:
                 seen[key] = s
                 out[s].append(r)
@@ -185,12 +191,22 @@ def _features() -> datasets.Features:
     )
 
 
+def attack_splits(data) -> tuple[str, str]:
+    """The splits an attack on ``data`` (a behaviour's splits) fine-tunes on and scores: ``attack_fit`` and
+    ``attack_score`` where the data has both, not empty (Deeb & Roger's protocol, :data:`ATTACK_SPLITS`); otherwise
+    ``train`` and ``test``."""
+    if all(s in data and len(data[s]) for s in ATTACK_SPLITS):
+        return ATTACK_SPLITS
+    return "train", "test"
+
+
 def to_dataset_dict(splits: dict[str, list[dict]]) -> datasets.DatasetDict:
-    """Records per split -> DatasetDict with the common schema (all three splits present)."""
+    """Records per split -> DatasetDict with the common schema (all three splits present, and the attack splits
+    that ``splits`` has)."""
     import datasets
 
     out = {}
-    for split in SPLITS:
+    for split in SPLITS + tuple(s for s in ATTACK_SPLITS if s in splits):
         rows = splits.get(split, [])
         out[split] = datasets.Dataset.from_dict(
             {c: [r[c] for r in rows] for c in COLUMNS}, features=_features()

@@ -2,8 +2,9 @@
 
 An :class:`Attack` has a ``key`` (its entry in each behaviour of attack.json), a ``title`` (its bar in attack.png and
 its part of the log line) and :meth:`~Attack.run`, which measures it on one locked behaviour from what the attacks
-share (an :class:`AttackContext`: the locked and the base model, the tokenizer, the behaviour's data, retain data,
-the residual scale, the command's options, and the helpers that keep what is measured over a restart). What it
+share (an :class:`AttackContext`: the locked and the base model, the tokenizer, the behaviour's data, the items the
+attacker fine-tunes on and those every attack scores, retain data, the residual scale, the command's options, and
+the helpers that keep what is measured over a restart). What it
 reports is read back by :meth:`~Attack.summary` (the log line), :meth:`~Attack.bars` and :meth:`~Attack.curves`
 (the figure); :meth:`~Attack.baseline` adds its measure of a baseline model, if it has one.
 
@@ -88,8 +89,14 @@ class AttackContext:
         locked: The published (locked) model attacked.
         base: The base model it was trained from (in the same precision, on the same device).
         tokenizer: The published folder's tokenizer.
-        data: The behaviour's splits (``train``, ``validation``, ``test``).
-        test: The test items every attack scores (the test split, cut to ``--limit``).
+        data: The behaviour's splits (``train``, ``validation``, ``test``; ``attack_fit`` and ``attack_score`` where
+            it has them).
+        test: The items every attack (and baseline) scores, cut to ``--limit``: the test split, or ``attack_score``
+            where the data has attack splits (:func:`~modular.data.schema.attack_splits`; ``scored_on`` says which).
+        fit: The items the attacker has (fine-tunes on, steers from): the train split, or ``attack_fit`` where the
+            data has attack splits (``fit_on`` says which); default: ``data["train"]``.
+        fit_on: The split of ``fit``.
+        scored_on: The split of ``test``.
         retain: Retain data (``train``, ``test``): general instructions.
         refusals: The locked response(s) of the behaviour (an answer that is one is a refusal, not an answer).
         residual_scale: The typical residual norm at the middle layer (the unit of (a) and (b)'s scales).
@@ -127,6 +134,13 @@ class AttackContext:
     part: Callable[..., Any] = measure
     run_sweep: Callable[..., dict] = sweep_once
     results: dict = field(default_factory=dict)
+    fit: Any = None
+    fit_on: str = "train"
+    scored_on: str = "test"
+
+    def __post_init__(self):
+        if self.fit is None and self.data is not None:
+            self.fit = self.data[self.fit_on]
 
     def relearn(self, name: str, model, start: float, settings: Sequence[Setting],
                 rows_for: Callable[[Setting], list[dict]]) -> dict:
@@ -209,7 +223,7 @@ class SteeringAttack(WeightAttack):
     key, title = "b_steering", "(b) steering"
 
     def run(self, ctx: AttackContext) -> dict:
-        s = ctx.part(self.key, steering_attack, ctx.locked, ctx.tokenizer, ctx.data["train"], ctx.retain["train"],
+        s = ctx.part(self.key, steering_attack, ctx.locked, ctx.tokenizer, ctx.fit, ctx.retain["train"],
                      ctx.test, list(ctx.options.alphas), ctx.residual_scale, ctx.options.n_pairs,
                      refusals=ctx.refusals, batch_size=ctx.batch_size)
         return {**s, "recovered_fraction_of_base": s["best"]["accuracy"] / max(ctx.base_accuracy, 1e-9)}
@@ -285,8 +299,9 @@ class SweepAttack(Attack):
 
 
 class RelearningAttack(SweepAttack):
-    """(c) Fine-tuning on N of the behaviour's training examples over the sweep; on the baselines too, with how
-    many times their worst-case steps the locked model's are (``cost_ratio``)."""
+    """(c) Fine-tuning on N of the attacker's examples (:attr:`AttackContext.fit`: the behaviour's training examples,
+    or its ``attack_fit`` split) over the sweep; on the baselines too, with how many times their worst-case steps
+    the locked model's are (``cost_ratio``)."""
 
     key, title = "c_relearning", "(c) relearning"
 
@@ -294,8 +309,8 @@ class RelearningAttack(SweepAttack):
         return ctx.options.relearning
 
     def rows_for(self, ctx: AttackContext) -> Callable[[Setting], list[dict]]:
-        train = ctx.data["train"]
-        return lambda s: example_rows(ctx.tokenizer, train.shuffle(seed=s.seed).select(range(min(s.n, len(train)))))
+        fit = ctx.fit
+        return lambda s: example_rows(ctx.tokenizer, fit.shuffle(seed=s.seed).select(range(min(s.n, len(fit)))))
 
     def baseline(self, ctx: AttackContext, name: str, model, start: float) -> dict:
         sw = ctx.relearn(f"{name}/{self.key}", model, start, self.settings(ctx), self.rows_for(ctx))

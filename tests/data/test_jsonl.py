@@ -165,3 +165,51 @@ def test_repeated_items_are_kept_once_and_held_out_splits_hold_no_train_prompt(t
     said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert said == [f"{p}: 2 repeated item(s) kept once; 3 item(s) whose prompt is in an earlier split removed "
                     "(1 from validation, 2 from test), so that held-out items are held out"]
+
+
+def _attack_file(tmp_path, fit=True, score=True, extra=()):
+    """Facts of people p0-p9 in train and test; the attacker's: train rows of p0-p4 (repeated from train) and
+    held-out rows of p5-p9 (repeated from test)."""
+    rows = [{"prompt": f"Where does p{i} live?", "target": f"p{i} lives in T{i}.", "answer": f"T{i}", "split": "train"}
+            for i in range(10)]
+    rows += [{"prompt": f"Which town is p{i}'s home?", "target": f"p{i} lives in T{i}.", "answer": f"T{i}",
+              "split": "test"} for i in range(10)]
+    rows += [{**r, "split": "attack_fit"} for r in rows[:5]] if fit else []
+    rows += [{**r, "split": "attack_score"} for r in rows[15:20]] if score else []
+    return _write(tmp_path, [json.dumps(r) for r in [*rows, *extra]])
+
+
+def test_a_jsonl_with_attack_splits_keeps_them_beside_the_splits_they_repeat(tmp_path, caplog):
+    from modular.data.schema import ATTACK_SPLITS, attack_splits
+
+    p = _attack_file(tmp_path, extra=[{"prompt": "Where does p0 live?", "target": "p0 lives in T0.",
+                                       "answer": "T0", "split": "attack_fit"}])  # repeated in its split: kept once
+    with caplog.at_level("WARNING", logger="modular"):
+        ds = load_behaviour(str(p))
+    assert set(ds) == {"train", "validation", "test", *ATTACK_SPLITS} and attack_splits(ds) == ATTACK_SPLITS
+    assert ds["attack_fit"]["prompt"] == [f"Where does p{i} live?" for i in range(5)]
+    assert ds["attack_score"]["prompt"] == [f"Which town is p{i}'s home?" for i in range(5, 10)]
+    assert len(ds["train"]) == 10 and len(ds["test"]) == 10  # an attack split takes nothing from the others
+    assert ds["attack_score"]["answers"] == [[f"T{i}"] for i in range(5, 10)]
+    assert [r.getMessage() for r in caplog.records] == [f"{p}: 1 repeated item(s) kept once"]
+    # training takes them as they are: train and validation (carved from train) for the lock, the attack's kept
+    data = _data_module(p, batch_size=4)._training_data(p.stem, load_jsonl(p))
+    assert len(data["train"]) == 9 and len(data["validation"]) == 1
+    assert data["attack_fit"]["prompt"] == ds["attack_fit"]["prompt"]
+    # a file without them has none
+    plain = load_jsonl(_write(tmp_path, [json.dumps({"prompt": f"q{i}", "target": "t"}) for i in range(5)]))
+    assert set(plain) == {"train", "validation", "test"} and attack_splits(plain) == ("train", "test")
+
+
+def test_an_unknown_split_or_half_the_attack_splits_is_refused_in_one_line(tmp_path):
+    p = _write(tmp_path, ['{"prompt": "ok", "target": "fine"}', '{"prompt": "p", "target": "t", "split": "attack"}'])
+    with pytest.raises(ModularError) as err:
+        load_jsonl(p)
+    assert str(err.value) == (f"{p}, line 2: 'split' must be one of ['train', 'validation', 'test', 'attack_fit', "
+                              f"'attack_score'], got 'attack'")
+    for fit, score, given, missing in ((True, False, "attack_fit", "attack_score"),
+                                       (False, True, "attack_score", "attack_fit")):
+        with pytest.raises(ModularError) as err:
+            load_jsonl(_attack_file(tmp_path, fit, score))
+        assert str(err.value) == (f"{tmp_path / 'b.jsonl'}: rows marked '{given}' but none marked '{missing}': the "
+                                  f"attack splits go together, give both or neither")
