@@ -25,7 +25,11 @@ def merge(pairs: str = "configs/merge_pairs.yaml", out: str | None = None, limit
     correlations with bootstrap intervals. Everything is logged to W&B too.
 
     Args:
-        pairs: Pairs file (YAML; see configs/merge_pairs.yaml, every key commented).
+        pairs: Pairs file (YAML; see configs/merge_pairs.yaml, every key commented): shared settings (task, split,
+            limit, max_new_tokens, batch_size, seed, depth, lock_limit, bootstrap; neutral: {fit_split, eval_split,
+            limit, skip_positions, map_dir}: the neutral text of the similarity and the maps) and pairs: each a, b,
+            method (ac, average, task_arithmetic, ties), name, task, depth_a, depth_b, lock_check; ac: {f, map}:
+            activation communication; weights: {base, weight_a, density, scale}: weight merging.
         out: Default: outputs/merge/<pairs file name>.
         limit: Overrides the pairs file's items per task (for quick runs).
     """
@@ -51,7 +55,7 @@ def merge(pairs: str = "configs/merge_pairs.yaml", out: str | None = None, limit
                   for r in rows},
         "correlation": report["correlation"],
     }
-    table = [{"pair": r["label"], "method": r["pair"]["method"], "f": r["pair"]["f"], "task": r["task"],
+    table = [{"pair": r["label"], "method": r["pair"]["method"], "f": r["pair"]["ac"]["f"], "task": r["task"],
               **summary["pairs"][r["label"]]} for r in rows]
     log_to_wandb(out_dir, "evaluate-merge", summary, config={"pairs_file": str(pairs), **report["config"]},
                  figures={f"merge_gain_{m}": p for m, p in figures.items()}, tables={"pairs": table})

@@ -95,6 +95,13 @@ def build_states(base, open_model, directions: dict[str, torch.Tensor], harden: 
 REFUSAL_PROBE_TOKENS = 12
 
 
+def _score(result) -> Score:
+    """A behaviour's result (:func:`~modular.evaluation.behaviour.evaluate_behaviour`) as a score with its 95%
+    Wilson interval."""
+    return Score.from_json({**result.summary(),
+                            "ci95": wilson_interval(sum(i["correct"] for i in result.items), result.n)})
+
+
 def lock_report(base, open_model, tokenizer, directions: dict[str, torch.Tensor], seed: int = 0,
                 other_limit: int = 64, harden: bool = True, max_new_tokens: int = 24,
                 sources: dict[str, str] | None = None, locked_responses: dict[str, str] | None = None,
@@ -143,21 +150,18 @@ def lock_report(base, open_model, tokenizer, directions: dict[str, torch.Tensor]
         row = rows[state] = StateRow()
         for b in gated:
             r = evaluate_behaviour(model, tokenizer, data[b], max_new_tokens, batch_size, intervention=ctx,
-                                   desc=f"{state}:{b}",
-                                   refusals=refusals[b])
-            k = sum(i["correct"] for i in r.items)
-            row.behaviours[b] = Score.from_json({**r.summary(), "ci95": wilson_interval(k, r.n)})
+                                   desc=f"{state}:{b}", refusals=refusals[b])
+            row.behaviours[b] = _score(r)
             responses.setdefault(state, {})[b] = [i["response"] for i in r.items]
         for key, (b, dataset) in paraphrase_data.items():
             r = evaluate_behaviour(model, tokenizer, dataset, max_new_tokens, batch_size, intervention=ctx,
                                    desc=f"{state}:{key}", refusals=refusals[b])
-            row.paraphrases[key] = Score.from_json({**r.summary(), "ci95": wilson_interval(sum(i["correct"] for i in r.items), r.n)})
+            row.paraphrases[key] = _score(r)
         for n in neighbours:
             r = evaluate_behaviour(model, tokenizer, data[n], max_new_tokens, batch_size, intervention=ctx,
-                                   desc=f"{state}:{n}",
-                                   refusals=every_refusal)
+                                   desc=f"{state}:{n}", refusals=every_refusal)
             correct = neighbour_correct.setdefault(state, {})[n] = [i["correct"] for i in r.items]
-            row.neighbours[n] = Score.from_json({**r.summary(), "ci95": wilson_interval(sum(correct), r.n)})
+            row.neighbours[n] = _score(r)
             if state != "base":
                 row.neighbours[n].vs_base = PairedChange.from_json(paired_change(neighbour_correct["base"][n],
                                                                                  correct))

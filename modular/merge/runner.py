@@ -6,7 +6,7 @@ the whole run, so a model shared by several pairs is loaded and scored once.
 * ``ac`` pairs: activation communication (:mod:`modular.merge.communication`); the
   map between the two spaces is the identity when both models come from the same
   base (same width, same coordinates) and a least-squares map otherwise (or when
-  ``map: fit``), saved under ``map_dir`` and reused when present.
+  ``ac: {map: fit}``), saved under ``neutral.map_dir`` and reused when present.
 * ``average`` / ``task_arithmetic`` / ``ties`` pairs: the two state dicts are merged
   (:mod:`modular.merge.weights`) and the merged model is scored like any other.
   When A or B is a gated run, the merged model's locks are checked too: each
@@ -112,7 +112,8 @@ class MergeRunner:
         if self._neutral is None:
             self._neutral = neutral_text(self.cfg.seed)
         texts = list(self._neutral[split]["text"])
-        return texts if self.cfg.neutral_limit is None else texts[: self.cfg.neutral_limit]
+        limit = self.cfg.neutral.limit
+        return texts if limit is None else texts[:limit]
 
     def activations(self, spec: str, layer: int, split: str):
         key = (spec, layer, split)
@@ -146,39 +147,40 @@ class MergeRunner:
         return layer_at_depth(la, da), layer_at_depth(lb, db)
 
     def similarity(self, pair: Pair, k: int, j: int) -> dict:
-        split = self.cfg.neutral_eval_split
+        split = self.cfg.neutral.eval_split
         xa, xb = self.activations(pair.a, k, split), self.activations(pair.b, j, split)
-        return similarity(xa, xb, self.cfg.skip_positions)
+        return similarity(xa, xb, self.cfg.neutral.skip_positions)
 
     def mapping(self, pair: Pair, k: int, j: int):
         """``(module or None, info)``: the map from A's layer-k space to B's layer-j space."""
         ma, mb = self.bank.get(pair.a)[0], self.bank.get(pair.b)[0]
         d_a, d_b = ArchitectureAdapter(ma).d_model, ArchitectureAdapter(mb).d_model
         same_base = self.bank.base_of(pair.a) == self.bank.base_of(pair.b)
-        kind = pair.map
+        kind = pair.ac.map
         if kind == "auto":
             kind = "identity" if same_base and d_a == d_b else "fit"
         if kind == "identity":
             if d_a != d_b:
                 raise ModularError(f"pair {pair.label}: map 'identity' needs equal widths, got {d_a} and {d_b}")
             return None, {"kind": "identity"}
+        neutral = self.cfg.neutral
         meta = {"model_a": pair.a, "model_b": pair.b, "layer_a": k, "layer_b": j,
-                "neutral_split": self.cfg.neutral_fit_split, "skip_positions": self.cfg.skip_positions,
-                "seed": self.cfg.seed, "neutral_limit": self.cfg.neutral_limit}
+                "neutral_split": neutral.fit_split, "skip_positions": neutral.skip_positions,
+                "seed": self.cfg.seed, "neutral_limit": neutral.limit}  # the saved maps' keys, as before the groups
         name = f"{short_name(pair.a)}_L{k}__{short_name(pair.b)}_L{j}.safetensors".replace("/", "_")
-        path = Path(self.cfg.map_dir) / name
+        path = Path(neutral.map_dir) / name
         loaded = load_map(path, expect=meta)
-        held_x, held_y = paired_matrices(self.activations(pair.a, k, self.cfg.neutral_eval_split),
-                                         self.activations(pair.b, j, self.cfg.neutral_eval_split),
-                                         self.cfg.skip_positions)
+        held_x, held_y = paired_matrices(self.activations(pair.a, k, neutral.eval_split),
+                                         self.activations(pair.b, j, neutral.eval_split),
+                                         neutral.skip_positions)
         if loaded is not None:
             module, stored = loaded
             log.info("reusing the map %s", path)
             info = {"kind": "fit", "path": str(path), "reused": True, "n_fit": stored.get("n_fit")}
         else:
-            x, y = paired_matrices(self.activations(pair.a, k, self.cfg.neutral_fit_split),
-                                   self.activations(pair.b, j, self.cfg.neutral_fit_split),
-                                   self.cfg.skip_positions)
+            x, y = paired_matrices(self.activations(pair.a, k, neutral.fit_split),
+                                   self.activations(pair.b, j, neutral.fit_split),
+                                   neutral.skip_positions)
             module = fit_linear_map(x, y)
             fit_r2 = r_squared(module, x, y)
             save_map(module, path, {**meta, "n_fit": int(x.shape[0]), "fit_r2": fit_r2})
@@ -191,7 +193,7 @@ class MergeRunner:
         mb, tb, _ = self.bank.get(pair.b)
         module, info = self.mapping(pair, k, j)
         ds = _items(task, self.cfg.split, self.cfg.seed, self.cfg.limit)
-        responses = communicate(ma, ta, mb, tb, list(ds["prompt"]), list(ds["chat"]), k, j, pair.f, module,
+        responses = communicate(ma, ta, mb, tb, list(ds["prompt"]), list(ds["chat"]), k, j, pair.ac.f, module,
                                 self.cfg.max_new_tokens, self.cfg.batch_size, desc=self._desc(f"AC {pair.label}"))
         items = [{"prompt": row["prompt"], "response": resp,
                   "correct": is_correct(resp, row["target"], row["answers"], row["prefixes"])}
@@ -202,17 +204,18 @@ class MergeRunner:
         ma = self.bank.get(pair.a)[0]
         mb = self.bank.get(pair.b)[0]
         sa, sb = ma.state_dict(), mb.state_dict()
+        opts = pair.weights
         try:
             if pair.method == "average":
-                merged = weights.average([sa, sb], [pair.weight_a, 1.0 - pair.weight_a])
+                merged = weights.average([sa, sb], [opts.weight_a, 1.0 - opts.weight_a])
                 base = None
             else:
-                base = pair.base or self.bank.base_of(pair.a)
+                base = opts.base or self.bank.base_of(pair.a)
                 sbase = self.bank.get(base)[0].state_dict()
                 if pair.method == "task_arithmetic":
-                    merged = weights.task_arithmetic(sbase, [sa, sb], pair.scale)
+                    merged = weights.task_arithmetic(sbase, [sa, sb], opts.scale)
                 else:
-                    merged = weights.ties(sbase, [sa, sb], pair.density, pair.scale)
+                    merged = weights.ties(sbase, [sa, sb], opts.density, opts.scale)
         except ValueError as err:
             raise ModularError(f"pair {pair.label}: cannot merge the weights: {err}") from err
         model = copy.deepcopy(ma)

@@ -64,15 +64,16 @@ def folders(tmp_path):
 def test_merge_command_writes_json_figures_and_maps(tmp_path, folders, isolated_cache, monkeypatch, drawn):
     f = {k: str(v) for k, v in folders.items()}
     pairs = {
-        "task": "capitals", "limit": 4, "max_new_tokens": 3, "batch_size": 4, "neutral_limit": 3, "bootstrap": 50,
-        "map_dir": str(tmp_path / "maps"), "lock_limit": 2,
+        "task": "capitals", "limit": 4, "max_new_tokens": 3, "batch_size": 4, "bootstrap": 50, "lock_limit": 2,
+        "neutral": {"limit": 3, "map_dir": str(tmp_path / "maps")},
         "pairs": [
-            {"a": f["llama"], "b": f["llama"], "name": "self", "f": "replace"},
-            {"a": f["llama"], "b": f["gemma"], "name": "llama,gemma", "f": "sum", "map": "fit"},
-            {"a": f["wide"], "b": f["qwen"], "name": "wide,qwen", "f": "mean", "depth_a": 0.3},
+            {"a": f["llama"], "b": f["llama"], "name": "self", "ac": {"f": "replace"}},
+            {"a": f["llama"], "b": f["gemma"], "name": "llama,gemma", "ac": {"f": "sum", "map": "fit"}},
+            {"a": f["wide"], "b": f["qwen"], "name": "wide,qwen", "ac": {"f": "mean"}, "depth_a": 0.3},
             {"a": f["run1"], "b": f["llama"], "name": "run1,llama"},
             {"a": f["run1"], "b": f["run2"], "name": "avg", "method": "average"},
-            {"a": f["run1"], "b": f["run2"], "name": "ties", "method": "ties", "density": 0.5, "task": "ioi"},
+            {"a": f["run1"], "b": f["run2"], "name": "ties", "method": "ties", "weights": {"density": 0.5},
+             "task": "ioi"},
         ],
     }
     path = tmp_path / "pairs.yaml"
@@ -110,6 +111,9 @@ def test_merge_command_writes_json_figures_and_maps(tmp_path, folders, isolated_
     assert set(locks["behaviours"]["capitals"]["sources"]) == {"run1", "run2"}
     assert rows["ties"]["task"] == "ioi" and rows["ties"]["locks"]["all_ok"] in (True, False)
     assert set(report["correlation"]["frobenius"]) == {"n", "pearson", "spearman"}
+    # the report echoes the groups as given: the pairs' and the shared ones
+    assert rows["ties"]["pair"]["weights"]["density"] == 0.5 and rows["llama,gemma"]["pair"]["ac"]["map"] == "fit"
+    assert report["config"]["neutral"]["limit"] == 3 and "pairs" not in report["config"]
     # run again (in process, that pair only): the saved map is reused
     from modular.app.merge import merge
 
@@ -127,4 +131,33 @@ def test_merge_command_one_line_error_for_a_bad_pairs_file(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "evaluate.py"), "merge", "--pairs", str(path)],
                           capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1].startswith("error: pair 0: Option 'how' is not accepted")
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: pairs[0]: Option 'how' is not accepted")
+
+
+def test_merge_command_names_the_new_place_of_a_flat_key(tmp_path):
+    """A pairs file written before the option groups: its first flat key is one line naming where it went."""
+    from modular import ModularError
+    from modular.app.merge import merge
+
+    path = tmp_path / "pairs.yaml"
+    path.write_text(yaml.safe_dump({"pairs": [{"a": "smollm2-135m-instruct", "b": "gemma3-270m", "f": "sum"}]}))
+    with pytest.raises(ModularError, match=r"^pairs\[0\]: f is now ac\.f"):
+        merge(str(path), out=str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()  # refused before any work
+
+
+def test_merge_help_lists_every_key_of_the_pairs_file(capsys):
+    from dataclasses import fields
+
+    from modular.merge.pairs import ACOptions, MergeConfig, NeutralTextOptions, Pair, WeightMergeOptions
+
+    with pytest.raises(SystemExit):
+        main(["merge", "--help"])
+    text = "".join(capsys.readouterr().out.split())
+    for cls, group in ((MergeConfig, ""), (Pair, ""), (NeutralTextOptions, "neutral:"), (ACOptions, "ac:"),
+                       (WeightMergeOptions, "weights:")):
+        names = [f.name for f in fields(cls)]
+        if group:
+            assert group + "{" + ",".join(names) + "}" in text, group
+        else:
+            assert all(name in text for name in names), cls

@@ -57,10 +57,10 @@ def test_cross_family_map_and_similarity(smollm2):
 
 
 def test_merge_command_on_smollm2_pairs(tmp_path):
-    pairs = {"task": "capitals", "limit": 8, "max_new_tokens": 12, "neutral_limit": 8, "bootstrap": 100,
-             "map_dir": str(tmp_path / "maps"),
-             "pairs": [{"a": SMOL, "b": SMOL, "name": "self", "f": "replace"},
-                       {"a": SMOL, "b": SMOL, "name": "self-mean-deeper", "f": "mean", "depth_a": 0.7}]}
+    pairs = {"task": "capitals", "limit": 8, "max_new_tokens": 12, "bootstrap": 100,
+             "neutral": {"limit": 8, "map_dir": str(tmp_path / "maps")},
+             "pairs": [{"a": SMOL, "b": SMOL, "name": "self", "ac": {"f": "replace"}},
+                       {"a": SMOL, "b": SMOL, "name": "self-mean-deeper", "ac": {"f": "mean"}, "depth_a": 0.7}]}
     path = tmp_path / "pairs.yaml"
     path.write_text(yaml.safe_dump(pairs))
     out = subprocess.run([sys.executable, str(ROOT / "evaluate.py"), "merge", "--pairs", str(path), "--out",
