@@ -17,6 +17,8 @@ from modular.reports import AttackEntry, AttackReport, LockReport
 BASE_HAS_BEHAVIOUR = 0.05
 #: the relearning attack's key in attack.json, and the baseline the base model stands for
 RELEARNING, BASE_BASELINE = "c_relearning", "base"
+#: the re-quantisation attack's key in attack.json
+QUANTIZED = "f_quantized"
 #: a quantised published model "returns the base's answers" when its locked accuracy is at least this share of the
 #: equally quantised base's
 RESTORED_SHARE = 0.5
@@ -36,8 +38,9 @@ class LockKind:
         relearn_setting: The setting that took ``relearn_steps``.
         quantized_restores: Quantisations under which the published model answers as the base (locked accuracy at
             least half the equally quantised base's); None: none measured.
-        advantage: Added behaviours: the published model's best accuracy minus the base's after the same fine-tuning
-            setting, the largest over the sweep (None: the base was not attacked alike).
+        advantage: Added behaviours: the published model's accuracy minus the base's after the same attack, the
+            largest over every condition measured on both (attack.json's ``advantage``; a report written before it:
+            the relearning sweep's settings), None where the base was not attacked alike.
         advantage_setting: The setting of ``advantage``.
     """
 
@@ -64,7 +67,7 @@ class LockKind:
         head = f"{self.behaviour}: an added behaviour (the base answers {self.base_accuracy:.0%})"
         if self.advantage is None:
             return head + "; its advantage over the base after the same attacks: not measured (modular attack)."
-        return (f"{head}; after the same fine-tuning the published model's largest advantage over the base is "
+        return (f"{head}; after the same attacks the published model's largest advantage over the base is "
                 f"{100 * self.advantage:+.1f} points ({self.advantage_setting}); {self._relearning()}.")
 
     def _relearning(self) -> str:
@@ -92,8 +95,20 @@ def _relearning(kind: LockKind, entry: AttackEntry) -> None:
     kind.relearn_steps, kind.relearn_setting = half.get("steps"), half.get("setting")
     if kind.relearn_steps is None:
         kind.relearn_more_than = half.get("more_than", sweep.get("max_steps"))
+
+
+def _advantage(kind: LockKind, entry: AttackEntry) -> None:
+    """An added behaviour's advantage over the base: attack.json's own (every attack measured on the base alike),
+    or, in a report written before it, the relearning sweep's settings against the base's."""
+    if kind.switch:
+        return
+    if entry.advantage:
+        worst = entry.advantage["worst"]
+        kind.advantage, kind.advantage_setting = worst["advantage"], f"{worst['title']}: {worst['condition']}"
+        return
+    sweep = entry.attacks.get(RELEARNING) or {}
     base = (entry.baselines.get(BASE_BASELINE) or {}).get(RELEARNING)
-    if not kind.switch and base and sweep.get("settings") and base.get("settings"):
+    if base and sweep.get("settings") and base.get("settings"):
         theirs = {s["label"]: s["best_accuracy"] for s in base["settings"]}
         gaps = [(s["best_accuracy"] - theirs[s["label"]], s["label"]) for s in sweep["settings"]
                 if s["label"] in theirs]
@@ -131,6 +146,11 @@ def lock_kinds(lock: LockReport | dict | None, attack: AttackReport | dict | Non
         kind = LockKind(b, accuracy, accuracy > BASE_HAS_BEHAVIOUR)
         if attack is not None and b in attack.behaviours:
             _relearning(kind, attack.behaviours[b])
+            _advantage(kind, attack.behaviours[b])
+            requantised = attack.behaviours[b].attacks.get(QUANTIZED)
+            if requantised and not quantized:  # attack (f): the published model and the base quantised alike
+                kind.quantized_restores = [s for s, v in requantised["schemes"].items()
+                                           if v["accuracy"] >= RESTORED_SHARE * v["base_accuracy"] > 0]
         if quantized:
             _quantized(kind, quantized)
         kinds[b] = kind

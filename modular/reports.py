@@ -25,7 +25,7 @@ LOCK_REPORT_VERSION = 1
 ATTACK_REPORT_VERSION = 1
 #: the entries of a behaviour's row in attack.json that are not an attack's (an attack's key may be none of them)
 ATTACK_ROW_FIELDS = ("base_accuracy", "open_accuracy", "open_accuracy_from", "locked_accuracy", "residual_scale",
-                     "fit_on", "scored_on", "baselines")
+                     "fit_on", "scored_on", "baselines", "advantage")
 
 T = TypeVar("T")
 
@@ -402,7 +402,8 @@ class AttackEntry:
     the scans, each attack's entry by its key (``attacks``: what the attack plug-in reports, in the order of the
     command's list) and each baseline's; where the behaviour has attack splits, the one the attacker fine-tuned on
     (``fit_on``) and the one every attack and baseline was scored on (``scored_on``), absent otherwise (train and
-    test)."""
+    test); and the published model's ``advantage`` over the base after the same attacks
+    (:func:`~modular.evaluation.advantage.advantage`), absent where the base was not attacked alike."""
 
     base_accuracy: float | None = None
     open_accuracy: float | None = None
@@ -413,18 +414,19 @@ class AttackEntry:
     baselines: dict[str, dict] = field(default_factory=dict)
     fit_on: str | None = None
     scored_on: str | None = None
+    advantage: dict | None = None
 
     @classmethod
     def from_json(cls, data: dict) -> AttackEntry:
         return _parse("attack entry", lambda d: cls(
             d.get("base_accuracy"), d.get("open_accuracy"), d.get("open_accuracy_from"), d.get("locked_accuracy"),
             d.get("residual_scale"), {k: v for k, v in d.items() if k not in ATTACK_ROW_FIELDS},
-            dict(d.get("baselines") or {}), d.get("fit_on"), d.get("scored_on")), data)
+            dict(d.get("baselines") or {}), d.get("fit_on"), d.get("scored_on"), d.get("advantage")), data)
 
     def to_json(self) -> dict:
         """The row as attack.json holds it (what an :class:`~modular.evaluation.attacks.Attack` reads back)."""
-        return _present({k: getattr(self, k) for k in ATTACK_ROW_FIELDS[:-1]}) | self.attacks | {
-            "baselines": self.baselines}
+        head = _present({k: getattr(self, k) for k in ATTACK_ROW_FIELDS if k not in ("baselines", "advantage")})
+        return head | self.attacks | {"baselines": self.baselines} | _present({"advantage": self.advantage})
 
 
 @dataclass

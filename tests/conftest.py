@@ -194,7 +194,7 @@ def tiny_env(request, shared_cache):
 
 def describe_figure(fig) -> dict:
     """What a matplotlib figure draws: per axes its title, axis labels, tick labels, line labels and lengths,
-    bar heights, texts (annotations) and legend entries; the figure's suptitle."""
+    bar heights and widths, texts (annotations) and legend entries; the figure's suptitle."""
     from matplotlib.patches import Rectangle
 
     axes = []
@@ -206,6 +206,7 @@ def describe_figure(fig) -> dict:
             "yticklabels": [t.get_text() for t in ax.get_yticklabels()],
             "lines": {line.get_label(): list(line.get_ydata()) for line in ax.get_lines()},
             "bars": [p.get_height() for p in ax.patches if isinstance(p, Rectangle)],
+            "widths": [p.get_width() for p in ax.patches if isinstance(p, Rectangle)],  # a horizontal bar's value
             "texts": [t.get_text() for t in ax.texts],
             "legend": [t.get_text() for t in legend.get_texts()] if legend else [],
             "images": len(ax.images) + sum(1 for c in ax.collections if c.get_array() is not None),

@@ -121,3 +121,26 @@ def test_an_attack_report_alone_gives_the_kind():
     kind = lock_kinds(None, attack)["capitals"]
     assert kind.switch and kind.relearn_steps == 4 and kind.base_accuracy == 0.5
     assert lock_kinds(None, None) == {}
+
+
+def test_the_attack_reports_advantage_and_requantisation_are_what_the_kind_says(lock):
+    """An added behaviour's advantage is attack.json's own worst case over every attack measured on the base alike
+    (not only the relearning sweep's), and attack (f)'s quantisations say which return the base's answers where no
+    quantized.json is given."""
+    added = copy.deepcopy(lock)
+    added["states"]["base"]["behaviours"]["capitals"]["accuracy"] = 0.0
+    report = _attack(_sweep({"full lr=1e-4 N=8": 0.30}, 3), _sweep({"full lr=1e-4 N=8": 0.28}, 2))
+    entry = report["behaviours"]["capitals"]
+    entry["f_quantized"] = {"schemes": {"int8": {"accuracy": 0.0, "base_accuracy": 0.0},
+                                        "q4_0": {"accuracy": 0.12, "base_accuracy": 0.0}}}
+    worst = {"attack": "f_quantized", "title": "(f) re-quantised", "condition": "q4_0", "published": 0.12, "base": 0.0,
+             "advantage": 0.12}
+    entry["advantage"] = {"worst": worst, "conditions": 4, "max_allowed": 0.05, "within": False, "rows": [worst]}
+    kind = lock_kinds(added, report)["capitals"]
+    assert not kind.switch and kind.advantage == pytest.approx(0.12)
+    assert kind.advantage_setting == "(f) re-quantised: q4_0"
+    assert "largest advantage over the base is +12.0 points ((f) re-quantised: q4_0)" in kind.text()
+    # a switch: the quantisations under which the published model answers as the base
+    entry["f_quantized"]["schemes"]["q4_0"] = {"accuracy": 0.4, "base_accuracy": 0.45}
+    switch = lock_kinds(lock, report)["capitals"]
+    assert switch.switch and switch.quantized_restores == ["q4_0"]

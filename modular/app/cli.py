@@ -42,7 +42,7 @@ COMMANDS: dict[str, str | dict[str, str] | None] = {
     "train": None,  # LightningCLI, parsed by its own parser (TRAIN)
     "behaviour": "modular.app.evaluations:behaviour",
     "lock": "modular.app.evaluations:lock",
-    "attack": "modular.app.evaluations:attack",
+    "attack": "modular.app.attacking:attack",
     "quantized": "modular.app.evaluations:quantized",
     "capability": "modular.app.capability:capability",
     "publish": "modular.app.publishing:publish",

@@ -8,6 +8,7 @@
 (c), (d) *relearning* and *neutral fine-tuning*: :mod:`modular.evaluation.relearning`.
 (e) *prefilling*: the response begun with the answer's own frame ("The capital of France is"), as anyone who runs
     the weights can do, and greedily continued; the base model prefilled alike is its reference.
+(f) *re-quantisation*: the weights rounded as a release is (int8, int4, GGUF block formats), the base alike.
 
 :func:`plot_attack` draws every attack: the best accuracy each one recovers, and the recovery curves of the
 relearning sweeps beside the baselines', as each attack of :mod:`modular.evaluation.attacks` says.
@@ -15,6 +16,7 @@ relearning sweeps beside the baselines', as each attack of :mod:`modular.evaluat
 
 from __future__ import annotations
 
+import copy
 import logging
 from pathlib import Path
 
@@ -27,6 +29,7 @@ from modular.directions import last_position_mean, robust_norm
 from modular.evaluation.behaviour import evaluate_behaviour
 from modular.hooks import add_vectors, capture_residual
 from modular.models.adapter import ArchitectureAdapter, weight_out_in
+from modular.models.quantize import quantize_weights
 from modular.plots import save_figure
 from modular.reports import AttackReport
 
@@ -119,6 +122,24 @@ def prefill_attack(model, base, tokenizer, test, refusals=(DEFAULT_LOCKED_RESPON
             "recovered_fraction_of_base": locked.accuracy / max(reference.accuracy, 1e-9),
             "framed_items": sum(bool(i["prefill"]) for i in locked.items), "n": locked.n,
             "examples": [{k: i[k] for k in ("prompt", "prefill", "response", "correct")} for i in locked.items[:5]]}
+
+
+def quantized_attack(model, base, tokenizer, test, schemes, refusals=(DEFAULT_LOCKED_RESPONSE,),
+                     batch_size: int = 16) -> dict:
+    """(f) Each quantisation (:func:`~modular.models.quantize.quantize_weights`) applied to a copy of the published
+    ``model`` and of ``base`` alike, both scored on ``test``: ``{"schemes": {scheme: {"accuracy", "refusal_rate",
+    "base_accuracy"}}}`` (the models themselves are not changed)."""
+    out: dict = {"schemes": {}}
+    for scheme in schemes:
+        row = {}
+        for label, m in (("", model), ("base_", base)):
+            q = quantize_weights(copy.deepcopy(m), scheme)
+            r = evaluate_behaviour(q, tokenizer, test, max_new_tokens=16, batch_size=batch_size,
+                                   desc=f"attack (f) {label}{scheme}", refusals=refusals)
+            row |= {f"{label}accuracy": r.accuracy, f"{label}refusal_rate": r.refusal_rate}
+            del q
+        out["schemes"][scheme] = row
+    return out
 
 
 def envelope(sweep_result: dict) -> tuple[list[int], list[float]]:

@@ -8,7 +8,7 @@ the helpers that keep what is measured over a restart). What it
 reports is read back by :meth:`~Attack.summary` (the log line), :meth:`~Attack.bars` and :meth:`~Attack.curves`
 (the figure); :meth:`~Attack.baseline` adds its measure of a baseline model, if it has one.
 
-The built-in attacks are (a) to (e) of :mod:`modular.evaluation.attack` and :mod:`modular.evaluation.relearning`
+The built-in attacks are (a) to (f) of :mod:`modular.evaluation.attack` and :mod:`modular.evaluation.relearning`
 (:data:`BUILTIN_ATTACKS`, by short name). An attack of your own is one class in your module::
 
     class Noise(Attack):
@@ -30,10 +30,10 @@ from typing import Any
 
 from modular import ModularError
 from modular.data import neutral_text
-from modular.evaluation.attack import prefill_attack, steering_attack, weight_attack
+from modular.evaluation.attack import prefill_attack, quantized_attack, steering_attack, weight_attack
 from modular.evaluation.baselines import refusal_finetune
 from modular.evaluation.behaviour import evaluate_behaviour
-from modular.evaluation.defaults import DEFAULT_ATTACKS
+from modular.evaluation.defaults import DEFAULT_ATTACKS, DEFAULT_QUANTIZED
 from modular.evaluation.relearning import Setting, cost_ratio, example_rows, run_sweep, text_rows
 from modular.evaluation.retain import first_token_logp, mean_kl
 from modular.reports import ATTACK_ROW_FIELDS
@@ -58,6 +58,7 @@ class AttackOptions:
         prune: Prune the sweeps (:func:`~modular.evaluation.relearning.run_sweep`).
         refusal_steps: Fine-tuning steps of the refusal baseline.
         refusal_lr: Learning rate of the refusal baseline.
+        quantized: The quantisations of (f), each applied to the published model and to the base alike.
     """
 
     alphas: tuple[float, ...] = (-1, -0.5, -0.25, -0.1, 0.1, 0.25, 0.5, 1)
@@ -68,6 +69,7 @@ class AttackOptions:
     prune: bool = False
     refusal_steps: int = 100
     refusal_lr: float = 3e-5
+    quantized: tuple[str, ...] = DEFAULT_QUANTIZED
 
 
 def measure(key: str, compute: Callable, *args, **kwargs):
@@ -189,6 +191,14 @@ class Attack:
         """Its part of a baseline's log line ("": none)."""
         return ""
 
+    def versus_base(self, entry: dict, base: dict | None) -> list[tuple[str, float, float]]:
+        """(condition, the published model's accuracy, the base's) for every condition of this attack measured on
+        the base alike (``base``: the base baseline's entry in attack.json, None where the base was not attacked):
+        the published model's advantage over the base is read from these (:mod:`modular.evaluation.advantage`).
+        []: the attack has no like-for-like measure on the base (the direction recovered from the published
+        weights has no counterpart in the base's)."""
+        return []
+
     def bars(self, entry: dict) -> list[tuple[str, float]]:
         """The bars it draws in the figure's left panel: (label, held-out accuracy)."""
         acc = self.accuracy(entry)
@@ -252,6 +262,9 @@ class PrefillAttack(Attack):
     def baseline_summary(self, entry: dict) -> str:
         return f"(e) prefilled {entry['e_prefill_accuracy']:.3f}" if "e_prefill_accuracy" in entry else ""
 
+    def versus_base(self, entry: dict, base: dict | None) -> list[tuple[str, float, float]]:
+        return [("prefilled", entry["accuracy"], entry["base_accuracy"])]  # the base is prefilled alike in run()
+
 
 def steps_text(w: dict) -> str:
     """A worst case's steps to a threshold, or that no setting reached it within the budget."""
@@ -292,6 +305,19 @@ class SweepAttack(Attack):
         return (f"{self.title} worst case {steps_text(w['steps_to_50pct_open'])} steps to 50% of open, "
                 f"{steps_text(w['steps_to_90pct_open'])} to 90%")
 
+    def baseline(self, ctx: AttackContext, name: str, model, start: float) -> dict:
+        """The same sweep on the base (its like-for-like comparison); no other baseline."""
+        if name != "base":
+            return {}
+        return {self.key: ctx.relearn(f"{name}/{self.key}", model, start, self.settings(ctx), self.rows_for(ctx))}
+
+    def versus_base(self, entry: dict, base: dict | None) -> list[tuple[str, float, float]]:
+        """Each setting's best accuracy within the budget, the published model's and the base's under the same
+        setting."""
+        theirs = {s["label"]: s["best_accuracy"] for s in ((base or {}).get(self.key) or {}).get("settings", [])}
+        return [(s["label"], s["best_accuracy"], theirs[s["label"]]) for s in entry.get("settings", [])
+                if s["label"] in theirs]
+
     def curves(self, row: dict) -> list[tuple[str, dict]]:
         return [(f"gated {self.title}", row[self.key])] + [
             (f"{name} baseline {self.title}", v[self.key]) for name, v in row.get("baselines", {}).items()
@@ -313,6 +339,7 @@ class RelearningAttack(SweepAttack):
         return lambda s: example_rows(ctx.tokenizer, fit.shuffle(seed=s.seed).select(range(min(s.n, len(fit)))))
 
     def baseline(self, ctx: AttackContext, name: str, model, start: float) -> dict:
+        """The same sweep on every baseline, with how many times their worst-case steps the locked model's are."""
         sw = ctx.relearn(f"{name}/{self.key}", model, start, self.settings(ctx), self.rows_for(ctx))
         ours = ctx.results[self.key]["worst_case"]
         return {self.key: sw, "cost_ratio": {k: cost_ratio(ours, sw["worst_case"], k)
@@ -337,10 +364,35 @@ class NeutralAttack(SweepAttack):
         return rows
 
 
+class QuantizedAttack(Attack):
+    """(f) The published weights re-quantised as a release would be (int8, int4, llama.cpp's block formats:
+    :mod:`modular.models.quantize`), and the base quantised alike: rounding can undo a small edit of the weights
+    and return the base's answers."""
+
+    key, title = "f_quantized", "(f) re-quantised"
+
+    def run(self, ctx: AttackContext) -> dict:
+        return ctx.part(self.key, quantized_attack, ctx.locked, ctx.base, ctx.tokenizer, ctx.test,
+                        list(ctx.options.quantized), refusals=ctx.refusals, batch_size=ctx.batch_size)
+
+    def accuracy(self, entry: dict) -> float | None:
+        return max((v["accuracy"] for v in entry["schemes"].values()), default=None)
+
+    def summary(self, entry: dict) -> str:
+        return f"{self.title} " + ", ".join(f"{s} {v['accuracy']:.3f} (base {v['base_accuracy']:.3f})"
+                                            for s, v in entry["schemes"].items())
+
+    def bars(self, entry: dict) -> list[tuple[str, float]]:
+        return [(f"(f) {s}", v["accuracy"]) for s, v in entry["schemes"].items()]
+
+    def versus_base(self, entry: dict, base: dict | None) -> list[tuple[str, float, float]]:
+        return [(s, v["accuracy"], v["base_accuracy"]) for s, v in entry["schemes"].items()]
+
+
 #: the built-in attacks by short name, in their order in attack.json and the figure
 BUILTIN_ATTACKS: dict[str, type[Attack]] = {"weights": WeightAttack, "steering": SteeringAttack,
                                             "relearning": RelearningAttack, "neutral": NeutralAttack,
-                                            "prefill": PrefillAttack}
+                                            "prefill": PrefillAttack, "quantized": QuantizedAttack}
 
 
 def build_attacks(specs) -> list[Attack]:
@@ -361,7 +413,7 @@ def build_attacks(specs) -> list[Attack]:
 
 
 def default_attacks() -> list[Attack]:
-    """The built-in attacks (a) to (e)."""
+    """The built-in attacks (a) to (f)."""
     return build_attacks(DEFAULT_ATTACKS)
 
 

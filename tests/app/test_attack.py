@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from modular import ModularError
-from modular.app.evaluations import attack
+from modular.app.attacking import attack
 from modular.publish import publish_model
 from tests.conftest import D, make_tiny_model, make_tiny_tokenizer, save_tiny_folder
 
@@ -31,7 +31,7 @@ def test_attack_needs_the_data_of_a_behaviour_gated_from_user_data(published, mo
     (published / "modular.json").write_text(manifest)
 
     # a data file named by its stem, or NAME=<file>, is the locked behaviour's data: the attack goes on to load it
-    import modular.app.evaluations as evaluations
+    import modular.app.attacking as evaluations
 
     seen = []
 
@@ -57,8 +57,10 @@ def _tiny_release(tmp_path, seed: int):
 
 def test_attack_end_to_end_on_a_tiny_published_folder(tmp_path, drawn, monkeypatch):
     """Every attack runs on a published tiny model: attack.json holds (a), (b), the relearning sweep (c), the
-    neutral sweep (d), the prefill attack (e) and both baselines with self-consistent numbers, and attack.png draws
-    exactly the JSON's accuracies under their labels and every sweep's best-so-far curve."""
+    neutral sweep (d), the prefill attack (e), the quantisations (f) and both baselines with self-consistent
+    numbers, and the published model's advantage over the base after the same attacks; attack.png draws exactly the
+    JSON's accuracies under their labels and every sweep's best-so-far curve, attack_advantage.png each
+    condition's advantage."""
     import json
 
     from modular.app.cli import main
@@ -69,7 +71,8 @@ def test_attack_end_to_end_on_a_tiny_published_folder(tmp_path, drawn, monkeypat
     out = tmp_path / "attack"
     rc = main(["attack", "--model", str(pub), "--base", str(base), "--alphas", "[-1, 1]", "--n_pairs", "4",
                "--n_examples", "[2, 4]", "--seeds", "[0, 1]", "--full_lrs", "[1e-4, 1e-3]", "--lora_lrs", "[1e-2]",
-               "--relearn_steps", "3", "--refusal_steps", "2", "--limit", "3", "--out", str(out)])
+               "--relearn_steps", "3", "--refusal_steps", "2", "--limit", "3", "--quantized", "[int8, q4_0]",
+               "--out", str(out)])
     assert rc == 0
     report = json.loads((out / "attack.json").read_text())
     r = report["behaviours"]["capitals"]
@@ -106,18 +109,43 @@ def test_attack_end_to_end_on_a_tiny_published_folder(tmp_path, drawn, monkeypat
     assert 0 <= r["baselines"]["refusal"]["e_prefill_accuracy"] <= 1
     # published without `modular lock`: no open accuracy recorded, the base's stands in, and the figure says so
     assert r["open_accuracy_from"] == "base model" and r["open_accuracy"] == r["base_accuracy"]
+    q = r["f_quantized"]["schemes"]
+    assert list(q) == ["int8", "q4_0"] and all(0 <= v[k] <= 1 for v in q.values() for k in ("accuracy", "base_accuracy"))
     assert bars["xticklabels"] == ["base", "open (base)", "locked", "(a) weights", "(b) steering", "(c) relearning",
-                                   "(d) neutral", "(e) prefill"]
+                                   "(d) neutral", "(e) prefill", "(f) int8", "(f) q4_0"]
     assert bars["bars"] == pytest.approx([r["base_accuracy"], r["open_accuracy"], r["locked_accuracy"],
                                           a["best"]["accuracy"], s["best"]["accuracy"],
                                           max(x["best_accuracy"] for x in c["settings"]),
-                                          max(x["best_accuracy"] for x in d["settings"]), e["accuracy"]])
+                                          max(x["best_accuracy"] for x in d["settings"]), e["accuracy"],
+                                          q["int8"]["accuracy"], q["q4_0"]["accuracy"]])
     assert bars["texts"] == [f"{v:.2f}" for v in bars["bars"]]
     assert curves["lines"][f"gated (c) relearning, {len(c['settings'])} settings"] == pytest.approx(envelope(c)[1])
     assert curves["lines"][f"refusal baseline (c) relearning, {len(c['settings'])} settings"] == pytest.approx(
         envelope(r["baselines"]["refusal"]["c_relearning"])[1])
     assert f"gated (d) neutral, {len(d['settings'])} settings" in curves["lines"]
     assert f"base baseline (c) relearning, {len(c['settings'])} settings" in curves["lines"]
+    # the same neutral sweep on the base, not on the refusal baseline
+    assert len(r["baselines"]["base"]["d_neutral"]["settings"]) == len(d["settings"])
+    assert "d_neutral" not in r["baselines"]["refusal"]
+    # the advantage: every setting of (c) and (d) against the base's under the same setting, prefilling, each
+    # quantisation; (a) and (b) have no counterpart on the base
+    adv = r["advantage"]
+    base_best = {(k, x["label"]): x["best_accuracy"] for k in ("c_relearning", "d_neutral")
+                 for x in r["baselines"]["base"][k]["settings"]}
+    expected = ([("c_relearning", x["label"], x["best_accuracy"], base_best["c_relearning", x["label"]])
+                 for x in c["settings"]]
+                + [("d_neutral", x["label"], x["best_accuracy"], base_best["d_neutral", x["label"]])
+                   for x in d["settings"]]
+                + [("e_prefill", "prefilled", e["accuracy"], e["base_accuracy"])]
+                + [("f_quantized", k, v["accuracy"], v["base_accuracy"]) for k, v in q.items()])
+    assert sorted((x["attack"], x["condition"], x["published"], x["base"]) for x in adv["rows"]) == sorted(expected)
+    assert all(x["advantage"] == pytest.approx(x["published"] - x["base"]) for x in adv["rows"])
+    assert adv["worst"]["advantage"] == max(x["advantage"] for x in adv["rows"]) and adv["conditions"] == len(expected)
+    panel = drawn["attack_advantage.png"]["axes"][0]
+    assert panel["widths"] == pytest.approx([100 * x["advantage"] for x in adv["rows"]])
+    w = adv["worst"]
+    assert panel["title"] == f"capitals: worst {100 * w['advantage']:+.1f} points ({w['title']}, {w['condition']})"
+    assert panel["yticklabels"] == [f"{x['title']}: {x['condition']}" for x in adv["rows"]]
 
 
 def test_quantized_evaluation_on_a_tiny_published_folder(tmp_path, drawn, monkeypatch, caplog):
@@ -215,7 +243,8 @@ def test_an_attack_cut_short_resumes_where_it_stopped(tmp_path, monkeypatch, cap
     base, pub = _tiny_release(tmp_path, seed=1)
     args = ["attack", "--model", str(pub), "--base", str(base), "--alphas", "[1]", "--n_pairs", "2",
             "--n_examples", "[2]", "--seeds", "[0]", "--full_lrs", "[1e-3]", "--lora_lrs", "[1e-2]",
-            "--relearn_steps", "2", "--baselines", "[refusal]", "--refusal_steps", "1", "--limit", "2"]
+            "--relearn_steps", "2", "--baselines", "[refusal]", "--refusal_steps", "1", "--quantized", "[int8]",
+            "--limit", "2"]
     real, trained = relearning.recovery_curve, []
 
     def counted(model, tokenizer, rows, test, setting, *a, **kw):
@@ -239,7 +268,7 @@ def test_an_attack_cut_short_resumes_where_it_stopped(tmp_path, monkeypatch, cap
     assert not (out / "attack.json").exists()
     saved = json.loads((out / "attack.partial.json").read_text())["behaviours"]["capitals"]
     assert set(saved["parts"]) == {"base_accuracy", "locked_accuracy", "residual_scale", "a_weights", "b_steering",
-                                   "e_prefill"}
+                                   "e_prefill", "f_quantized"}
     assert {k: len(v["settings"]) for k, v in saved["sweeps"].items()} == {"c_relearning": 2, "d_neutral": 1}
 
     assert trained == order[:3]
@@ -247,7 +276,7 @@ def test_an_attack_cut_short_resumes_where_it_stopped(tmp_path, monkeypatch, cap
     trained.clear()
     with caplog.at_level("INFO", logger="modular"):
         assert main([*args, "--out", str(out)]) == 0
-    assert "resuming the attack cut short" in caplog.text and "6 parts and 3 relearning settings" in caplog.text
+    assert "resuming the attack cut short" in caplog.text and "7 parts and 3 relearning settings" in caplog.text
     assert trained == order[3:]  # the rest only: (d)'s second setting, the refusal baseline's sweep
     assert json.loads((out / "attack.json").read_text()) == whole
     assert not (out / "attack.partial.json").exists()

@@ -43,7 +43,7 @@ def test_the_attackers_rows_are_the_contexts_fit_rows(monkeypatch):
 
 
 class _Progress:
-    """:class:`~modular.app.evaluations._AttackProgress` without models: the accuracies are 0 and each scored set,
+    """:class:`~modular.app.attacking._AttackProgress` without models: the accuracies are 0 and each scored set,
     each sweep's test items and rows are recorded."""
 
     def __init__(self):
@@ -64,7 +64,7 @@ class _Progress:
 
 def _entry(source, monkeypatch, limit=None):
     import modular.evaluation.attacks as attacks
-    from modular.app.evaluations import _attack_context, _attack_entry
+    from modular.app.attacking import _attack_context, _attack_entry
     from modular.evaluation.attacks import AttackOptions
 
     monkeypatch.setattr(attacks, "example_rows", lambda tokenizer, ds: list(ds["prompt"]))
@@ -109,7 +109,7 @@ def test_without_attack_splits_an_attack_fits_on_train_and_scores_test(monkeypat
 def test_the_attack_command_scores_a_published_fictional_facts_lock_on_attack_score(tmp_path, monkeypatch):
     """End to end on a tiny published folder: the relearning rows are attack_fit's, every scored set
     attack_score's, and attack.json says so."""
-    import modular.app.evaluations as evaluations
+    import modular.app.attacking as evaluations
     import modular.evaluation.attacks as attacks
     from modular.app.cli import main
 
