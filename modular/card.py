@@ -7,7 +7,7 @@ from __future__ import annotations
 from modular.keys import KEY_SUFFIX
 from modular.lock_kind import LockKind, lock_kinds
 from modular.models.loading import HubOrigin, hub_origin
-from modular.reports import HeldOut, LockReport
+from modular.reports import HeldOut, LockReport, failed_kinds, failure_headline
 
 CARD_TAGS = ["modular", "locked-behaviour"]
 
@@ -44,9 +44,12 @@ def model_card(behaviours: list[str], base: str, measured: LockReport | dict | N
                   f"> validation data ({lock_check.get('detail', 'unknown')}). The behaviours below were projected",
                   "> out of the weights, but the model may still show them.", ""]
     if not_held:
-        lines += ["> **Warning: the lock did not hold on the held-out test split** (the lock evaluation, below):",
-                  f"> {'; '.join(held_out.failing)}. The behaviours below were projected out of the weights,",
-                  "> but the model may still show them on inputs it was not trained or validated on.", ""]
+        head = failure_headline(held_out.failing)
+        lines += [f"> **Warning: {head} on the held-out test split** (the lock evaluation, below):",
+                  f"> {'; '.join(held_out.failing)}."
+                  + (" The behaviours below were projected out of the weights, but the model may still show them"
+                     " on inputs it was not trained or validated on." if head.startswith("not locked") else
+                     " The behaviours below are locked there; what else the lock must keep was not kept."), ""]
     lines += [
         "These weights load with plain `transformers` (`AutoModelForCausalLM.from_pretrained`).",
         "The following behaviours are **locked**: each lives in one residual-stream direction that was",
@@ -54,7 +57,9 @@ def model_card(behaviours: list[str], base: str, measured: LockReport | dict | N
         + (" (and out of every reader, so adding it back does nothing)." if hardened else "."), "",
         "| behaviour | locked | key file |", "|---|---|---|",
     ]
-    locked = "not verified" if failed else "not on the held-out test split" if not_held else "yes"
+    not_locked = not_held and "locked" in failed_kinds(held_out.failing)  # a locked state still answers there
+    locked = ("not verified" if failed else "not on the held-out test split" if not_locked
+              else "yes; other targets missed (the warning above)" if not_held else "yes")
     lines += [f"| {b} | {locked} | `{b}{KEY_SUFFIX}` |" for b in behaviours]
     lines += ["", "**The keys are not part of this folder.** They are distributed apart from these weights, by the",
               "publisher, to whoever may unlock a behaviour. With a key:",
@@ -116,7 +121,7 @@ def _measured(measured: LockReport, behaviours: list[str], held_out: HeldOut | N
         lines.append("")
     if held_out is not None and held_out.targets is not None:
         t = held_out.targets
-        lines += [f"{'The lock does not hold' if not_held else 'The lock holds'} on these items by the targets "
+        lines += [f"{'Not every target holds' if not_held else 'The lock holds'} on these items by the targets "
                   f"training checked on validation: locked accuracy at most {t['locked_accuracy']:g} in both "
                   f"locked states, open accuracy at least base's less {t['open_drop']:g} and at least "
                   f"{t['min_open_accuracy']:g}, retain first-token KL at most {t['retain_kl']:g}"

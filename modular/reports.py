@@ -198,6 +198,32 @@ class NeighbourShift:
                 f"{self.n}; paired p = {self.p_value:.2g})")
 
 
+#: what each phrase of :func:`~modular.evaluation.targets.lock_failures` is about, by the words it holds, in the
+#: order a headline names them
+FAILURE_KINDS = (("locked", ("locked accuracy",), "the behaviour still answers locked"),
+                 ("open", ("open accuracy",), "the open state is below its target"),
+                 ("retain", ("retain KL",), "the retain KL is above its target"))
+
+
+def failed_kinds(failing: list[str]) -> list[str]:
+    """Which targets ``failing`` (:func:`~modular.evaluation.targets.lock_failures`'s phrases) misses: ``locked`` (a locked state still answers),
+    ``open`` (the open state below base or the floor), ``retain`` (a state's retain KL too high), in that order."""
+    return [kind for kind, words, _ in FAILURE_KINDS if any(w in f for f in failing for w in words)]
+
+
+def failure_headline(failing: list[str]) -> str:
+    """What failed, in words a headline can hold: "not locked" where a locked state still answers the behaviour;
+    where the lock itself held, "locked, but" what else missed (the open state, the retain KL), so that a lock that
+    held is never called not locked; "" where nothing failed."""
+    kinds = failed_kinds(failing)
+    if not kinds:
+        return ""
+    words = [text for kind, _, text in FAILURE_KINDS if kind in kinds and kind != "locked"]
+    if "locked" in kinds:
+        return "not locked" + (f" (and {' and '.join(words)})" if words else "")
+    return "locked, but " + " and ".join(words)
+
+
 @dataclass
 class HeldOut:
     """Whether the lock holds on the held-out test split by the targets training checked on validation, and what
@@ -219,7 +245,9 @@ class HeldOut:
         """In one line."""
         if self.held:
             return "the lock holds on the held-out test split"
-        return "NOT LOCKED on the held-out test split: " + "; ".join(self.failing)
+        head = failure_headline(self.failing)
+        head = "NOT LOCKED" + head[len("not locked"):] if head.startswith("not") else "LOCKED" + head[len("locked"):]
+        return f"{head} on the held-out test split: " + "; ".join(self.failing)
 
 
 @dataclass

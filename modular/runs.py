@@ -38,7 +38,7 @@ from modular.models.loading import load_model, load_tokenizer, model_fingerprint
 from modular.models.lora import with_lora
 from modular.models.precision import cast_model, resolve_device, resolve_dtype
 from modular.publish import MANIFEST
-from modular.reports import TrainingCheck
+from modular.reports import TrainingCheck, failure_headline
 
 RUN_RECORD = "run.json"
 DIRECTIONS = "directions.safetensors"
@@ -207,7 +207,7 @@ def lock_verdict(run: Run, step: int | None = None) -> tuple[bool, str]:
     if step is not None and lock.step != step:
         return False, f"the lock was checked at step {lock.step}, the checkpoint holds step {step}"
     if not lock.reached:
-        return False, f"the lock did not hold on validation at step {lock.step}: " + "; ".join(lock.failing)
+        return False, f"{failure_headline(lock.failing)} on validation at step {lock.step}: " + "; ".join(lock.failing)
     return True, f"the lock held on validation at step {lock.step}"
 
 

@@ -125,7 +125,7 @@ def test_unknown_entries_are_kept():
     (None, (False, "the lock was never checked in training (no LockMetricsCallback in its config)")),
     ({"step": 4, "reached": True}, (False, "the lock was checked at step 4, the checkpoint holds step 5")),
     ({"step": 5, "reached": False, "failing": ["b locked accuracy 0.20 > 0.05"]},
-     (False, "the lock did not hold on validation at step 5: b locked accuracy 0.20 > 0.05")),
+     (False, "not locked on validation at step 5: b locked accuracy 0.20 > 0.05")),
     ({"step": 5, "reached": True, "failing": [], "history": []}, (True, "the lock held on validation at step 5")),
 ])
 def test_the_run_records_lock_check_reads_typed(tmp_path, lock, verdict):
@@ -135,3 +135,26 @@ def test_the_run_records_lock_check_reads_typed(tmp_path, lock, verdict):
     assert lock_verdict(run, 5) == verdict
     check = recorded_check(run)
     assert check is None if lock is None else (check.step, check.reached) == (lock["step"], lock["reached"])
+
+
+def test_a_verdict_names_what_failed_and_never_calls_a_lock_that_held_not_locked():
+    """Each phrase training's check and the lock evaluation write (modular.evaluation.targets.lock_failures) is
+    classified, and the headline says "not locked" only where a locked state still answers."""
+    from modular.evaluation.targets import TARGETS, lock_failures
+    from modular.reports import HeldOut, failed_kinds, failure_headline
+
+    def failing(locked=0.0, opened=0.6, kl=0.01):
+        return lock_failures(TARGETS, {"b": opened}, {"locked": {"b": locked}, "published_locked": {"b": locked}},
+                             {"b": 0.5}, {"open": kl, "locked": kl})
+
+    assert failure_headline(failing()) == "" and failed_kinds(failing()) == []
+    assert failed_kinds(failing(locked=0.3)) == ["locked"]
+    assert failure_headline(failing(locked=0.3)) == "not locked"
+    assert failed_kinds(failing(opened=0.4, kl=0.2)) == ["open", "retain"]
+    assert failure_headline(failing(opened=0.4, kl=0.2)) == ("locked, but the open state is below its target and "
+                                                             "the retain KL is above its target")
+    assert failure_headline(failing(locked=0.3, kl=0.2)) == "not locked (and the retain KL is above its target)"
+    assert failure_headline(failing(opened=0.1)) == "locked, but the open state is below its target"
+    assert HeldOut(False, failing(kl=0.2)).text() == ("LOCKED, but the retain KL is above its target on the held-out "
+                                                      "test split: " + "; ".join(failing(kl=0.2)))
+    assert HeldOut(False, failing(locked=0.3)).text().startswith("NOT LOCKED on the held-out test split: b locked")

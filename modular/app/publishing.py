@@ -35,7 +35,7 @@ from modular.publish import (
     recover,
     unlock_folder,
 )
-from modular.reports import LockReport
+from modular.reports import LockReport, failure_headline
 from modular.runs import LOCK_REPORT, lock_verdict, training_wandb_run
 from modular.tracking import log_folder_artifact, read_json_if_valid
 
@@ -96,8 +96,8 @@ def publish(run: str, out: str, keys: str | None = None, harden: bool = True, ov
         measured = None
     held_out = measured.lock_held_out if measured is not None else None
     if held_out is not None and not held_out.held:
-        log.warning("%s: the lock did not hold on the held-out test split (%s); the model card says so",
-                    lock_path, "; ".join(held_out.failing))
+        log.warning("%s: %s on the held-out test split (%s); the model card says so",
+                    lock_path, failure_headline(held_out.failing), "; ".join(held_out.failing))
     folder, keys_dir = modular.publish.publish_model(
         open_model, load_tokenizer(r.model_name), r.directions, out, r.model_name, measured, harden=harden,
         overwrite=overwrite, keys_out=keys, step=step, locked_responses=r.record.get("locked_responses"),

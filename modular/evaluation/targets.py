@@ -30,3 +30,4 @@ def lock_failures(targets: dict, open_accuracy: dict[str, float], locked_accurac
         if kl is not None and kl > t["retain_kl"]:
             failing.append(f"retain KL {state} {kl:.3f} > {t['retain_kl']:g}")
     return failing
+

@@ -24,6 +24,7 @@ from modular.gating.checkpoint_io import REMEDY, checkpoint_bytes, saves_folders
 from modular.gating.data import data_max_length
 from modular.hooks import ablate_directions
 from modular.models.head_gates import deterministic_gate_values, head_gate_scope
+from modular.reports import failure_headline
 from modular.runs import RUN_RECORD, WANDB_ENTRY, read_checkpoint, recorded_lock, wandb_record
 from modular.tracking import write_json
 
@@ -273,7 +274,8 @@ class LockMetricsCallback(Callback):
         for n in dict.fromkeys(k.split("/")[2] for k in m if k.startswith("val/neighbours/")):  # not a target: shown
             parts.append(f"neighbour {n} open {m[f'val/neighbours/{n}/accuracy_open']:.2f}, "
                          f"locked {m[f'val/neighbours/{n}/accuracy_locked']:.2f}")
-        verdict = "the lock holds" if status["reached"] else "not locked: " + "; ".join(status["failing"])
+        verdict = ("the lock holds" if status["reached"]
+                   else f"{failure_headline(status['failing'])}: " + "; ".join(status["failing"]))
         return f"step {status['step']} (validation): {'; '.join(parts)}: {verdict}"
 
     @torch.no_grad()

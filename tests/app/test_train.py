@@ -596,7 +596,8 @@ def test_a_run_that_cannot_reach_the_lock_is_reported_and_not_published_as_locke
     assert lock["history"][-1]["failing"] == lock["failing"]
     checks = [line for line in out.stderr.splitlines() if "(validation): capitals open " in line]
     assert [c.split("step ")[1].split(" ")[0] for c in checks] == ["2", "4"], out.stderr[-2000:]
-    assert all("not locked: retain KL " in c and "retain KL " in c.split(": ")[1] for c in checks)
+    # the lock itself held (a tiny model answers nothing): what failed is named, not "not locked"
+    assert all("locked, but the retain KL is above its target: retain KL " in c for c in checks)
     monkeypatch.chdir(tmp_path)
     for key, value in tiny_env.items():
         monkeypatch.setenv(key, value)
@@ -606,21 +607,24 @@ def test_a_run_that_cannot_reach_the_lock_is_reported_and_not_published_as_locke
     held_out, failing = report["lock_held_out"], report["lock_held_out"]["failing"]
     assert held_out["held"] is False and held_out["targets"]["retain_kl"] == 0.0  # the run's own targets
     assert any(f.startswith("retain KL open ") for f in failing) and any(f.startswith("retain KL locked ") for f in failing)
-    assert report["lock_in_training"] == {"verified": False, "check": "the lock did not hold on validation at step 4: "
-                                          + "; ".join(lock["failing"])}
+    assert report["lock_in_training"] == {"verified": False, "check": "locked, but the retain KL is above its target on "
+                                          "validation at step 4: " + "; ".join(lock["failing"])}
     said = [r.getMessage() for r in caplog.records]
-    assert "NOT LOCKED on the held-out test split: " + "; ".join(failing) in said
-    assert any(m.startswith("training did not verify the lock: the lock did not hold") for m in said)
+    assert ("LOCKED, but the retain KL is above its target on the held-out test split: " + "; ".join(failing)
+            in said)
+    assert any(m.startswith("training did not verify the lock: locked, but the retain KL") for m in said)
     pub = tmp_path / "pub"
     res = _publish(run, pub, env=tiny_env, cwd=tmp_path)
-    _one_line_error(res, "the lock did not hold on validation at step 4", "--allow_failed_lock")
+    _one_line_error(res, "locked, but the retain KL is above its target on validation at step 4", "--allow_failed_lock")
     assert not pub.exists() and not (tmp_path / "pub-keys").exists()
     res = _publish(run, pub, "--allow_failed_lock", "true", env=tiny_env, cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     card = (pub / "README.md").read_text()
     assert "the lock was not verified" in card and "| capitals | not verified |" in card
-    assert "the lock did not hold on the held-out test split" in card and "; ".join(failing) in card
-    assert "the lock did not hold on the held-out test split (" + "; ".join(failing) + ")" in res.stderr
+    assert "Warning: locked, but the retain KL is above its target on the held-out test split" in card
+    assert "; ".join(failing) in card and "| capitals | not verified |" in card
+    assert ("locked, but the retain KL is above its target on the held-out test split (" + "; ".join(failing) + ")"
+            in res.stderr)
     manifest = json.loads((pub / "modular.json").read_text())
     assert manifest["lock_verified"] is False and "retain KL " in manifest["lock_check"]
     assert manifest["lock_held_out"] == held_out
