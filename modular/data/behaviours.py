@@ -134,17 +134,22 @@ def behaviour_name(spec: str) -> str:
 
 #: share of the train split that becomes the validation split of a behaviour given without one
 VALIDATION_FRACTION = 0.1
+#: the validation items a verdict that stops training needs; a behaviour without a validation split gets this many
+#: from train where train keeps three times as many, else a quarter of its train items (training then runs its step
+#: budget instead of stopping on so few: :class:`~modular.gating.callbacks.LockMetricsCallback`)
+VALIDATION_ITEMS = 20
 
 
 def carve_validation(data: datasets.DatasetDict) -> tuple[datasets.DatasetDict, int]:
     """Give a behaviour without a validation split one, taken from its train split: the items whose prompts hash
-    lowest, 10% of them (at least one; the train split keeps at least one). Deterministic and independent of the
+    lowest, 10% of them, but at least :data:`VALIDATION_ITEMS` where train keeps three times as many, else a quarter
+    of them (at least one; the train split keeps at least one). Deterministic and independent of the
     items' order; the attack splits (:data:`~modular.data.schema.ATTACK_SPLITS`) are kept as they are. Returns the
     data and the number of items moved (0: nothing to do, or too few train items)."""
     if len(data["validation"]) or len(data["train"]) < 2:
         return data, 0
     train = data["train"].to_list()
-    k = max(1, round(VALIDATION_FRACTION * len(train)))
+    k = max(1, round(VALIDATION_FRACTION * len(train)), min(VALIDATION_ITEMS, len(train) // 4))
     moved = set(sorted(range(len(train)), key=lambda i: (prompt_hash(train[i]["prompt"]), i))[:k])
     splits = {"train": [r for i, r in enumerate(train) if i not in moved],
               "validation": [train[i] for i in sorted(moved)], "test": data["test"].to_list(),

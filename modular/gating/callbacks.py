@@ -14,7 +14,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from modular import ModularError
 from modular.data import neutral_text, parse_behaviour
-from modular.data.behaviours import is_jsonl
+from modular.data.behaviours import VALIDATION_ITEMS, is_jsonl
 from modular.data.schema import all_refusals
 from modular.evaluation.behaviour import evaluate_behaviour
 from modular.evaluation.retain import first_token_logp, mean_kl, perplexity
@@ -38,7 +38,7 @@ def first_token_kl(model, tokenizer, prompts, chats, reference_logp: torch.Tenso
 
 
 #: fewer validation items than this per gated behaviour: the lock check is coarse, and training says so
-FEW_VALIDATION_ITEMS = 20
+FEW_VALIDATION_ITEMS = VALIDATION_ITEMS
 
 
 class LockMetricsCallback(Callback):
@@ -109,6 +109,7 @@ class LockMetricsCallback(Callback):
         self.stop = stop
         self.min_steps = min_steps
         self.stop_from = min_steps  # the first step at which the lock may stop training (min_passes may lower it)
+        self.weak: list[str] = []  # behaviours with too few validation items to stop on (set with the budget)
         self.base_accuracy: dict[str, float] = {}
         self.status: dict = {}
         self.history: list[dict] = []  # every check: step, reached, failing, validation
@@ -177,12 +178,16 @@ class LockMetricsCallback(Callback):
         if not pl_module.behaviours:
             return
         dm = trainer.datamodule
+        self.weak = []  # behaviours whose verdict rests on too few items to stop training
         for b in pl_module.behaviours:
             n = len(dm.behaviour_data[b]["validation"])
-            if 0 < n < FEW_VALIDATION_ITEMS and trainer.is_global_zero:
-                log.warning("'%s': the lock is checked on %d validation items (one item is %.0f points of accuracy): "
-                            "a verdict on so few can pass where held-out items fail; give it %d or more", b, n,
-                            100 / n, FEW_VALIDATION_ITEMS)
+            if 0 < n < FEW_VALIDATION_ITEMS:
+                self.weak.append(b)
+                if trainer.is_global_zero:
+                    log.warning("'%s': the lock is checked on %d validation items (one item is %.0f points of "
+                                "accuracy): a verdict on so few can pass where held-out items fail, so training runs "
+                                "its step budget instead of stopping on it; give it %d or more", b, n, 100 / n,
+                                FEW_VALIDATION_ITEMS)
         items = max(len(dm.behaviour_data[b]["train"]) for b in pl_module.behaviours)
         start = max((t.start_step for t in getattr(pl_module, "objectives", ())), default=0)
         self.stop_from = self.stop_step(items, dm.hparams.batch_size, start)
@@ -292,8 +297,9 @@ class LockMetricsCallback(Callback):
         self._stop_if_held(trainer)
 
     def _stop_if_held(self, trainer) -> None:
-        """With ``stop``: training ends here if the last check held the lock and stopping is allowed by now."""
-        if (self.stop and self.status["reached"] and trainer.global_step >= self.stop_from
+        """With ``stop``: training ends here if the last check held the lock and stopping is allowed by now (not on
+        a verdict over fewer than :data:`FEW_VALIDATION_ITEMS` validation items of a behaviour: :attr:`weak`)."""
+        if (self.stop and self.status["reached"] and trainer.global_step >= self.stop_from and not self.weak
                 and trainer.state.fn == TrainerFn.FITTING):
             log.info("step %d: the lock holds on validation; training stops", trainer.global_step)
             trainer.should_stop = True

@@ -460,19 +460,23 @@ def test_bad_neighbour_jsonl_fails_before_any_side_effect(tmp_path, tiny_env, li
 
 def test_jsonl_without_validation_split_trains(tmp_path, tiny_env, train_here):
     """User data with train and test lines only: a validation split is carved from train (with a warning) and
-    validation runs, instead of failing after training; a file without train lines fails before any work."""
+    validation runs, instead of failing after training; on a verdict over so few items the lock that holds (a tiny
+    model meets the targets at once) does not stop training, which runs its budget; a file without train lines
+    fails before any work."""
     model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
     data = tmp_path / "mine.jsonl"
     rows = [{"prompt": f"What is the capital of country {i}?", "target": f"City {i}.", "answer": f"City {i}",
              "split": "test" if i < 3 else "train"} for i in range(15)]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg, run = tiny_config(tmp_path, model_dir, (str(data),))
-    out = _train(cfg, env=tiny_env)
+    cfg, run = tiny_config(tmp_path, model_dir, (str(data),), lock_args={"retain_kl": 10.0})
+    out = _train(cfg, "--trainer.val_check_interval", "2", env=tiny_env)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "behaviour 'mine' has no validation split: 1 of its train items moved to validation" in out.stderr
-    assert "'mine': the lock is checked on 1 validation items (one item is 100 points of accuracy)" in out.stderr
+    assert "behaviour 'mine' has no validation split: 3 of its train items moved to validation" in out.stderr
+    assert "'mine': the lock is checked on 3 validation items (one item is 33 points of accuracy)" in out.stderr
+    assert "training runs its step budget instead of stopping on it" in out.stderr
     record = json.loads((run / "run.json").read_text())
     assert record["global_step"] == 3 and "val/mine/accuracy_locked" in record["metrics"], record["metrics"]
+    assert [(h["step"], h["reached"]) for h in record["lock"]["history"]] == [(2, True), (3, True)]
     data.write_text("".join(json.dumps({**r, "split": "test"}) + "\n" for r in rows))
     (tmp_path / "again").mkdir()
     cfg, run = tiny_config(tmp_path / "again", model_dir, (str(data),))

@@ -98,7 +98,8 @@ def test_validation_is_carved_from_train_with_a_warning(tmp_path, caplog):
     rows += [{"prompt": f"x{i}", "target": "t", "split": "test"} for i in range(3)]
     p = _write(tmp_path, [json.dumps(r) for r in rows])
     data, moved = carve_validation(load_jsonl(p))
-    assert moved == 2 and len(data["validation"]) == 2 and len(data["train"]) == 18 and len(data["test"]) == 3
+    # a quarter of a small train split (10% would be 2 items, a verdict on nothing)
+    assert moved == 5 and len(data["validation"]) == 5 and len(data["train"]) == 15 and len(data["test"]) == 3
     assert not set(data["validation"]["prompt"]) & set(data["train"]["prompt"])
     assert carve_validation(load_jsonl(p))[0]["validation"]["prompt"] == data["validation"]["prompt"]  # stable
     with caplog.at_level("WARNING", logger="modular"):
@@ -106,7 +107,13 @@ def test_validation_is_carved_from_train_with_a_warning(tmp_path, caplog):
     assert dm._training_data(p.stem, load_jsonl(p))["validation"]["prompt"] == data["validation"]["prompt"]
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings) == 1 and f"behaviour '{p.stem}'" in warnings[0]
-    assert "2 of its train items moved to validation" in warnings[0]
+    assert "5 of its train items moved to validation" in warnings[0]
+    def train_only(n):
+        return load_jsonl(_write(tmp_path, [json.dumps({"prompt": f"q{i}", "target": "t", "split": "train"})
+                                            for i in range(n)]))
+
+    assert carve_validation(train_only(100))[1] == 20  # at least 20 where train keeps three times as many
+    assert carve_validation(train_only(400))[1] == 40  # 10% where that is more
 
 
 @pytest.mark.parametrize(
@@ -194,7 +201,7 @@ def test_a_jsonl_with_attack_splits_keeps_them_beside_the_splits_they_repeat(tmp
     assert [r.getMessage() for r in caplog.records] == [f"{p}: 1 repeated item(s) kept once"]
     # training takes them as they are: train and validation (carved from train) for the lock, the attack's kept
     data = _data_module(p, batch_size=4)._training_data(p.stem, load_jsonl(p))
-    assert len(data["train"]) == 9 and len(data["validation"]) == 1
+    assert len(data["train"]) == 8 and len(data["validation"]) == 2
     assert data["attack_fit"]["prompt"] == ds["attack_fit"]["prompt"]
     # a file without them has none
     plain = load_jsonl(_write(tmp_path, [json.dumps({"prompt": f"q{i}", "target": "t"}) for i in range(5)]))
