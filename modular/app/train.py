@@ -32,6 +32,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import torch
+import yaml
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.callbacks.progress import ProgressBar
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
@@ -45,6 +46,7 @@ from modular.data import load_jsonl, parse_behaviour
 from modular.data.behaviours import is_jsonl
 from modular.gating.checkpoint_io import AtomicCheckpointIO
 from modular.gating.data import GatingDataModule, check_data_options, locked_responses, neighbour_specs, training_data
+from modular.gating.data_options import check_moved_data_options
 from modular.gating.module import GatedLM, check_model_options
 from modular.gating.objectives import build_objectives, check_loss, default_objectives
 from modular.identity import check_resumed, run_identity
@@ -368,6 +370,11 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("WANDB_SILENT", "true")
     _show_modular_lines()
     argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        _check_config_files(argv)
+    except ModularError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     if argv[:1] == ["fit"] and not any(a.startswith("--ckpt_path") for a in argv):
         # resume a killed run (a fresh run finds none and starts from step 0); given first, so that a config file's
         # own ckpt_path, read after it, wins
@@ -397,6 +404,24 @@ def main(argv: list[str] | None = None) -> int:
         sys.argv, __main__.__spec__ = saved, saved_spec
         held.close()
     return 0
+
+
+def _check_config_files(argv: list[str]) -> None:
+    """One line for an option a config file given on the command line (``--config``, ``-c``) holds that moved when
+    the data options were grouped (:func:`~modular.gating.data_options.check_moved_data_options`), and for one given
+    as ``--data.<old>``, before the parser's own, longer message."""
+    for i, arg in enumerate(argv):
+        path = argv[i + 1] if arg in ("--config", "-c") and i + 1 < len(argv) else (
+            arg.split("=", 1)[1] if arg.startswith("--config=") else None)
+        if path and Path(path).is_file():
+            try:
+                config = yaml.safe_load(Path(path).read_text()) or {}
+            except yaml.YAMLError:
+                continue  # the parser says what is wrong with it
+            if isinstance(config, dict):
+                check_moved_data_options(config.get("data"))
+        elif arg.startswith("--data."):
+            check_moved_data_options({arg[len("--data."):].split("=", 1)[0].split(".")[0]: None})
 
 
 class _Planned(Exception):

@@ -55,9 +55,9 @@ from modular.models.precision import dtype_name
 log = logging.getLogger("modular")
 
 #: what other modules take from here (the options' helpers and the collation live in modules of their own)
-__all__ = ["NEIGHBOURS_KEY", "TASK_PREFIX", "GatingDataModule", "LMTextOptions", "ReferenceOptions", "check_data_options", "data_max_length",
-           "locked_responses", "neighbour_data", "neighbour_specs", "open_collate", "per_behaviour", "split_collate",
-           "training_data"]
+__all__ = ["NEIGHBOURS_KEY", "TASK_PREFIX", "GatingDataModule", "LMTextOptions", "ReferenceOptions",
+           "check_data_options", "data_max_length", "locked_responses", "neighbour_data", "neighbour_specs",
+           "open_collate", "per_behaviour", "split_collate", "training_data"]
 
 
 class GatingDataModule(L.LightningDataModule):

@@ -63,6 +63,27 @@ class LMTextOptions:
 DATA_GROUPS = {"reference": (ReferenceOptions, False), "lm_text": (LMTextOptions, True)}
 
 
+#: data options of configs written before the groups: where each went (None: gone, built from the terms' needs)
+MOVED_DATA_OPTIONS = {"reference_max_new_tokens": "reference.max_new_tokens", "reference_top_k": "reference.top_k",
+                      "hidden_positions": "reference.hidden_positions", "hidden_stride": "reference.hidden_stride",
+                      "lm_max_length": "lm_text.max_length", "hidden_parts": None, "answer_rows": None,
+                      "task_counterfactuals": None}
+
+
+def check_moved_data_options(data) -> None:
+    """One line for a data option of a config written before the data options were grouped (``data``: a config's
+    ``data`` mapping), naming where it went; and for ``lm_text`` given as a name (now ``{source: ...}``)."""
+    if not isinstance(data, dict):
+        return
+    for old, new in MOVED_DATA_OPTIONS.items():
+        if old in data:
+            raise ModularError(f"data.{old} is now data.{new} (write {new.split('.')[0]}: {{{new.split('.')[1]}: "
+                               f"...}})" if new else f"data.{old} is gone: the data module builds what the model's "
+                               "terms and head gates require (GatedLM.requirements); remove it")
+    if isinstance(data.get("lm_text"), str):
+        raise ModularError(f"data.lm_text is now a mapping: write lm_text: {{source: {data['lm_text']}}}")
+
+
 def data_groups(options) -> dict:
     """The data option groups of ``options`` (a parsed config's ``data``, or the module's arguments) built and
     checked (:data:`DATA_GROUPS`): a bad value or an unknown field is one line, before any work."""

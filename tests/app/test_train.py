@@ -749,3 +749,28 @@ def test_training_on_a_full_disk_keeps_the_previous_checkpoint_and_says_so_in_on
     _one_line_error(out, f"no space left in {run} for the checkpoint last.ckpt (it needs about ", "previous checkpoint")
     assert _ckpt_step(run / "last.ckpt") == 2
     assert not [p.name for p in run.iterdir() if p.name.startswith(".") or p.name.startswith("last-")]
+
+
+def test_a_config_written_before_the_data_options_were_grouped_is_one_line(tmp_path, capsys):
+    """An old config's data options (reference_top_k, hidden_positions, lm_text: neutral, hidden_parts, ...) are
+    refused in one line naming where each went, in a file or on the command line, before the parser's usage text."""
+    from modular.app.train import main
+
+    shipped = yaml.safe_load((ROOT / "configs" / "gate_capitals_smollm2.yaml").read_text())
+    cases = [({"reference_top_k": 32}, "data.reference_top_k is now data.reference.top_k (write reference: {top_k: "
+                                       "...})"),
+             ({"hidden_stride": 4}, "data.hidden_stride is now data.reference.hidden_stride"),
+             ({"lm_max_length": 64}, "data.lm_max_length is now data.lm_text.max_length"),
+             ({"answer_rows": True}, "data.answer_rows is gone: the data module builds what the model's terms and "
+                                     "head gates require"),
+             ({"lm_text": "neutral"}, "data.lm_text is now a mapping: write lm_text: {source: neutral}")]
+    for i, (old, said) in enumerate(cases):
+        path = tmp_path / f"old{i}.yaml"
+        path.write_text(yaml.safe_dump({**shipped, "data": {**shipped["data"], **old}}))
+        assert main(["fit", "--config", str(path)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"error: {said}"), err
+    assert main(["fit", "--config", str(ROOT / "configs" / "gate_capitals_smollm2.yaml"), "--data.hidden_parts",
+                 "[retain]"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: data.hidden_parts is gone")
