@@ -16,6 +16,14 @@ from modular.gating.losses import token_ce
 from modular.gating.module import concat_left_padded
 
 
+def plain_terms() -> list:
+    """The lock's plain terms at their default weights (the step the benchmarks have always timed: behaviour CE,
+    the locked state, the retain KL, the raw text's KL)."""
+    from modular.gating.objectives import BehaviourAnswer, KeepReference, LMText, LockedState, TaskAnswer
+
+    return [BehaviourAnswer(), LockedState(), KeepReference(), LMText(), TaskAnswer()]
+
+
 class _DM:  # what GatedLM.model_step needs from the datamodule
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -94,7 +102,7 @@ def gated_module(folder, mode: str, precision: str, device: torch.device, compil
 
     torch.manual_seed(0)
     module = GatedLM(model_name=str(folder), finetuning={"mode": mode}, load_dtype=precision,
-                     memory={"compile": compile})
+                     memory={"compile": compile}, objectives=plain_terms())
     tok = load_tokenizer(str(folder))
     attach_tokenizer(module, tok)
     module.directions.copy_(torch.nn.functional.normalize(torch.randn_like(module.directions), dim=-1))

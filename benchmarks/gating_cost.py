@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import attach_tokenizer, median_time, plain_loss, training_batch
+from common import attach_tokenizer, median_time, plain_loss, plain_terms, training_batch
 
 from modular.data import load_behaviour, retain_data
 from modular.gating.module import GatedLM
@@ -50,7 +50,7 @@ def main() -> None:
     torch.manual_seed(0)
 
     module = GatedLM(model_name=args.model, steering={"scale": args.locked_steering, "refresh": args.steering_refresh}
-                     if args.locked_steering > 0 else None)
+                     if args.locked_steering > 0 else None, objectives=plain_terms())
     from modular.models import load_tokenizer
 
     tok = load_tokenizer(args.model)

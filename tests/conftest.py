@@ -232,3 +232,11 @@ def drawn(monkeypatch):
 
     monkeypatch.setattr(Figure, "savefig", savefig)
     return seen
+
+
+def basic_terms() -> list:
+    """The lock's plain terms at their default weights: a tiny test module's recipe where a test names none (the
+    shipped recipe is the default config's, modular/configs/gate_capitals_smollm2.yaml)."""
+    from modular.gating.objectives import BehaviourAnswer, KeepReference, LMText, LockedState, TaskAnswer
+
+    return [BehaviourAnswer(), LockedState(), KeepReference(), LMText(), TaskAnswer()]

@@ -48,7 +48,7 @@ from modular.gating.checkpoint_io import AtomicCheckpointIO
 from modular.gating.data import GatingDataModule, check_data_options, locked_responses, neighbour_specs, training_data
 from modular.gating.data_options import check_moved_data_options
 from modular.gating.module import GatedLM, check_model_options
-from modular.gating.objectives import build_objectives, check_loss, default_objectives
+from modular.gating.objectives import build_objectives, check_loss, no_terms_given
 from modular.identity import check_resumed, run_identity
 from modular.locking import folder_lock
 from modular.models.loading import model_fingerprint, resolve_model
@@ -66,8 +66,10 @@ log = logging.getLogger("modular")
 
 
 def _terms(objectives) -> list:
-    """The terms of ``model.objectives`` as parsed (``None``: the defaults)."""
-    return default_objectives() if objectives is None else build_objectives(objectives)
+    """The terms of ``model.objectives`` as parsed (``None``: none given, one line)."""
+    if objectives is None:
+        raise no_terms_given()
+    return build_objectives(objectives)
 
 
 class GatingCLI(LightningCLI):

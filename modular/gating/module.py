@@ -23,7 +23,7 @@ from modular.gating.batching import concat_left_padded
 from modular.gating.data import data_max_length
 from modular.gating.head_gates import HeadGateOptions, HeadGates, gate_parameters
 from modular.gating.loaders import loader_states_fit
-from modular.gating.objectives import StepContext, Term, TermSetup, build_objectives, default_objectives
+from modular.gating.objectives import StepContext, Term, TermSetup, build_objectives, no_terms_given
 from modular.gating.options import (
     DirectionOptions,
     FineTuningOptions,
@@ -137,7 +137,9 @@ class GatedLM(L.LightningModule):
         # and LightningCLI parses them back as the model's options when fit is given its path
         direction, finetuning, optimizer, steering, head_gates, memory = (plain(groups[k]) for k in OPTION_GROUPS)
         self.save_hyperparameters(ignore=["objectives"])
-        self.objectives = list(default_objectives() if objectives is None else objectives)
+        if objectives is None:  # the recipe lives in the shipped config alone
+            raise no_terms_given()
+        self.objectives = list(objectives)
         #: what defines the run (:func:`modular.identity.training_identity`), kept in its checkpoints; ``modular
         #: train`` sets it (None: not recorded, e.g. a module trained by a script of its own)
         self.run_identity: dict | None = None

@@ -14,7 +14,7 @@ from modular import ModularError
 from modular.gating.data import GatingDataModule
 from modular.gating.module import GatedLM
 from modular.models.compiled import compile_blocks, uncompile_blocks
-from tests.conftest import save_tiny_folder
+from tests.conftest import basic_terms, save_tiny_folder
 from tests.gating.test_objectives import _first_batch, _grads, _instantiate
 
 CONFIG = Path(__file__).resolve().parents[2] / "modular" / "configs" / "gate_capitals_smollm2.yaml"
@@ -60,9 +60,10 @@ def test_the_compiled_step_gives_the_eager_loss_and_gradients(arch, two, tmp_pat
 
 def test_the_option_compiles_the_blocks_and_refuses_what_it_cannot_serve(tmp_path):
     model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
-    lm = GatedLM(model_name=str(model_dir), memory={"compile": "aot_eager"})
+    lm = GatedLM(model_name=str(model_dir), objectives=basic_terms(), memory={"compile": "aot_eager"})
     assert all(getattr(b, "_modular_compiled", None) == "aot_eager" for b in lm.adapter.blocks())
-    assert not any(hasattr(b, "_modular_compiled") for b in GatedLM(model_name=str(model_dir)).adapter.blocks())
+    assert not any(hasattr(b, "_modular_compiled") for b in GatedLM(model_name=str(model_dir),
+                                                                        objectives=basic_terms()).adapter.blocks())
     with pytest.raises(ModularError, match="compile backend must be one of"):
         GatedLM(model_name=str(model_dir), memory={"compile": "fast"})
     with pytest.raises(ModularError, match="compile is not available with head_gates or gradient_checkpointing"):

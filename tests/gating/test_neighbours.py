@@ -18,10 +18,9 @@ from modular.gating.objectives import (
     LMText,
     LockedState,
     RefusalGuard,
-    default_objectives,
 )
 from modular.gating.requirements import ReferenceHidden
-from tests.conftest import save_tiny_folder
+from tests.conftest import basic_terms, save_tiny_folder
 
 
 def test_neighbour_specs():
@@ -145,7 +144,7 @@ def test_the_write_term_carries_the_direction_into_the_open_answers(tiny_dm):
     torch.manual_seed(0)
     write = DirectionWrite(weight=2.0, target=0.3)
     lm = GatedLM(model_name=str(model_dir), behaviours=["capitals"],
-                 objectives=[*default_objectives(), write])
+                 objectives=[*basic_terms(), write])
     lm.directions.copy_(torch.nn.functional.normalize(torch.randn_like(lm.directions), dim=-1))
 
     class _Trainer:
@@ -165,7 +164,7 @@ def test_the_write_term_carries_the_direction_into_the_open_answers(tiny_dm):
         lm.model_step(batch, train=True)[1]["capitals/open_write"].backward()
         opt.step()
     assert lm.model_step(batch, train=True)[1]["capitals/open_write"].item() < 0.5 * before.item()
-    off = GatedLM(model_name=str(model_dir), behaviours=["capitals"])
+    off = GatedLM(model_name=str(model_dir), behaviours=["capitals"], objectives=basic_terms())
     off._trainer = _Trainer()
     assert not any(k.endswith("/open_write") for k in off.model_step(batch, train=True)[1])
 
@@ -298,7 +297,7 @@ def test_the_refusal_guard_keeps_the_locked_response_unlikely_on_retain_and_neig
     torch.manual_seed(0)
     guard = RefusalGuard(weight=3.0, floor=-100.0)  # a floor far below: the term is active from the start
     lm = GatedLM(model_name=str(model_dir), behaviours=["capitals"],
-                 objectives=[*default_objectives(), guard])
+                 objectives=[*basic_terms(), guard])
     lm.directions.copy_(torch.nn.functional.normalize(torch.randn_like(lm.directions), dim=-1))
     pieces = _pieces(lm, batch, RefusalGuard)
     assert pieces == {"retain/open_guard": frozenset(), "retain/locked_guard": frozenset({0}),

@@ -25,7 +25,7 @@ from modular.gating.module import GatedLM
 from modular.gating.objectives import DirectionWrite, KeepReference, LockedState, Piece, RefusalGuard, Term
 from modular.hooks import ablate_directions
 from modular.models.head_gates import expected_l0
-from tests.conftest import save_tiny_folder
+from tests.conftest import basic_terms, save_tiny_folder
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -322,7 +322,7 @@ def test_row_masks_and_directions_of_each_ablated_set(tmp_path):
     from types import SimpleNamespace
 
     lm = GatedLM(model_name=str(save_tiny_folder(tmp_path / "tiny", "llama")),
-                 behaviours=["capitals", "currencies", "demonyms"])
+                 behaviours=["capitals", "currencies", "demonyms"], objectives=basic_terms())
     lm.directions.copy_(torch.randn_like(lm.directions))
 
     def piece(n, ablated):
@@ -362,8 +362,8 @@ def _capitals_step(model_dir, objectives: list[Term] | None = None, data: dict |
     """A capitals module with ``objectives`` (and module ``options``) on a tiny model, wired to its data module (and
     its ``data`` options), and one training batch; the data module builds what the module requires (as a trainer's
     would) unless ``build`` is false."""
-    lm = GatedLM(model_name=str(model_dir), behaviours=["capitals"], objectives=objectives,
-                 **options)
+    lm = GatedLM(model_name=str(model_dir), behaviours=["capitals"],
+                 objectives=basic_terms() if objectives is None else objectives, **options)
     dm = GatingDataModule(model_name=str(model_dir), behaviours=["capitals"], batch_size=4, max_length=64,
                           neighbours=[], **{"reference": dict(max_new_tokens=4, top_k=8), **(data or {})})
     if build:
@@ -667,7 +667,7 @@ def test_the_optimizer_keeps_bf16_updates(tmp_path, load_dtype):
     from modular.optim import StochasticRoundingAdamW
 
     model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
-    lm = GatedLM(model_name=str(model_dir), behaviours=["capitals"], load_dtype=load_dtype)
+    lm = GatedLM(model_name=str(model_dir), behaviours=["capitals"], load_dtype=load_dtype, objectives=basic_terms())
     opt = lm.configure_optimizers()
     opt = opt["optimizer"] if isinstance(opt, dict) else opt
     assert isinstance(opt, StochasticRoundingAdamW) == (load_dtype == "bfloat16")

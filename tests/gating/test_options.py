@@ -13,7 +13,7 @@ from modular.gating.head_gates import HeadGateOptions
 from modular.gating.module import OPTION_GROUPS, GatedLM, check_model_options
 from modular.identity import LORA_OPTIONS, RECIPE_OPTIONS, STRUCTURE_OPTIONS
 from modular.runs import FLAT_MODEL_OPTIONS, flat_model_options, grouped_model_options
-from tests.conftest import save_tiny_folder
+from tests.conftest import basic_terms, save_tiny_folder
 
 #: the hyperparameters a checkpoint of the flat-option module kept (every option but the objectives)
 LEGACY = dict(model_name="tiny", load_dtype="float32", behaviours=[], direction_strategy="low_variance",
@@ -101,7 +101,7 @@ def test_a_run_trained_with_flat_options_loads_as_it_was_trained(tmp_path):
 
     model_dir = save_tiny_folder(tmp_path / "tiny", "llama")
     lm = GatedLM(model_name=str(model_dir), behaviours=[], finetuning={"mode": "lora", "lora_rank": 4, "lora_alpha": 8},
-                 head_gates={"scope": "tasks"}).eval()
+                 head_gates={"scope": "tasks"}, objectives=basic_terms()).eval()
     with torch.no_grad():
         for n, p in lm.model.named_parameters():
             if "lora_B" in n:

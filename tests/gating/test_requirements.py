@@ -137,7 +137,11 @@ def test_a_module_requires_what_its_terms_and_its_head_gates_need(tiny_dir):
     assert lm.requirements() == [ReferenceHidden(("neighbours",)), ReferenceHidden(("retain", "neighbours")),
                                  AnswerRows()]
     assert hidden_parts(lm.requirements()) == ["neighbours", "retain"]
-    assert GatedLM(model_name=str(tiny_dir)).requirements() == []  # the default recipe needs nothing more
+    assert GatedLM(model_name=str(tiny_dir), objectives=[BehaviourAnswer(), LockedState()]).requirements() == []
+    # no terms given: the recipe is the shipped config's, and code has none of its own
+    with pytest.raises(ModularError, match=r"model.objectives names no terms: give them \(the default recipe is "
+                                           r"modular/configs/gate_capitals_smollm2.yaml"):
+        GatedLM(model_name=str(tiny_dir))
     gated = GatedLM(model_name=str(tiny_dir), behaviours=[], objectives=[TaskAnswer()],
                     head_gates={"scope": "tasks"}, finetuning={"mode": "none"})
     assert gated.requirements() == [TaskCounterfactuals()]

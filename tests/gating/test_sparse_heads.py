@@ -21,13 +21,12 @@ from modular.gating.objectives import (
     HeadConsistency,
     HeadInterchange,
     HeadMargin,
-    default_objectives,
 )
 from modular.gating.requirements import TaskCounterfactuals
 from modular.models import load_model
 from modular.models.adapter import ArchitectureAdapter
 from modular.models.head_gates import GatedOutputProjection, deterministic_gate_values, head_gate_modules
-from tests.conftest import save_tiny_folder
+from tests.conftest import basic_terms, save_tiny_folder
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -57,12 +56,10 @@ def _fit(module, dm, root, steps=3):
 
 def _sparse(model_dir, head=None, finetuning="full", gated=True, **gates):
     """A sparse post-training module on a tiny model, its head gates' options ``gates`` (learning rate 0.1 unless
-    given; ``gated`` false: no gates); ``head``: a head-gate term added to the default objectives."""
-    args = dict(model_name=str(model_dir), behaviours=[], finetuning={"mode": finetuning}, optimizer={"lr": 1e-3},
-                head_gates={"lr": 0.1, **gates} if gated else None)
-    if head is not None:
-        args["objectives"] = [*default_objectives(), head]
-    return GatedLM(**args)
+    given; ``gated`` false: no gates); ``head``: a head-gate term added to the basic terms."""
+    return GatedLM(model_name=str(model_dir), behaviours=[], finetuning={"mode": finetuning}, optimizer={"lr": 1e-3},
+                   head_gates={"lr": 0.1, **gates} if gated else None,
+                   objectives=[*basic_terms(), *([head] if head is not None else [])])
 
 
 def _fix_gates_from(module, step: int) -> None:

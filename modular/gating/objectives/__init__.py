@@ -25,6 +25,7 @@ A new experiment is a new class here (or anywhere importable), named by class pa
 
 from __future__ import annotations
 
+from modular import ModularError
 from modular.gating.objectives.base import (
     Piece,
     StepContext,
@@ -62,11 +63,11 @@ from modular.gating.objectives.perturbed import (
 )
 
 __all__ = [
-    "LOCKED_OBJECTIVES", "PERTURBED_HOLDS", "BehaviourAnswer", "ClosedAttribution", "DirectionWrite",
-    "HeadConsistency", "HeadInterchange", "HeadMargin", "HeadTaskTerm", "KeepHidden", "KeepReference", "LMText",
-    "LockedAnswer", "LockedState", "Piece", "QuantizedLock", "RefusalGuard", "RelearningAdversary", "StepContext", "TermSetup",
-    "TaskAnswer", "Term", "WeightNoiseLock", "answer_batch", "build_objectives", "check_loss",
-    "default_objectives", "locked_objectives", "logits_at",
+    "DEFAULT_RECIPE", "LOCKED_OBJECTIVES", "PERTURBED_HOLDS", "BehaviourAnswer", "ClosedAttribution",
+    "DirectionWrite", "HeadConsistency", "HeadInterchange", "HeadMargin", "HeadTaskTerm", "KeepHidden",
+    "KeepReference", "LMText", "LockedAnswer", "LockedState", "Piece", "QuantizedLock", "RefusalGuard",
+    "RelearningAdversary", "StepContext", "TaskAnswer", "Term", "TermSetup", "WeightNoiseLock", "answer_batch",
+    "build_objectives", "check_loss", "locked_objectives", "logits_at", "no_terms_given",
 ]
 
 # every term by its public path (``modular.gating.objectives.KeepReference``), the one configs name: a saved
@@ -78,6 +79,11 @@ for _cls in (Term, BehaviourAnswer, LockedState, LockedAnswer, DirectionWrite, _
 del _cls
 
 
-def default_objectives() -> list[Term]:
-    """The lock's terms at their default weights (what a module built without ``objectives`` trains)."""
-    return [BehaviourAnswer(), LockedState(), KeepReference(), LMText(), TaskAnswer()]
+#: where the default recipe is, its one source (code has none): the terms and weights every shipped run trains with
+DEFAULT_RECIPE = "modular/configs/gate_capitals_smollm2.yaml"
+
+
+def no_terms_given() -> ModularError:
+    """The one line for a module or a config that names no terms."""
+    return ModularError(f"model.objectives names no terms: give them (the default recipe is {DEFAULT_RECIPE}: "
+                        "modular train fit --config it, or copy its model.objectives)")

@@ -199,8 +199,8 @@ def check_loss(terms: list[Term], data: set[str]) -> None:
     """One line unless ``terms`` make a loss from the run's ``data`` (a set of ``behaviours``, ``tasks``,
     ``lm_text``: what the data module gives): at least one term, of weight > 0, whose data is there."""
     if not terms:
-        raise ModularError("model.objectives is empty: training needs at least one term (leave it unset for the "
-                           "defaults)")
+        raise ModularError("model.objectives is empty: training needs at least one term (the default recipe's: "
+                           "modular/configs/gate_capitals_smollm2.yaml)")
     if not any(t.weight > 0 and set(t.needs) <= data for t in terms):
         have = ", ".join(sorted(data)) or "retain prompts only"
         names = ", ".join(f"{type(t).__name__}(weight={t.weight:g}, needs {'+'.join(t.needs) or 'nothing'})"
