@@ -76,10 +76,13 @@ def check_moved_data_options(data) -> None:
     if not isinstance(data, dict):
         return
     for old, new in MOVED_DATA_OPTIONS.items():
-        if old in data:
-            raise ModularError(f"data.{old} is now data.{new} (write {new.split('.')[0]}: {{{new.split('.')[1]}: "
-                               f"...}})" if new else f"data.{old} is gone: the data module builds what the model's "
-                               "terms and head gates require (GatedLM.requirements); remove it")
+        if old not in data:
+            continue
+        if new is None:
+            raise ModularError(f"data.{old} is gone: the data module builds what the model's terms and head gates "
+                               "require (GatedLM.requirements); remove it")
+        group, option = new.split(".")
+        raise ModularError(f"data.{old} is now data.{new} (write {group}: {{{option}: ...}})")
     if isinstance(data.get("lm_text"), str):
         raise ModularError(f"data.lm_text is now a mapping: write lm_text: {{source: {data['lm_text']}}}")
 
