@@ -38,8 +38,12 @@ def advantage(entry: AttackEntry, attacks: Sequence) -> dict | None:
     if not rows:
         return None
     worst = max(rows, key=lambda r: r["advantage"])
+    # a pruned sweep cuts settings short once one has reached the open accuracy: a setting's best is then taken at
+    # another budget on each model, and its advantage is not like for like
+    pruned = any((sweep or {}).get("pruned") for sweep in
+                 [*entry.attacks.values(), *((base or {}).values())] if isinstance(sweep, dict))
     return {"worst": worst, "conditions": len(rows), "max_allowed": ADVANTAGE_MAX,
-            "within": worst["advantage"] <= ADVANTAGE_MAX + 1e-9, "rows": rows}
+            "within": worst["advantage"] <= ADVANTAGE_MAX + 1e-9, "pruned": pruned, "rows": rows}
 
 
 def advantage_text(behaviour: str, adv: dict | None) -> str:
@@ -49,7 +53,9 @@ def advantage_text(behaviour: str, adv: dict | None) -> str:
     w = adv["worst"]
     return (f"{behaviour}: the published model's advantage over the base, worst case over {adv['conditions']} "
             f"conditions: {100 * w['advantage']:+.1f} points ({w['title']}, {w['condition']}: published "
-            f"{w['published']:.3f}, base {w['base']:.3f})")
+            f"{w['published']:.3f}, base {w['base']:.3f})"
+            + ("; pruned sweeps: a setting cut short on one model is compared at another budget" if adv.get("pruned")
+               else ""))
 
 
 def plot_advantage(report: AttackReport | dict, path: str | Path) -> Path:

@@ -39,7 +39,7 @@ def test_each_condition_measured_on_the_base_alike_and_the_worst_case():
                    ("f_quantized", "int8", 0.0, 0.0), ("f_quantized", "q4_1", 0.03, 0.0)]
     assert [r["advantage"] for r in adv["rows"]] == pytest.approx([0.08, -0.05, 0.02, 0.03, 0.0, 0.03])
     assert adv["worst"]["condition"] == "full lr=1e-4 N=8 seed=0" and adv["conditions"] == 6
-    assert adv["max_allowed"] == ADVANTAGE_MAX and adv["within"] is False
+    assert adv["max_allowed"] == ADVANTAGE_MAX and adv["within"] is False and adv["pruned"] is False
     assert advantage_text("facts", adv) == ("facts: the published model's advantage over the base, worst case over 6 "
                                             "conditions: +8.0 points ((c) relearning, full lr=1e-4 N=8 seed=0: "
                                             "published 0.300, base 0.220)")
@@ -53,3 +53,12 @@ def test_without_the_base_attacked_the_sweeps_say_nothing_and_no_condition_is_no
     assert advantage(bare, default_attacks()) is None
     assert advantage_text("facts", None) == ("facts: advantage over the base not measured (no attack measured the "
                                              "base alike)")
+
+
+def test_a_pruned_sweep_is_said_to_compare_settings_at_other_budgets():
+    entry = _entry()
+    entry.baselines["base"]["c_relearning"]["pruned"] = True
+    adv = advantage(entry, default_attacks())
+    assert adv["pruned"] is True
+    assert advantage_text("facts", adv).endswith("; pruned sweeps: a setting cut short on one model is compared at "
+                                                 "another budget")
