@@ -44,6 +44,7 @@ def attack(model: str, behaviours: list[str] | None = None, attacks: list[str] =
            n_pairs: int = 128, n_examples: list[int] = (8, 32, 128), seeds: list[int] = (0, 1),
            relearn_modes: list[RelearnMode] = ("full", "lora"), full_lrs: list[float] = DEFAULT_LRS["full"],
            lora_lrs: list[float] = DEFAULT_LRS["lora"], relearn_steps: int = 40, prune: bool = False, neutral: bool = True,
+           unrelated: bool = True,
            baselines: list[Baseline] = ("refusal", "base"), refusal_steps: int = 100, refusal_lr: float = 3e-5,
            quantized: list[Scheme] = DEFAULT_QUANTIZED, limit: int | None = None, seed: int = 0,
            out: str | None = None, base: str | None = None,
@@ -52,10 +53,10 @@ def attack(model: str, behaviours: list[str] | None = None, attacks: list[str] =
     the weights and add it back, (b) difference-in-means steering, (c) relearning: fine-tune on N behaviour
     examples over a sweep (modes × learning rates × N × seeds), (d) fine-tune on neutral text only, (e) prefill:
     begin each response with the answer's own frame ("The capital of France is") and let the model go on, (f)
-    re-quantise the weights as releases are (int8, int4, GGUF block formats); the same sweeps, prefilling and
-    quantisations on the base, and the relearning sweep on a plain refusal fine-tune of the base. Per behaviour,
-    the published model's advantage over the base after the same attack, worst case over every condition
-    (attack.json's ``advantage``, attack_advantage.png).
+    re-quantise the weights as releases are (int8, int4, GGUF block formats), (g) fine-tune on an unrelated task;
+    the same sweeps, prefilling and quantisations on the base, and the relearning sweep on a plain refusal fine-tune
+    of the base. Per behaviour, the published model's advantage over the base after the same attack, worst case
+    over every condition (attack.json's ``advantage``, attack_advantage.png).
     Headline: the worst case over the sweep, the fewest steps to 50% / 90% of the open accuracy on held-out items
     (the open accuracy the published folder records from ``modular lock``; without one, the base's, said in a
     warning and in ``open_accuracy_from``). Each attack is a plug-in (``--attacks``; your own is one class).
@@ -68,9 +69,9 @@ def attack(model: str, behaviours: list[str] | None = None, attacks: list[str] =
             A behaviour gated from user data is given with its data: NAME=<.jsonl file or hf:dataset>.
         attacks: The attacks, in their order in attack.json, the log line and the figure (the fine-tuning sweeps
             run after the others): weights (a), steering (b), relearning (c), neutral (d), prefill (e), quantized
-            (f), or the class path of your own (a subclass of modular.evaluation.attacks.Attack, e.g.
-            mypackage.attacks.MyAttack). --attacks+=mypackage.attacks.MyAttack adds one to the six; --attacks
-            '[weights, prefill]' runs those two.
+            (f), unrelated (g), or the class path of your own (a subclass of modular.evaluation.attacks.Attack,
+            e.g. mypackage.attacks.MyAttack). --attacks+=mypackage.attacks.MyAttack adds one to the seven;
+            --attacks '[weights, prefill]' runs those two.
         alphas: Scales scanned in (a) and (b), in units of the typical residual norm.
         n_pairs: Prompt pairs used for the difference-in-means direction in (b) (at most 128).
         n_examples: Training-set sizes N of the relearning sweep (c); (d) uses the largest.
@@ -84,6 +85,8 @@ def attack(model: str, behaviours: list[str] | None = None, attacks: list[str] =
             shorter.
         neutral: Run (d)'s settings, fine-tuning on neutral prose only (every mode and learning rate, the largest N,
             the first seed); false records (d) with none.
+        unrelated: Run (g)'s settings, fine-tuning on an unrelated built-in task (arithmetic; commonsense where
+            arithmetic is attacked), as (d)'s; false records (g) with none.
         baselines: Run the relearning sweep (and (e)) also on: refusal (a copy of the base fine-tuned to answer the
             behaviour with the locked response, retain answers kept; no direction), base (the base model itself,
             also fine-tuned on neutral text alike: the published model's advantage over the base is read from it).
@@ -109,6 +112,7 @@ def attack(model: str, behaviours: list[str] | None = None, attacks: list[str] =
     options = AttackOptions(  # bad modes or rates: one line, now
         alphas=tuple(alphas), n_pairs=n_pairs, relearning=tuple(sweep("behaviour", relearn_modes, lrs, n_examples, seeds)),
         neutral=tuple(sweep("neutral", relearn_modes, lrs, [max(n_examples)], seeds[:1]) if neutral else ()),
+        unrelated=tuple(sweep("unrelated", relearn_modes, lrs, [max(n_examples)], seeds[:1]) if unrelated else ()),
         max_steps=relearn_steps, prune=prune, refusal_steps=refusal_steps, refusal_lr=refusal_lr,
         quantized=tuple(quantized))
     tokenizer = load_tokenizer(folder)
@@ -129,7 +133,7 @@ def attack(model: str, behaviours: list[str] | None = None, attacks: list[str] =
     identity = {"base": report.base, "dtype": report.dtype, "sweep": report.sweep, "model": str(folder.resolve()),
                 "weights_hash": manifest.get("weights_hash"), "behaviours": sources, "alphas": list(alphas),
                 "n_pairs": n_pairs, "refusal_steps": refusal_steps, "refusal_lr": refusal_lr, "limit": limit,
-                "seed": seed, "quantized": list(quantized)}
+                "seed": seed, "quantized": list(quantized), "neutral": neutral, "unrelated": unrelated}
     progress = _AttackProgress(out_dir / ATTACK_PARTIAL, identity)
     for b, source in sources.items():
         ctx = _attack_context(b, source, folder, manifest, progress, locked, base, tokenizer, retain, options, limit,

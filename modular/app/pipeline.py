@@ -174,7 +174,7 @@ def run_pipeline(config: str | None = None, out: str | None = None, skip_attack:
         # the sweep of docs/tamper.md, with one seed and pruned (the worst case is the same; the run much shorter)
         attack(model=str(published), behaviours=[f"{b}={s}" if s != b else b for b, s in sources.items()],
                out=str(out_dir / ATTACK), base=run.model_name, device=device, dtype=dtype, seeds=[0],
-               relearn_steps=16, prune=True, quantized=["int8", "q4_1"])  # the main job: a worst-case subset
+               relearn_steps=16, prune=True, quantized=["int8", "q4_1"], unrelated=False)  # a worst-case subset
         # the card says what kind of lock it is, now from the attack's figures too
         record_lock_kinds(published, lock_kinds(LockReport.read(run_dir / LOCK_REPORT),
                                                 AttackReport.read(out_dir / ATTACK / ATTACK_REPORT)))

@@ -8,7 +8,7 @@ the helpers that keep what is measured over a restart). What it
 reports is read back by :meth:`~Attack.summary` (the log line), :meth:`~Attack.bars` and :meth:`~Attack.curves`
 (the figure); :meth:`~Attack.baseline` adds its measure of a baseline model, if it has one.
 
-The built-in attacks are (a) to (f) of :mod:`modular.evaluation.attack` and :mod:`modular.evaluation.relearning`
+The built-in attacks are (a) to (g) of :mod:`modular.evaluation.attack` and :mod:`modular.evaluation.relearning`
 (:data:`BUILTIN_ATTACKS`, by short name). An attack of your own is one class in your module::
 
     class Noise(Attack):
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from modular import ModularError
-from modular.data import neutral_text
+from modular.data import load_behaviour, neutral_text
 from modular.evaluation.attack import prefill_attack, quantized_attack, steering_attack, weight_attack
 from modular.evaluation.baselines import refusal_finetune
 from modular.evaluation.behaviour import evaluate_behaviour
@@ -54,6 +54,7 @@ class AttackOptions:
         n_pairs: Prompt pairs of (b)'s difference in means.
         relearning: The settings of (c)'s sweep.
         neutral: The settings of (d)'s sweep.
+        unrelated: The settings of (g)'s sweep.
         max_steps: Step budget of every setting of a sweep.
         prune: Prune the sweeps (:func:`~modular.evaluation.relearning.run_sweep`).
         refusal_steps: Fine-tuning steps of the refusal baseline.
@@ -65,6 +66,7 @@ class AttackOptions:
     n_pairs: int = 128
     relearning: tuple[Setting, ...] = ()
     neutral: tuple[Setting, ...] = ()
+    unrelated: tuple[Setting, ...] = ()
     max_steps: int = 40
     prune: bool = False
     refusal_steps: int = 100
@@ -364,6 +366,32 @@ class NeutralAttack(SweepAttack):
         return rows
 
 
+#: the built-in tasks (g) fine-tunes on, the first that is not the attacked behaviour
+UNRELATED = ("arithmetic", "commonsense")
+
+
+class UnrelatedAttack(SweepAttack):
+    """(g) Fine-tuning on N examples of an unrelated built-in task (arithmetic; commonsense where arithmetic is the
+    attacked behaviour): fine-tuning on unrelated data brings back knowledge an unlearning method only hid (Deeb &
+    Roger, arXiv 2410.08827), so a lock is tried against it too."""
+
+    key, title = "g_unrelated", "(g) unrelated"
+
+    def settings(self, ctx: AttackContext) -> Sequence[Setting]:
+        return ctx.options.unrelated
+
+    def rows_for(self, ctx: AttackContext) -> Callable[[Setting], list[dict]]:
+        task = next(t for t in UNRELATED if t != ctx.behaviour)
+        train = []  # loaded at the first setting that needs it
+
+        def rows(s: Setting) -> list[dict]:
+            train[:] = train or [load_behaviour(task, seed=ctx.seed, tokenizer=ctx.tokenizer)["train"]]
+            data = train[0]
+            return example_rows(ctx.tokenizer, data.shuffle(seed=s.seed).select(range(min(s.n, len(data)))))
+
+        return rows
+
+
 class QuantizedAttack(Attack):
     """(f) The published weights re-quantised as a release would be (int8, int4, llama.cpp's block formats:
     :mod:`modular.models.quantize`), and the base quantised alike: rounding can undo a small edit of the weights
@@ -392,7 +420,8 @@ class QuantizedAttack(Attack):
 #: the built-in attacks by short name, in their order in attack.json and the figure
 BUILTIN_ATTACKS: dict[str, type[Attack]] = {"weights": WeightAttack, "steering": SteeringAttack,
                                             "relearning": RelearningAttack, "neutral": NeutralAttack,
-                                            "prefill": PrefillAttack, "quantized": QuantizedAttack}
+                                            "prefill": PrefillAttack, "quantized": QuantizedAttack,
+                                            "unrelated": UnrelatedAttack}
 
 
 def build_attacks(specs) -> list[Attack]:
@@ -413,7 +442,7 @@ def build_attacks(specs) -> list[Attack]:
 
 
 def default_attacks() -> list[Attack]:
-    """The built-in attacks (a) to (f)."""
+    """The built-in attacks (a) to (g)."""
     return build_attacks(DEFAULT_ATTACKS)
 
 

@@ -90,6 +90,9 @@ def test_attack_end_to_end_on_a_tiny_published_folder(tmp_path, drawn, monkeypat
         + [("lora", 1e-2, n, sd) for n in (2, 4) for sd in (0, 1)])
     assert sorted((x["mode"], x["lr"], x["n"], x["seed"], x["data"]) for x in d["settings"]) == sorted(
         [("full", 1e-4, 4, 0, "neutral"), ("full", 1e-3, 4, 0, "neutral"), ("lora", 1e-2, 4, 0, "neutral")])
+    g = r["g_unrelated"]  # (g): as (d), on an unrelated task's examples
+    assert sorted((x["mode"], x["lr"], x["n"], x["seed"], x["data"]) for x in g["settings"]) == sorted(
+        [("full", 1e-4, 4, 0, "unrelated"), ("full", 1e-3, 4, 0, "unrelated"), ("lora", 1e-2, 4, 0, "unrelated")])
     for x in c["settings"] + d["settings"]:
         assert x["curve"][0] == {"step": 0, "examples_seen": 0, "accuracy": r["locked_accuracy"]}
         assert [p["step"] for p in x["curve"]] == [0, 1, 2, 3][:len(x["curve"])]
@@ -112,32 +115,35 @@ def test_attack_end_to_end_on_a_tiny_published_folder(tmp_path, drawn, monkeypat
     q = r["f_quantized"]["schemes"]
     assert list(q) == ["int8", "q4_0"] and all(0 <= v[k] <= 1 for v in q.values() for k in ("accuracy", "base_accuracy"))
     assert bars["xticklabels"] == ["base", "open (base)", "locked", "(a) weights", "(b) steering", "(c) relearning",
-                                   "(d) neutral", "(e) prefill", "(f) int8", "(f) q4_0"]
+                                   "(d) neutral", "(e) prefill", "(f) int8", "(f) q4_0", "(g) unrelated"]
     assert bars["bars"] == pytest.approx([r["base_accuracy"], r["open_accuracy"], r["locked_accuracy"],
                                           a["best"]["accuracy"], s["best"]["accuracy"],
                                           max(x["best_accuracy"] for x in c["settings"]),
                                           max(x["best_accuracy"] for x in d["settings"]), e["accuracy"],
-                                          q["int8"]["accuracy"], q["q4_0"]["accuracy"]])
+                                          q["int8"]["accuracy"], q["q4_0"]["accuracy"],
+                                          max(x["best_accuracy"] for x in g["settings"])])
     assert bars["texts"] == [f"{v:.2f}" for v in bars["bars"]]
     assert curves["lines"][f"gated (c) relearning, {len(c['settings'])} settings"] == pytest.approx(envelope(c)[1])
     assert curves["lines"][f"refusal baseline (c) relearning, {len(c['settings'])} settings"] == pytest.approx(
         envelope(r["baselines"]["refusal"]["c_relearning"])[1])
     assert f"gated (d) neutral, {len(d['settings'])} settings" in curves["lines"]
     assert f"base baseline (c) relearning, {len(c['settings'])} settings" in curves["lines"]
-    # the same neutral sweep on the base, not on the refusal baseline
-    assert len(r["baselines"]["base"]["d_neutral"]["settings"]) == len(d["settings"])
-    assert "d_neutral" not in r["baselines"]["refusal"]
+    # the same neutral and unrelated sweeps on the base, not on the refusal baseline
+    for k, own in (("d_neutral", d), ("g_unrelated", g)):
+        assert len(r["baselines"]["base"][k]["settings"]) == len(own["settings"]) and k not in r["baselines"]["refusal"]
     # the advantage: every setting of (c) and (d) against the base's under the same setting, prefilling, each
     # quantisation; (a) and (b) have no counterpart on the base
     adv = r["advantage"]
-    base_best = {(k, x["label"]): x["best_accuracy"] for k in ("c_relearning", "d_neutral")
+    base_best = {(k, x["label"]): x["best_accuracy"] for k in ("c_relearning", "d_neutral", "g_unrelated")
                  for x in r["baselines"]["base"][k]["settings"]}
     expected = ([("c_relearning", x["label"], x["best_accuracy"], base_best["c_relearning", x["label"]])
                  for x in c["settings"]]
                 + [("d_neutral", x["label"], x["best_accuracy"], base_best["d_neutral", x["label"]])
                    for x in d["settings"]]
                 + [("e_prefill", "prefilled", e["accuracy"], e["base_accuracy"])]
-                + [("f_quantized", k, v["accuracy"], v["base_accuracy"]) for k, v in q.items()])
+                + [("f_quantized", k, v["accuracy"], v["base_accuracy"]) for k, v in q.items()]
+                + [("g_unrelated", x["label"], x["best_accuracy"], base_best["g_unrelated", x["label"]])
+                   for x in g["settings"]])
     assert sorted((x["attack"], x["condition"], x["published"], x["base"]) for x in adv["rows"]) == sorted(expected)
     assert all(x["advantage"] == pytest.approx(x["published"] - x["base"]) for x in adv["rows"])
     assert adv["worst"]["advantage"] == max(x["advantage"] for x in adv["rows"]) and adv["conditions"] == len(expected)
@@ -244,7 +250,7 @@ def test_an_attack_cut_short_resumes_where_it_stopped(tmp_path, monkeypatch, cap
     args = ["attack", "--model", str(pub), "--base", str(base), "--alphas", "[1]", "--n_pairs", "2",
             "--n_examples", "[2]", "--seeds", "[0]", "--full_lrs", "[1e-3]", "--lora_lrs", "[1e-2]",
             "--relearn_steps", "2", "--baselines", "[refusal]", "--refusal_steps", "1", "--quantized", "[int8]",
-            "--limit", "2"]
+            "--unrelated", "false", "--limit", "2"]
     real, trained = relearning.recovery_curve, []
 
     def counted(model, tokenizer, rows, test, setting, *a, **kw):

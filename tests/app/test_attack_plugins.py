@@ -32,7 +32,7 @@ def noise_attack(model, tokenizer, test, scale: float, refusals, batch_size: int
 class NoiseAttack(Attack):
     """(f) A random direction, ``alpha`` residual norms long, added after every block."""
 
-    key, title = "g_noise", "(g) noise"
+    key, title = "h_noise", "(h) noise"
 
     def __init__(self, alpha: float = 1.0):
         self.alpha = alpha
@@ -59,7 +59,8 @@ def test_an_attack_of_ones_own_is_one_class_added_on_the_command_line(tmp_path, 
     out = tmp_path / "attack"
     args = ["attack", "--model", str(pub), "--base", str(base), "--attacks+=tests.app.test_attack_plugins.NoiseAttack",
             "--alphas", "[1]", "--n_pairs", "2", "--n_examples", "[2]", "--seeds", "[0]", "--relearn_modes", "[full]",
-            "--full_lrs", "[1e-3]", "--relearn_steps", "1", "--neutral", "false", "--baselines", "[]", "--limit", "2",
+            "--full_lrs", "[1e-3]", "--relearn_steps", "1", "--neutral", "false", "--unrelated", "false", "--baselines", "[]",
+            "--limit", "2",
             "--quantized", "[int8]",
             "--out", str(out)]
     real = relearning.recovery_curve
@@ -72,7 +73,7 @@ def test_an_attack_of_ones_own_is_one_class_added_on_the_command_line(tmp_path, 
     with pytest.raises(KeyboardInterrupt):
         main(args)
     saved = json.loads((out / "attack.partial.json").read_text())["behaviours"]["capitals"]["parts"]
-    assert {"a_weights", "b_steering", "e_prefill", "f_quantized", "g_noise"} <= set(saved) and len(calls) == 1
+    assert {"a_weights", "b_steering", "e_prefill", "f_quantized", "h_noise"} <= set(saved) and len(calls) == 1
 
     monkeypatch.setattr(relearning, "recovery_curve", real)
     with caplog.at_level("INFO", logger="modular"):
@@ -80,20 +81,20 @@ def test_an_attack_of_ones_own_is_one_class_added_on_the_command_line(tmp_path, 
     assert len(calls) == 1  # taken over from attack.partial.json
     r = json.loads((out / "attack.json").read_text())["behaviours"]["capitals"]
     assert list(r) == ["base_accuracy", "open_accuracy", "open_accuracy_from", "locked_accuracy", "residual_scale",
-                       "a_weights", "b_steering", "c_relearning", "d_neutral", "e_prefill", "f_quantized", "g_noise",
-                       "baselines", "advantage"]
-    f = r["g_noise"]
-    assert f == saved["g_noise"] and f["n"] == 2 and f["scale"] == pytest.approx(r["residual_scale"])
+                       "a_weights", "b_steering", "c_relearning", "d_neutral", "e_prefill", "f_quantized", "g_unrelated",
+                       "h_noise", "baselines", "advantage"]
+    f = r["h_noise"]
+    assert f == saved["h_noise"] and f["n"] == 2 and f["scale"] == pytest.approx(r["residual_scale"])
     line = next(x for x in caplog.messages if x.startswith("capitals: base"))
     q = r["f_quantized"]["schemes"]["int8"]
     assert line.endswith(f" | (e) prefilled {r['e_prefill']['accuracy']:.3f} (base prefilled "
                          f"{r['e_prefill']['base_accuracy']:.3f}) | (f) re-quantised int8 {q['accuracy']:.3f} (base "
-                         f"{q['base_accuracy']:.3f}) | (g) noise {f['accuracy']:.3f}")
+                         f"{q['base_accuracy']:.3f}) | (g) unrelated: not run | (h) noise {f['accuracy']:.3f}")
     assert f"| (a) weights best {r['a_weights']['best']['accuracy']:.3f} |" in line
     assert "| (d) neutral: not run |" in line
     bars = drawn["attack.png"]["axes"][0]
     assert bars["xticklabels"] == ["base", "open (base)", "locked", "(a) weights", "(b) steering", "(c) relearning",
-                                   "(e) prefill", "(f) int8", "(g) noise"]
+                                   "(e) prefill", "(f) int8", "(h) noise"]  # (d), (g): not run, no bar
     assert bars["bars"][-1] == pytest.approx(f["accuracy"]) and bars["texts"][-1] == f"{f['accuracy']:.2f}"
 
 
@@ -112,8 +113,8 @@ def test_an_unknown_attack_is_one_line_before_anything_is_loaded_or_written(tmp_
     monkeypatch.setattr(modular.models, "load_model", lambda *a, **kw: loaded.append(a))
     here = "tests.app.test_attack_plugins"
     cases = [
-        (["nope"], "attacks: no attack 'nope' (built-in: weights, steering, relearning, neutral, prefill, quantized; or "
-                   "the class path of a modular.evaluation.attacks.Attack)"),
+        (["nope"], "attacks: no attack 'nope' (built-in: weights, steering, relearning, neutral, prefill, quantized, "
+                   "unrelated; or the class path of a modular.evaluation.attacks.Attack)"),
         ([f"{here}.Missing"], f"attacks: no attack '{here}.Missing'"),
         ([f"{here}.noise_attack"], f"attacks: {here}.noise_attack is not a modular.evaluation.attacks.Attack"),
         ([{"class_path": f"{here}.NoiseAttack", "init_args": {"beta": 2}}], f"attacks: {here}.NoiseAttack: "),
@@ -130,9 +131,9 @@ def test_an_unknown_attack_is_one_line_before_anything_is_loaded_or_written(tmp_
     assert capsys.readouterr().err.strip().splitlines() == [f"error: {cases[0][1]}"]
     assert not out.exists() and loaded == []
 
-    # the default list is the six built-in attacks, under the keys attack.json has always had; options reach a class
+    # the default list is the seven built-in attacks, under the keys attack.json has always had; options reach a class
     assert DEFAULT_ATTACKS == list(BUILTIN_ATTACKS)
     assert [a.key for a in default_attacks()] == ["a_weights", "b_steering", "c_relearning", "d_neutral", "e_prefill",
-                                                  "f_quantized"]
+                                                  "f_quantized", "g_unrelated"]
     (noise,) = build_attacks([{"class_path": f"{here}.NoiseAttack", "init_args": {"alpha": 2}}])
     assert isinstance(noise, NoiseAttack) and noise.alpha == 2

@@ -42,6 +42,20 @@ def test_the_attackers_rows_are_the_contexts_fit_rows(monkeypatch):
     assert seen["fit"] is data["attack_fit"] and seen["test"] is ctx.test
 
 
+
+@pytest.mark.parametrize("attacked, task", [("b", "arithmetic"), ("arithmetic", "commonsense")])
+def test_the_unrelated_sweep_trains_on_another_tasks_examples(monkeypatch, attacked, task):
+    """(g) fine-tunes on N train examples of an unrelated built-in task, never the attacked behaviour's own."""
+    import modular.evaluation.attacks as attacks
+
+    monkeypatch.setattr(attacks, "example_rows", lambda tokenizer, ds: list(ds["prompt"]))
+    ctx = _context(load_behaviour("fictional_facts"))
+    ctx.behaviour = attacked
+    rows = attacks.UnrelatedAttack().rows_for(ctx)(Setting("unrelated", "full", 1e-3, 16, 0))
+    theirs = set(load_behaviour(task)["train"]["prompt"])
+    assert len(rows) == 16 and set(rows) <= theirs
+
+
 class _Progress:
     """:class:`~modular.app.attacking._AttackProgress` without models: the accuracies are 0 and each scored set,
     each sweep's test items and rows are recorded."""
