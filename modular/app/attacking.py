@@ -102,12 +102,7 @@ def attack(model: str, behaviours: list[str] | None = None, attacks: list[str] =
     folder = Path(model)
     manifest, sources = _published(folder, behaviours)
     chosen = build_attacks(attacks)  # an unknown attack: one line, now
-    if n_pairs > 128:
-        raise ModularError("n_pairs is at most 128")
-    if relearn_steps < 1 or not n_examples or min(n_examples) < 1 or not seeds:
-        raise ModularError("the relearning sweep needs relearn_steps >= 1, at least one N >= 1 and one seed")
-    if set(baselines) - set(BASELINES):
-        raise ModularError(f"baselines must be among {', '.join(BASELINES)}, got {', '.join(baselines)}")
+    _check_options(n_pairs, relearn_steps, n_examples, seeds, baselines)
     lrs = {"full": list(full_lrs), "lora": list(lora_lrs)}
     options = AttackOptions(  # bad modes or rates: one line, now
         alphas=tuple(alphas), n_pairs=n_pairs, relearning=tuple(sweep("behaviour", relearn_modes, lrs, n_examples, seeds)),
@@ -141,6 +136,16 @@ def attack(model: str, behaviours: list[str] | None = None, attacks: list[str] =
         report.behaviours[b] = _attack_entry(ctx, chosen, baselines)
     _finish(report, out_dir, progress, chosen, folder)
     return report.to_json()
+
+
+def _check_options(n_pairs: int, relearn_steps: int, n_examples, seeds, baselines) -> None:
+    """One line for an option of ``modular attack`` out of range, before anything is loaded."""
+    if n_pairs > 128:
+        raise ModularError("n_pairs is at most 128")
+    if relearn_steps < 1 or not n_examples or min(n_examples) < 1 or not seeds:
+        raise ModularError("the relearning sweep needs relearn_steps >= 1, at least one N >= 1 and one seed")
+    if set(baselines) - set(BASELINES):
+        raise ModularError(f"baselines must be among {', '.join(BASELINES)}, got {', '.join(baselines)}")
 
 
 def _finish(report: AttackReport, out_dir: Path, progress, attacks: list, folder: Path) -> None:
