@@ -23,7 +23,9 @@ def _data(path, n=4, tag="City"):
 
 
 def _options(model_dir, behaviours, **data):
-    model = {"model_name": str(model_dir), "objectives": None, "finetuning": "full", "locked_weight": 1.0,
+    terms = [{"class_path": f"modular.gating.objectives.{name}"} for name in ("BehaviourAnswer", "LockedState",
+                                                                               "KeepReference")]
+    model = {"model_name": str(model_dir), "objectives": terms, "finetuning": "full", "locked_weight": 1.0,
              "head_gates": False, "gate_scope": "all", "sparsity": "none", "sparsity_weight": 1.0,
              "lm_loss_target": None, "lora_rank": 16, "lora_alpha": 32}
     return model, {"behaviours": list(behaviours), "tasks": [], "neighbours": None, "seed": 0,
