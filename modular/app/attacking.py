@@ -18,7 +18,15 @@ from modular.data import load_behaviour, retain_data
 from modular.data.schema import DEFAULT_LOCKED_RESPONSE, attack_splits
 from modular.evaluation.advantage import advantage, advantage_text, plot_advantage
 from modular.evaluation.attack import plot_attack, residual_scale
-from modular.evaluation.attacks import BASELINES, AttackContext, AttackOptions, build_attacks, run_attacks, run_baseline
+from modular.evaluation.attacks import (
+    BASELINES,
+    AttackContext,
+    AttackOptions,
+    QuantizedAttack,
+    build_attacks,
+    run_attacks,
+    run_baseline,
+)
 from modular.evaluation.behaviour import evaluate_behaviour
 from modular.evaluation.defaults import DEFAULT_ATTACKS, DEFAULT_LRS, DEFAULT_QUANTIZED
 from modular.evaluation.relearning import eval_steps, run_sweep, sweep
@@ -112,7 +120,7 @@ def attack(model: str, behaviours: list[str] | None = None, attacks: list[str] =
         quantized=tuple(quantized))
     tokenizer = load_tokenizer(folder)
     locked = modular.models.load_model(folder, dtype, device)
-    for scheme in quantized if any(a.key == "f_quantized" for a in chosen) else ():
+    for scheme in quantized if any(isinstance(a, QuantizedAttack) for a in chosen) else ():
         if scheme == "none":
             raise ModularError("quantized: 'none' is the published model itself, attacked by the others")
         check_scheme(locked, scheme)  # a scheme the model's layers cannot take: one line, before any attack

@@ -14,11 +14,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from modular.lock_kind import BASE_BASELINE
 from modular.plots import save_figure
 from modular.reports import AttackEntry, AttackReport
 
-#: the baseline that is the base model itself (:data:`modular.evaluation.attacks.BASELINES`)
-BASE = "base"
 #: the most an added behaviour's published model may give beyond the base after the same attack (accuracy)
 ADVANTAGE_MAX = 0.05
 
@@ -28,7 +27,7 @@ def advantage(entry: AttackEntry, attacks: Sequence) -> dict | None:
     measured on the published model and on the base alike, with ``published``, ``base`` and ``advantage``
     (published minus base), and the ``worst`` of them (the largest advantage); None where no attack measured the
     base alike (no base baseline was run, and no attack of the list measures it itself)."""
-    base = entry.baselines.get(BASE)
+    base = entry.baselines.get(BASE_BASELINE)
     rows = []
     for a in attacks:
         if a.key in entry.attacks:

@@ -268,6 +268,11 @@ class PrefillAttack(Attack):
         return [("prefilled", entry["accuracy"], entry["base_accuracy"])]  # the base is prefilled alike in run()
 
 
+def sampled_rows(tokenizer, data, s: Setting) -> list[dict]:
+    """Setting ``s``'s training rows: ``s.n`` examples of ``data`` (all, where it has fewer), chosen by ``s.seed``."""
+    return example_rows(tokenizer, data.shuffle(seed=s.seed).select(range(min(s.n, len(data)))))
+
+
 def steps_text(w: dict) -> str:
     """A worst case's steps to a threshold, or that no setting reached it within the budget."""
     return str(w["steps"]) if w["steps"] is not None else f"none within {w['more_than']}"
@@ -337,8 +342,7 @@ class RelearningAttack(SweepAttack):
         return ctx.options.relearning
 
     def rows_for(self, ctx: AttackContext) -> Callable[[Setting], list[dict]]:
-        fit = ctx.fit
-        return lambda s: example_rows(ctx.tokenizer, fit.shuffle(seed=s.seed).select(range(min(s.n, len(fit)))))
+        return lambda s: sampled_rows(ctx.tokenizer, ctx.fit, s)
 
     def baseline(self, ctx: AttackContext, name: str, model, start: float) -> dict:
         """The same sweep on every baseline, with how many times their worst-case steps the locked model's are."""
@@ -386,8 +390,7 @@ class UnrelatedAttack(SweepAttack):
 
         def rows(s: Setting) -> list[dict]:
             train[:] = train or [load_behaviour(task, seed=ctx.seed, tokenizer=ctx.tokenizer)["train"]]
-            data = train[0]
-            return example_rows(ctx.tokenizer, data.shuffle(seed=s.seed).select(range(min(s.n, len(data)))))
+            return sampled_rows(ctx.tokenizer, train[0], s)
 
         return rows
 

@@ -37,10 +37,6 @@ def first_token_kl(model, tokenizer, prompts, chats, reference_logp: torch.Tenso
     return mean_kl(reference_logp.float(), first_token_logp(model, tokenizer, prompts, chats))
 
 
-#: fewer validation items than this per gated behaviour: the lock check is coarse, and training says so
-FEW_VALIDATION_ITEMS = VALIDATION_ITEMS
-
-
 class LockMetricsCallback(Callback):
     """After each validation: behaviour accuracy open / locked (greedy responses), first-token KL of the retain
     validation prompts to the reference model, open / locked, and the neighbours' accuracy and refusal share, open /
@@ -181,13 +177,13 @@ class LockMetricsCallback(Callback):
         self.weak = []  # behaviours whose verdict rests on too few items to stop training
         for b in pl_module.behaviours:
             n = len(dm.behaviour_data[b]["validation"])
-            if 0 < n < FEW_VALIDATION_ITEMS:
+            if 0 < n < VALIDATION_ITEMS:
                 self.weak.append(b)
                 if trainer.is_global_zero:
                     log.warning("'%s': the lock is checked on %d validation items (one item is %.0f points of "
                                 "accuracy): a verdict on so few can pass where held-out items fail, so training runs "
                                 "its step budget instead of stopping on it; give it %d or more", b, n, 100 / n,
-                                FEW_VALIDATION_ITEMS)
+                                VALIDATION_ITEMS)
         items = max(len(dm.behaviour_data[b]["train"]) for b in pl_module.behaviours)
         start = max((t.start_step for t in getattr(pl_module, "objectives", ())), default=0)
         self.stop_from = self.stop_step(items, dm.hparams.batch_size, start)
@@ -298,7 +294,7 @@ class LockMetricsCallback(Callback):
 
     def _stop_if_held(self, trainer) -> None:
         """With ``stop``: training ends here if the last check held the lock and stopping is allowed by now (not on
-        a verdict over fewer than :data:`FEW_VALIDATION_ITEMS` validation items of a behaviour: :attr:`weak`)."""
+        a verdict over fewer than :data:`VALIDATION_ITEMS` validation items of a behaviour: :attr:`weak`)."""
         if (self.stop and self.status["reached"] and trainer.global_step >= self.stop_from and not self.weak
                 and trainer.state.fn == TrainerFn.FITTING):
             log.info("step %d: the lock holds on validation; training stops", trainer.global_step)

@@ -12,7 +12,7 @@ from modular import ModularError
 from modular.data import behaviour_name
 from modular.data.behaviours import builtin_neighbours, carve_validation
 from modular.data.schema import DEFAULT_LOCKED_RESPONSE
-from modular.gating.options import as_options, check_ranges
+from modular.gating.options import build_groups, check_ranges
 
 
 @dataclass(frozen=True)
@@ -59,8 +59,8 @@ class LMTextOptions:
         check_ranges("lm_text", self, {"max_length": (1, True)}, "data")
 
 
-#: the data module's option groups: their dataclass, and whether the group may be null
-DATA_GROUPS = {"reference": (ReferenceOptions, False), "lm_text": (LMTextOptions, True)}
+#: the data module's option groups, and those that may be null
+DATA_GROUPS, DATA_OPTIONAL = {"reference": ReferenceOptions, "lm_text": LMTextOptions}, ("lm_text",)
 
 
 #: data options of configs written before the groups: where each went (None: gone, built from the terms' needs)
@@ -90,11 +90,7 @@ def check_moved_data_options(data) -> None:
 def data_groups(options) -> dict:
     """The data option groups of ``options`` (a parsed config's ``data``, or the module's arguments) built and
     checked (:data:`DATA_GROUPS`): a bad value or an unknown field is one line, before any work."""
-    out = {}
-    for name, (cls, optional) in DATA_GROUPS.items():
-        value = as_options(cls, options.get(name), name, "data")
-        out[name] = cls() if value is None and not optional else value
-    return out
+    return build_groups(options, DATA_GROUPS, DATA_OPTIONAL, "data")
 
 
 def per_behaviour(spec, behaviours: list[str], default, option: str) -> dict:

@@ -30,7 +30,7 @@ from modular.gating.options import (
     MemoryOptions,
     OptimizerOptions,
     SteeringOptions,
-    as_options,
+    build_groups,
     plain,
 )
 from modular.gating.randomness import global_random_state, set_global_random_state
@@ -63,10 +63,7 @@ def check_model_options(options) -> dict:
     if locked_weight is not None and locked_weight < 0:
         raise ModularError(f"model.locked_weight must be >= 0, got {locked_weight}")
     build_objectives(options.get("objectives"))  # a bad term option: one line, before anything loads
-    groups = {}
-    for name, cls in OPTION_GROUPS.items():
-        value = as_options(cls, options.get(name), name)
-        groups[name] = cls() if value is None and name not in _OPTIONAL else value
+    groups = build_groups(options, OPTION_GROUPS, _OPTIONAL)
     if groups["finetuning"].mode == "none" and groups["head_gates"] is None:
         raise ModularError("model.finetuning.mode 'none' trains nothing without head_gates")
     if groups["head_gates"] is not None and groups["memory"].gradient_checkpointing:

@@ -20,6 +20,17 @@ from modular import ModularError
 from modular.models.compiled import check_backend
 
 
+def build_groups(options, groups: dict[str, type], optional=(), section: str = "model") -> dict:
+    """Each option group of ``options`` (a parsed config's ``<section>``, or a module's arguments) built and checked
+    (:func:`as_options`): ``groups`` maps a group's name to its dataclass; a group left out gets its defaults, or
+    None where it is ``optional``."""
+    out = {}
+    for name, cls in groups.items():
+        value = as_options(cls, options.get(name), name, section)
+        out[name] = cls() if value is None and name not in optional else value
+    return out
+
+
 def check_ranges(group: str, options, ranges: dict[str, tuple[float, bool]], section: str = "model") -> None:
     """One line for the first of ``options``' numeric fields out of range: ``ranges`` maps a field to (lowest value,
     whether the lowest value itself is allowed); None passes. The line names ``<section>.<group>.<field>``."""
