@@ -79,7 +79,8 @@ class GatingDataModule(L.LightningDataModule):
             domain: for capitals, other facts about the same countries). Their train prompts, with the reference
             model's own answers as targets, are kept by the same KL terms as retain data, half open, half locked.
             ``auto``: the built-in neighbours of the built-in gated behaviours (capitals: continents and
-            languages; ioi: ioi_thanks; user behaviours have none); or a list of built-in names, .jsonl files,
+            languages; ioi: ioi_thanks; a behaviour that brings none, as a user's, the far guards capitals, arithmetic,
+            commonsense and ioi: :data:`~modular.data.behaviours.FAR_GUARDS`); or a list of built-in names, .jsonl files,
             hf:<dataset> or NAME=<source>; ``[]``: none. The lock evaluation scores held-out neighbours (test
             splits, other entities) besides these.
         neighbour_items: At most this many train items of each neighbour are kept (an even sample by seed).

@@ -178,14 +178,23 @@ def test_ioi_thanks_is_ioi_completed_with_the_giver_thanked():
 
 
 def test_builtin_neighbours():
-    from modular.data.behaviours import NEIGHBOUR_BEHAVIOURS, NEIGHBOURS, builtin_neighbours
+    from modular.data.behaviours import FAR_GUARDS, NEIGHBOUR_BEHAVIOURS, NEIGHBOURS, builtin_neighbours
 
     assert builtin_neighbours(["capitals"], "train") == ["continents", "languages"]
     assert builtin_neighbours(["capitals"], "evaluate") == ["continents", "languages", "currencies", "demonyms"]
     # one evaluated relation of capitals is never trained on
     assert set(NEIGHBOURS["capitals"]["evaluate"]) - set(NEIGHBOURS["capitals"]["train"])
     assert builtin_neighbours(["capitals", "ioi"], "train") == ["continents", "languages", "ioi_thanks"]
-    assert builtin_neighbours(["user_data", "ioi_long", "ioi"], "evaluate") == ["ioi_thanks"]
+    assert builtin_neighbours(["ioi_long", "ioi"], "evaluate") == ["ioi_thanks"]
+    # a behaviour that brings none (a user's, commonsense, an added one) keeps the far guards, in training and in
+    # the report, besides the others' own
+    assert builtin_neighbours(["user_data", "ioi_long", "ioi"], "evaluate") == ["capitals", "arithmetic",
+                                                                                "commonsense", "ioi_thanks"]
+    for use in ("train", "evaluate"):
+        assert builtin_neighbours(["user_data"], use) == list(FAR_GUARDS)
+        assert builtin_neighbours(["commonsense"], use) == ["capitals", "arithmetic", "ioi"]
+        assert builtin_neighbours(["zorb_numerals"], use) == list(FAR_GUARDS)
+    assert builtin_neighbours(["continents"], "train") == []  # it brings neighbours: evaluated only
     assert builtin_neighbours(["capitals", "continents"], "evaluate") == ["languages", "currencies", "demonyms"]
     # every relation of the countries has the other four as neighbours, at least one of them never trained on
     relations = {"capitals", "continents", "languages", "currencies", "demonyms"}
@@ -200,7 +209,6 @@ def test_builtin_neighbours():
     assert {b: builtin_neighbours([b], "evaluate") for b in ("greater_than", "docstring", "agreement", "arithmetic")} \
         == {"greater_than": ["year_copy"], "docstring": ["docstring_call"], "agreement": ["noun_number"],
             "arithmetic": ["counting"]}
-    assert builtin_neighbours(["commonsense"], "evaluate") == []
     assert builtin_neighbours(["greater_than", "docstring", "arithmetic"], "train") == ["year_copy", "counting"]
     # left out of the far behaviours of every run: the neighbour-only behaviours, not capitals (far from IOI)
     assert NEIGHBOUR_BEHAVIOURS == {"continents", "languages", "currencies", "demonyms", "ioi_thanks", "year_copy",

@@ -25,7 +25,8 @@ from tests.conftest import basic_terms, save_tiny_folder
 
 def test_neighbour_specs():
     assert neighbour_specs("auto", ["capitals"]) == {"continents": "continents", "languages": "languages"}
-    assert neighbour_specs("auto", ["mine"]) == {}  # user behaviours have no built-in neighbours
+    # a user behaviour brings none: the far guards are kept instead
+    assert neighbour_specs("auto", ["mine"]) == {g: g for g in ("capitals", "arithmetic", "commonsense", "ioi")}
     assert neighbour_specs(None, ["capitals"]) == {} and neighbour_specs([], ["capitals"]) == {}
     assert neighbour_specs(["near=data/x.jsonl", "currencies"], ["capitals"]) == {
         "near": "near=data/x.jsonl", "currencies": "currencies"}
