@@ -144,9 +144,9 @@ def _measured(measured: LockReport, behaviours: list[str], held_out: HeldOut | N
             lines += [f"- {x.neighbour}, {x.state}: {100 * x.change:+.1f} points ({x.lost} lost, {x.gained} gained of "
                       f"{x.n}; p = {x.p_value:.2g})" for x in measured.neighbour_shifts]
             lines.append("")
-        losses = [(state, n, row.neighbours[n].vs_base) for state, row in measured.states.items()
-                  for n in neighbours if row.neighbours[n].vs_base is not None
-                  and row.neighbours[n].vs_base.significant_loss]
+        losses = [(state, n, score.vs_base) for state, row in measured.states.items() if state != "control"
+                  for n, score in [*row.neighbours.items(), *row.others.items()]  # the far behaviours' too
+                  if score.vs_base is not None and score.vs_base.significant_loss]
         if any(row.neighbours[n].vs_base is not None and row.neighbours[n].vs_base.p_holm is not None
                for row in measured.states.values() for n in neighbours):
             lines += ["Significant losses against base (exact paired test, Holm-adjusted over these figures, "

@@ -77,8 +77,9 @@ def _scores(data: dict | None) -> dict[str, Score]:
 class PairedChange:
     """One state's items against base's, item by item (:func:`modular.evaluation.stats.paired_change`): ``lost``
     (right in base, wrong here), ``gained``, of ``n``, the exact paired test's ``p_value``, the change's paired
-    bootstrap interval ``ci95`` and ``p_holm``, the p-value Holm-adjusted over the report's neighbour figures (the
-    last two absent from reports written before they were measured)."""
+    bootstrap interval ``ci95`` (over independent units: three phrasings of one country are one) and ``p_holm``, the
+    p-value Holm-adjusted over its family (the report's neighbour figures, or its far behaviours'); the last two are
+    absent from reports written before they were measured."""
 
     lost: int
     gained: int
@@ -106,8 +107,8 @@ class PairedChange:
 class Score:
     """A behaviour's score in one state: its ``accuracy`` on ``n`` held-out items, and where measured: the share of
     answers that are a locked response, the mean logit difference and choice accuracy (tasks with a wrong answer),
-    the 95% interval, how a far behaviour was scored (``metric``: choice or generation), a neighbour's change from
-    base item by item (``vs_base``)."""
+    the 95% interval, how a far behaviour was scored (``metric``: choice or generation), a neighbour's or far
+    behaviour's change from base item by item (``vs_base``)."""
 
     accuracy: float
     n: int | None = None
@@ -117,14 +118,15 @@ class Score:
     ci95: tuple[float, float] | None = None
     metric: str | None = None
     vs_base: PairedChange | None = None
+    vs_control: PairedChange | None = None
 
     @classmethod
     def from_json(cls, data: dict) -> Score:
         def build(d: dict) -> Score:
-            ci, vs = d.get("ci95"), d.get("vs_base")
+            ci, vs = d.get("ci95"), [d.get(k) for k in ("vs_base", "vs_control")]
             return cls(d["accuracy"], d.get("n"), d.get("refusal_rate"), d.get("logit_diff"), d.get("choice_accuracy"),
                        tuple(ci) if ci is not None else None, d.get("metric"),
-                       PairedChange.from_json(vs) if vs is not None else None)
+                       *(PairedChange.from_json(v) if v is not None else None for v in vs))
 
         return _parse("score", build, data)
 
@@ -134,7 +136,8 @@ class Score:
         if self.logit_diff is not None or self.choice_accuracy is not None:  # the two come together
             out["choice_accuracy"] = self.choice_accuracy
         return out | _present({"ci95": list(self.ci95) if self.ci95 is not None else None, "metric": self.metric,
-                               "vs_base": self.vs_base.to_json() if self.vs_base is not None else None})
+                               **{k: v.to_json() for k, v in (("vs_base", self.vs_base),
+                                                              ("vs_control", self.vs_control)) if v is not None}})
 
 
 @dataclass
@@ -202,19 +205,22 @@ class NeighbourShift:
 #: order a headline names them
 FAILURE_KINDS = (("locked", ("locked accuracy",), "the behaviour still answers locked"),
                  ("open", ("open accuracy",), "the open state is below its target"),
-                 ("retain", ("retain KL",), "the retain KL is above its target"))
+                 ("retain", ("retain KL",), "the retain KL is above its target"),
+                 ("neighbour", ("significant loss",), "another behaviour lost significantly"))
 
 
 def failed_kinds(failing: list[str]) -> list[str]:
-    """Which targets ``failing`` (:func:`~modular.evaluation.targets.lock_failures`'s phrases) misses: ``locked`` (a locked state still answers),
-    ``open`` (the open state below base or the floor), ``retain`` (a state's retain KL too high), in that order."""
+    """Which targets ``failing`` (:func:`~modular.evaluation.targets.lock_failures`'s phrases and
+    :func:`~modular.evaluation.lock.significant_losses`') misses: ``locked`` (a locked state still answers),
+    ``open`` (the open state below base or the floor), ``retain`` (a state's retain KL too high), ``neighbour`` (a
+    neighbour or far behaviour lost significantly in a state), in that order."""
     return [kind for kind, words, _ in FAILURE_KINDS if any(w in f for f in failing for w in words)]
 
 
 def failure_headline(failing: list[str]) -> str:
     """What failed, in words a headline can hold: "not locked" where a locked state still answers the behaviour;
-    where the lock itself held, "locked, but" what else missed (the open state, the retain KL), so that a lock that
-    held is never called not locked; "" where nothing failed."""
+    where the lock itself held, "locked, but" what else missed (the open state, the retain KL, another behaviour),
+    so that a lock that held is never called not locked; "" where nothing failed."""
     kinds = failed_kinds(failing)
     if not kinds:
         return ""
@@ -289,9 +295,7 @@ class TaskScore:
 
 
 def _capability(data: dict | None) -> dict[str, dict[str, TaskScore]] | None:
-    if data is None:
-        return None
-    return {state: {task: TaskScore.from_json(v) for task, v in tasks.items()} for state, tasks in data.items()}
+    return None if data is None else {s: {t: TaskScore.from_json(v) for t, v in ts.items()} for s, ts in data.items()}
 
 
 _LOCK_HEAD = ("run", "model", "step", "dtype")

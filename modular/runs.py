@@ -47,6 +47,10 @@ WANDB_RUN_ID = "wandb_run_id"
 LOCK_REPORT = "lock.json"
 LOCK_FIGURE = "lock.png"
 RUN_LOCK = ".modular.lock"
+#: the config a run trained with (Lightning's SaveConfigCallback writes it)
+RUN_CONFIG = "config.yaml"
+#: in a lock-off control's run folder: which gated run it controls, its steps and the terms it left out
+CONTROL_RECORD = "control.json"
 #: the entry of ``run.json`` naming the training's W&B run (:func:`wandb_record`, :func:`training_wandb_run`)
 WANDB_ENTRY = "wandb"
 
@@ -170,6 +174,25 @@ def read_sharded_checkpoint(path: Path, weights: bool = True) -> dict:
     if "state_dict" not in ckpt and "model" in ckpt:  # FSDPStrategy's folders name the weights "model"
         ckpt["state_dict"] = ckpt.pop("model")
     return ckpt
+
+
+def control_run(folder: str | Path, run: Run) -> Run:
+    """The lock-off control in ``folder`` of the gated ``run`` (``modular control``): one line where it is not a
+    finished control (no ``control.json``) or controls another run (another folder, base model or behaviours)."""
+    path = Path(folder) / CONTROL_RECORD
+    try:
+        record = json.loads(path.read_text())
+        of = Path(record["control_of"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        reason = getattr(err, "strerror", None) or error_reason(err)
+        raise ModularError(f"{folder} is not a finished lock-off control ({path}: {reason}); train one: modular "
+                           f"control --run {run.path}") from None
+    control = read_run(folder)
+    if of.resolve() != run.path.resolve() or (control.model_name, control.behaviours) != (run.model_name,
+                                                                                         run.behaviours):
+        raise ModularError(f"{folder} is the lock-off control of {of}, not of {run.path}: train this run's with "
+                           f"modular control --run {run.path}")
+    return control
 
 
 def checkpoint_step(run: Run) -> int:

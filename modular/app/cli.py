@@ -42,6 +42,7 @@ COMMANDS: dict[str, str | dict[str, str] | None] = {
     "train": None,  # LightningCLI, parsed by its own parser (TRAIN)
     "behaviour": "modular.app.evaluations:behaviour",
     "lock": "modular.app.evaluations:lock",
+    "control": "modular.app.control:control",
     "attack": "modular.app.attacking:attack",
     "quantized": "modular.app.evaluations:quantized",
     "capability": "modular.app.capability:capability",

@@ -34,6 +34,7 @@ from modular.runs import (
     RUN_LOCK,
     behaviour_sources,
     checkpoint_step,
+    control_run,
     load_model_or_run,
     load_open_model,
     load_tokenizer_or_run,
@@ -105,11 +106,11 @@ def behaviour(
     return report
 
 
-def lock(run: str, out: str | None = None, other_limit: int = 64, harden: bool = True,
+def lock(run: str, out: str | None = None, other_limit: int = 128, harden: bool = True,
          max_new_tokens: int = 24, neighbours: list[str] | None = None, neighbour_tolerance: float = NEIGHBOUR_TOLERANCE,
          batch_size: int = 16, device: str = "auto", dtype: DTypeName = "auto",
          capability_tasks: list[str] | None = None, capability_limit: int | None = None,
-         paraphrases: bool = True) -> dict:
+         paraphrases: bool = True, control: str | None = None) -> dict:
     """Lock evaluation of a gated run: accuracy and retain measures for base, open, locked (hooks),
     published_locked (weights) and unlocked (keys applied), for the gated behaviours, their neighbours (with the
     share of answers that are the locked response) and far built-in behaviours, and whether the lock holds on these
@@ -133,8 +134,12 @@ def lock(run: str, out: str | None = None, other_limit: int = 64, harden: bool =
         capability_limit: Items scored per capability task (default: all).
         paraphrases: Also score each gated built-in behaviour's held-out paraphrase sets (other wordings, other
             question forms, other languages; never trained on) in every state, beside the test split.
+        control: This run's lock-off control (``modular control --run RUN``): scored as the state ``control``, and
+            every state's neighbours and far behaviours compared with it item by item (the lock's own effect, apart
+            from the fine-tuning's).
     """
     r = read_run(run)
+    ctl = control_run(control, r) if control else None  # one that is not this run's: one line, before any work
     suite = None
     if capability_tasks:  # lm-eval missing or an unknown task: one line, before anything is loaded
         suite = task_suite(list(capability_tasks))
@@ -151,13 +156,14 @@ def lock(run: str, out: str | None = None, other_limit: int = 64, harden: bool =
         open_model = load_open_model(r, dtype, device)
         # compared in the same precision
         base = modular.models.load_model(r.model_name, model_dtype(open_model), open_model.device)
+        control_model = load_open_model(ctl, model_dtype(open_model), open_model.device) if ctl else None
         report = lock_report(base, open_model, tokenizer, r.directions,
                              seed=int(r.record.get("seed", 0)), other_limit=other_limit, harden=harden,
                              max_new_tokens=max_new_tokens, sources=behaviour_sources(r),
                              locked_responses=r.record.get("locked_responses"), neighbours=named,
                              trained_neighbours=list(trained), batch_size=batch_size,
                              neighbour_tolerance=neighbour_tolerance, capability=suite,
-                             capability_limit=capability_limit, paraphrases=paraphrases)
+                             capability_limit=capability_limit, paraphrases=paraphrases, control=control_model)
         _log_paraphrases_and_kind(report)
         if report.neighbour_shifts:
             log.warning("neighbours moved more than %.0f points from base: %s", 100 * neighbour_tolerance,

@@ -19,6 +19,7 @@ from modular.app.train import main as train
 from modular.app.train import planned_run
 from modular.data import parse_behaviour
 from modular.evaluation.attacks import default_attacks
+from modular.evaluation.changes import change_lines
 from modular.identity import identity_differences
 from modular.lock_kind import lock_kinds
 from modular.models.names import DTypeName
@@ -210,6 +211,7 @@ def summarise(run_dir: Path, out_dir: Path) -> dict:
         for x in lock.neighbour_shifts:
             lines.append(f"neighbour moved more than {100 * lock.neighbour_tolerance:.0f} points from base: "
                          + x.text())
+    lines += change_lines(lock)  # every neighbour's and far behaviour's change from base, with its interval
     ex = lock.exactness
     lines.append(f"published vs hook-locked max |Δlogit|: {ex['published_vs_hook_locked_max_abs_logit_diff']:.2e}; "
                  f"unlocked vs open max |Δw|: {ex['unlocked_vs_open_max_abs_weight_diff']:.2e}")

@@ -110,6 +110,25 @@ def every_phrasing(name: str, seed: int = 0) -> dict[str, list[dict]]:
     return _country_relation(fields[name], seed, every_phrasing=True)
 
 
+def held_out_countries(name: str, seed: int = 0) -> list[tuple[dict, str]]:
+    """Every question of a country behaviour (``capitals`` or a relation of :func:`every_phrasing`) about the
+    countries outside the train split (validation and test), in every phrasing, each with its country (the unit a
+    comparison resamples: three phrasings of one country are not three independent items)."""
+    if name == "capitals":
+        rows = [r for split in ("validation", "test") for r in _country_splits(seed)[split]]
+        return [(record(t.format(country=r["country"]), f"The capital of {r['country']} is {r['capital']}.",
+                        answers=[r["capital"], *r["aliases"]]), r["country"]) for r in rows for t in CAPITAL_TEMPLATES]
+    fields = {"continents": "continent", "languages": "languages", "currencies": "currency", "demonyms": "demonym"}
+    if name not in fields:
+        raise ModularError(f"unknown country behaviour '{name}': use capitals or one of {', '.join(fields)}")
+    phrasings, target = COUNTRY_RELATIONS[fields[name]]
+    field = fields[name]
+    rows = [r for split in ("validation", "test") for r in _country_splits(seed)[split]
+            if not any(_mentions(r["country"], a) for a in r[field])]
+    return [(record(t.format(country=r["country"]), target.format(country=r["country"], answer=r[field][0]),
+                    answers=r[field]), r["country"]) for r in rows for t in phrasings]
+
+
 def continents(seed: int = 0, tokenizer=None) -> dict[str, list[dict]]:
     """Which continent a country is in (a neighbour of capitals: the same countries, split the same way)."""
     return _country_relation("continent", seed)
@@ -187,9 +206,10 @@ def _ioi(seed: int, tokenizer, per_split: dict[str, int], long: bool, thanks: bo
     return out
 
 
-def ioi(seed: int = 0, tokenizer=None) -> dict[str, list[dict]]:
-    """Indirect-object identification with single-token names; names are split between train/val/test."""
-    return _ioi(seed, tokenizer, {"train": 400, "validation": 64, "test": 128}, long=False)
+def ioi(seed: int = 0, tokenizer=None, test: int = 128) -> dict[str, list[dict]]:
+    """Indirect-object identification with single-token names; names are split between train/val/test. ``test``:
+    items drawn for the test split (the first 128 are the same whatever the number)."""
+    return _ioi(seed, tokenizer, {"train": 400, "validation": 64, "test": test}, long=False)
 
 
 def ioi_long(seed: int = 0, tokenizer=None) -> dict[str, list[dict]]:
@@ -197,10 +217,11 @@ def ioi_long(seed: int = 0, tokenizer=None) -> dict[str, list[dict]]:
     return _ioi(seed, tokenizer, {"train": 400, "validation": 64, "test": 128}, long=True)
 
 
-def ioi_thanks(seed: int = 0, tokenizer=None) -> dict[str, list[dict]]:
+def ioi_thanks(seed: int = 0, tokenizer=None, test: int = 128) -> dict[str, list[dict]]:
     """A neighbour of IOI: the IOI prompt with the transfer completed, then who is thanked ("..., John gave a drink
-    to Mary. Then Mary thanked" -> " John"); the same names in each split as :func:`ioi`."""
-    return _ioi(seed, tokenizer, {"train": 400, "validation": 64, "test": 128}, long=False, thanks=True)
+    to Mary. Then Mary thanked" -> " John"); the same names in each split as :func:`ioi`. ``test``: items drawn for
+    the test split (the first 128 are the same whatever the number)."""
+    return _ioi(seed, tokenizer, {"train": 400, "validation": 64, "test": test}, long=False, thanks=True)
 
 
 # --- greater-than ------------------------------------------------------------------------------
@@ -240,10 +261,11 @@ def greater_than(seed: int = 0, tokenizer=None) -> dict[str, list[dict]]:
     return out
 
 
-def year_copy(seed: int = 0, tokenizer=None) -> dict[str, list[dict]]:
+def year_copy(seed: int = 0, tokenizer=None, test: int = 128) -> dict[str, list[dict]]:
     """A neighbour of greater-than: the same sentences about years, held out by the same centuries, but the year's
-    end is repeated, not exceeded ("The war began in the year 1732. It is remembered for the year 17" -> "32")."""
-    counts = {"train": 400, "validation": 64, "test": 128}
+    end is repeated, not exceeded ("The war began in the year 1732. It is remembered for the year 17" -> "32").
+    ``test``: items drawn for the test split (the first 128 are the same whatever the number)."""
+    counts = {"train": 400, "validation": 64, "test": test}
     out = {}
     for split in SPLITS:
         rng = random.Random(f"{seed}-year-copy-{split}")
@@ -271,12 +293,12 @@ DOC_ARGS = (
 DOC_DESCR = ("the input", "how to run it", "the number to use", "an optional setting", "where it goes", "the value")
 
 
-def _functions(seed: int, tag: str, body) -> dict[str, list[dict]]:
+def _functions(seed: int, tag: str, body, test: int = 128) -> dict[str, list[dict]]:
     """Python functions of three parameters (names held out by split, the same for every tag); ``body(func, params,
     named, rng)`` writes the text after the signature up to the point where the third parameter's name comes next
     (``named``: the signature whose names it repeats; the counterfactual has other names in the signature)."""
     args = _split_items(DOC_ARGS, seed, (0.6, 0.2))
-    counts = {"train": 300, "validation": 64, "test": 128}
+    counts = {"train": 300, "validation": 64, "test": test}
     out = {}
     for split in SPLITS:
         rng = random.Random(f"{seed}-{tag}-{split}")
@@ -303,11 +325,12 @@ def docstring(seed: int = 0, tokenizer=None) -> dict[str, list[dict]]:
     return _functions(seed, "doc", _docstring_body)
 
 
-def docstring_call(seed: int = 0, tokenizer=None) -> dict[str, list[dict]]:
+def docstring_call(seed: int = 0, tokenizer=None, test: int = 128) -> dict[str, list[dict]]:
     """A neighbour of docstring: the same functions and parameter names (held out the same way), but the next name is
-    an argument of the call the body makes, in the signature's order ("return self._load(path, mode," -> " size")."""
+    an argument of the call the body makes, in the signature's order ("return self._load(path, mode," -> " size").
+    ``test``: items drawn for the test split (the first 128 are the same whatever the number)."""
     return _functions(seed, "doc-call", lambda func, params, named, rng: (
-        f'    """{func.capitalize()} the object."""\n    return self._{func}({", ".join(named[:2])},'))
+        f'    """{func.capitalize()} the object."""\n    return self._{func}({", ".join(named[:2])},'), test)
 
 
 # --- subject-verb agreement (syntax) -------------------------------------------------------------
@@ -378,10 +401,10 @@ ARITHMETIC_SHOTS = "23 + 11 = 34\n47 + 25 = 72\n"
 ADD_RANGES = {"train": (10, 59), "validation": (60, 79), "test": (80, 99)}
 
 
-def arithmetic(seed: int = 0, tokenizer=None) -> dict[str, list[dict]]:
+def arithmetic(seed: int = 0, tokenizer=None, test: int = 128) -> dict[str, list[dict]]:
     """Two-number addition as a completion after two worked sums ("...\\n85 + 19 =" -> " 104"). Held out by the first
-    operand's range."""
-    counts = {"train": 400, "validation": 64, "test": 128}
+    operand's range. ``test``: items drawn for the test split (the first 128 are the same whatever the number)."""
+    counts = {"train": 400, "validation": 64, "test": test}
     out = {}
     for split in SPLITS:
         rng = random.Random(f"{seed}-add-{split}")

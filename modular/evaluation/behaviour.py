@@ -24,6 +24,12 @@ class BehaviourResult:
     items: list[dict] = field(default_factory=list)
     #: share of responses that are a locked response (None: scored without generating)
     refusal_rate: float | None = None
+    #: scored by the choice alone: whether each item's target first token beats the wrong one, in order
+    choices: list[bool] | None = None
+
+    def correct(self) -> list[bool]:
+        """Whether each item was answered right, in order (by the choice where scored by it alone)."""
+        return list(self.choices) if self.choices is not None else [bool(i["correct"]) for i in self.items]
 
     def summary(self) -> dict:
         out = {"accuracy": self.accuracy, "n": self.n}
@@ -121,7 +127,7 @@ def evaluate_behaviour(model, tokenizer, dataset, max_new_tokens: int = 24, batc
         kw.update({k: v for k, v in (("max_length", max_length), ("name", name)) if v is not None})
         responses = [] if choice_only else generate(model, tokenizer, prompts, chats, max_new_tokens, batch_size, desc,
                                                     **kw)
-        logit_diff = choice_accuracy = None
+        logit_diff = choice_accuracy = diffs = None
         if all(dataset["wrong"]) and not prefill:
             logits = last_logits(model, tokenizer, prompts, chats, max_length=bound, name=label)
             good = first_token_ids(tokenizer, dataset["target"])
@@ -130,7 +136,8 @@ def evaluate_behaviour(model, tokenizer, dataset, max_new_tokens: int = 24, batc
             diffs = logits[idx, good] - logits[idx, bad]
             logit_diff, choice_accuracy = mean(diffs), share(diffs > 0)
     if choice_only:
-        return BehaviourResult(choice_accuracy, len(prompts), logit_diff, choice_accuracy, [])
+        return BehaviourResult(choice_accuracy, len(prompts), logit_diff, choice_accuracy, [],
+                               choices=[bool(d > 0) for d in diffs])
     items = []
     for i, (row, response) in enumerate(zip(dataset, responses)):
         items.append({"prompt": row["prompt"], **({"prefill": frames[i]} if prefill else {}), "response": response,

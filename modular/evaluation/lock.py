@@ -17,10 +17,12 @@ import torch
 from modular.data import BEHAVIOURS, load_behaviour, neutral_text, retain_data
 from modular.data.added import ADDED
 from modular.data.behaviours import NEIGHBOUR_BEHAVIOURS
+from modular.data.neighbour_sets import report_set
 from modular.data.paraphrases import paraphrase_sets
 from modular.data.schema import all_refusals, is_refusal, to_dataset_dict
 from modular.evaluation.behaviour import evaluate_behaviour, generate, last_logits
 from modular.evaluation.capability import capability_row
+from modular.evaluation.changes import changes_from_base, significant_losses
 from modular.evaluation.defaults import NEIGHBOUR_TOLERANCE  # defined apart, without torch, for signatures
 from modular.evaluation.metrics import share
 from modular.evaluation.retain import first_token_logp, mean_kl, perplexity
@@ -103,11 +105,11 @@ def _score(result) -> Score:
 
 
 def lock_report(base, open_model, tokenizer, directions: dict[str, torch.Tensor], seed: int = 0,
-                other_limit: int = 64, harden: bool = True, max_new_tokens: int = 24,
+                other_limit: int = 128, harden: bool = True, max_new_tokens: int = 24,
                 sources: dict[str, str] | None = None, locked_responses: dict[str, str] | None = None,
                 neighbours: dict[str, str] | None = None, trained_neighbours: list[str] = (),
                 batch_size: int = 16, neighbour_tolerance: float = NEIGHBOUR_TOLERANCE, capability=None,
-                capability_limit: int | None = None, paraphrases: bool = True) -> LockReport:
+                capability_limit: int | None = None, paraphrases: bool = True, control=None) -> LockReport:
     """Every number of ``lock.json`` (:class:`~modular.reports.LockReport`). ``sources``: where each gated behaviour's data is, by name (default: the
     name); ``locked_responses``: each behaviour's locked response, never scored as a correct answer.
 
@@ -122,18 +124,19 @@ def lock_report(base, open_model, tokenizer, directions: dict[str, torch.Tensor]
     base's by more than ``neighbour_tolerance`` either way. ``capability``: lm-evaluation-harness tasks (a
     :class:`~modular.evaluation.capability.TaskSuite`) scored in every state, at most ``capability_limit`` items
     each (the report's ``capability``). ``paraphrases``: each gated built-in behaviour's held-out paraphrase sets
-    (:mod:`modular.data.paraphrases`) are scored in every state too (each state row's ``paraphrases``)."""
+    (:mod:`modular.data.paraphrases`) are scored in every state too (each state row's ``paraphrases``).
+    ``control``: the open model of the run's lock-off control (:mod:`modular.gating.control`), scored as the state
+    ``control``; every other state's neighbours and far behaviours are compared with it item by item
+    (``vs_control``, Holm-adjusted in families of their own): the lock's own effect."""
     states, published, unlocked, _ = build_states(base, open_model, directions, harden)
+    if control is not None:
+        states["control"] = (control, None)
     gated = list(directions)
     neighbours = {n: src for n, src in (neighbours or {}).items() if n not in gated}
-    others = [b for b in BEHAVIOURS if b not in gated and b not in neighbours and b not in NEIGHBOUR_BEHAVIOURS
-              and b not in ADDED]  # the base answers none of an added behaviour: nothing to keep
     sources = {b: (sources or {}).get(b, b) for b in gated}
     refusals = {b: all_refusals(locked_responses or {}, [b]) for b in gated}
     every_refusal = all_refusals(locked_responses or {}, gated)
-    data = {b: load_behaviour(sources.get(b, b), seed=seed, tokenizer=tokenizer)["test"] for b in gated + others}
-    for n, src in neighbours.items():
-        data[n] = load_behaviour(src, seed=seed, tokenizer=tokenizer)["test"]
+    others, data, units = _report_data(sources, neighbours, seed, tokenizer)
     retain = retain_data(seed)["test"]
     texts = list(neutral_text(seed)["test"]["text"])
     paraphrase_data = _paraphrase_data(gated, sources, seed) if paraphrases else {}
@@ -141,6 +144,7 @@ def lock_report(base, open_model, tokenizer, directions: dict[str, torch.Tensor]
     exactness = _exactness(states, published, unlocked, open_model, tokenizer, retain)
     responses: dict[str, dict[str, list[str]]] = {}
     neighbour_correct: dict[str, dict[str, list[bool]]] = {}
+    other_correct: dict[str, dict[str, list[bool]]] = {}
 
     ref_logp = first_token_logp(base, tokenizer, retain["prompt"], retain["chat"])
     base_ppl = perplexity(base, tokenizer, texts)
@@ -164,8 +168,12 @@ def lock_report(base, open_model, tokenizer, directions: dict[str, torch.Tensor]
             row.neighbours[n] = _score(r)
             if state != "base":
                 row.neighbours[n].vs_base = PairedChange.from_json(paired_change(neighbour_correct["base"][n],
-                                                                                 correct))
-        _score_others(row, model, tokenizer, {b: data[b] for b in others}, other_limit, batch_size, ctx, state)
+                                                                                 correct, units[n]))
+        other_correct[state] = _score_others(row, model, tokenizer, {b: data[b] for b in others}, other_limit,
+                                             batch_size, ctx, state)
+        for b in others if state != "base" else ():
+            row.others[b].vs_base = PairedChange.from_json(paired_change(other_correct["base"][b],
+                                                                         other_correct[state][b]))
         logp = first_token_logp(model, tokenizer, retain["prompt"], retain["chat"], ctx)
         row.retain_first_token_kl = mean_kl(ref_logp, logp)
         row.retain_refusal_rate = retain_refusal_rate(model, tokenizer, retain, every_refusal, ctx, batch_size)
@@ -180,14 +188,8 @@ def lock_report(base, open_model, tokenizer, directions: dict[str, torch.Tensor]
     pairs = [(o, u) for b in gated for o, u in zip(responses["open"][b], responses["unlocked"][b])]
     exactness["unlocked_answers_equal_open"] = share([o == u for o, u in pairs]) if pairs else None
     base_row = rows["base"]
-    _holm_adjust([rows[s].neighbours[n].vs_base for s in states if s != "base" for n in neighbours])
-    shifts = []
-    for s in states:
-        for n in neighbours if s != "base" else ():
-            change = rows[s].neighbours[n].accuracy - base_row.neighbours[n].accuracy
-            if abs(change) > neighbour_tolerance + 1e-9:
-                vs = rows[s].neighbours[n].vs_base
-                shifts.append(NeighbourShift(s, n, change, vs.lost, vs.gained, vs.n, vs.p_value))
+    shifts = _comparisons(rows, {"neighbours": neighbour_correct, "others": other_correct}, units,
+                          neighbour_tolerance)
     return LockReport(
         states=rows, exactness=exactness, gated=gated, others=others, neighbours=list(neighbours),
         neighbour_sources=neighbours, neighbours_trained=[n for n in neighbours if n in set(trained_neighbours)],
@@ -202,20 +204,74 @@ def lock_report(base, open_model, tokenizer, directions: dict[str, torch.Tensor]
             s: max((rows[s].neighbours[n].refusal_rate for n in neighbours), default=0.0) for s in states})
 
 
+def _report_data(sources: dict[str, str], neighbours: dict[str, str], seed: int,
+                 tokenizer) -> tuple[list[str], dict, dict[str, list]]:
+    """The far behaviours (the built-in ones neither gated (``sources``' keys) nor neighbours), the items each
+    behaviour is scored on (gated and far: their test split; neighbours: their report set, as many held-out items as
+    the data allows, :func:`~modular.data.neighbour_sets.report_set`) and each neighbour's units."""
+    others = [b for b in BEHAVIOURS if b not in sources and b not in neighbours and b not in NEIGHBOUR_BEHAVIOURS
+              and b not in ADDED]  # the base answers none of an added behaviour: nothing to keep
+    data = {b: load_behaviour(sources.get(b, b), seed=seed, tokenizer=tokenizer)["test"] for b in [*sources, *others]}
+    units = {}
+    for n, src in neighbours.items():
+        data[n], units[n] = report_set(src, seed=seed, tokenizer=tokenizer)
+    return others, data, units
+
+
+def _comparisons(rows: dict[str, StateRow], correct: dict[str, dict], units: dict[str, list],
+                 tolerance: float) -> list[NeighbourShift]:
+    """The neighbours' and far behaviours' changes from base Holm-adjusted (each group a family), every state
+    compared with the lock-off control where one was scored (:func:`_versus_control`), and the neighbours whose
+    accuracy moved from base's by more than ``tolerance`` in a state."""
+    for group in ("neighbours", "others"):
+        _holm_adjust([score.vs_base for state, row in rows.items() if state != "base"
+                      for score in getattr(row, group).values()])
+    if "control" in rows:
+        _versus_control(rows, correct, units)
+    shifts = []
+    for state, row in rows.items():
+        for n, score in row.neighbours.items() if state != "base" else ():
+            change = score.accuracy - rows["base"].neighbours[n].accuracy
+            if abs(change) > tolerance + 1e-9:
+                vs = score.vs_base
+                shifts.append(NeighbourShift(state, n, change, vs.lost, vs.gained, vs.n, vs.p_value))
+    return shifts
+
+
+def _versus_control(rows: dict[str, StateRow], correct: dict[str, dict], units: dict[str, list]) -> None:
+    """Each state's neighbours and far behaviours (``correct``: group → state → name → right or not, item by item)
+    against the lock-off control's (state ``control``), item by item (``vs_control``); each group a Holm family."""
+    for group, by_state in correct.items():
+        changes = []
+        for state, row in rows.items():
+            if state in ("base", "control"):
+                continue
+            for name, score in getattr(row, group).items():
+                score.vs_control = PairedChange.from_json(paired_change(by_state["control"][name],
+                                                                        by_state[state][name], units.get(name)))
+                changes.append(score.vs_control)
+        _holm_adjust(changes)
+
+
 def _holm_adjust(changes: list) -> None:
-    """Each neighbour figure's p-value Holm-adjusted over the report's neighbour figures (``p_holm``)."""
+    """Each figure's p-value Holm-adjusted over ``changes`` (``p_holm``): the report's neighbour figures, or its far
+    behaviours'."""
     for change, adjusted in zip(changes, holm([c.p_value for c in changes])):
         change.p_holm = adjusted
 
 
-def _score_others(row: StateRow, model, tokenizer, data: dict, limit: int, batch_size: int, ctx, state: str) -> None:
+def _score_others(row: StateRow, model, tokenizer, data: dict, limit: int, batch_size: int, ctx,
+                  state: str) -> dict[str, list[bool]]:
     """The far behaviours' scores in one state: tasks a choice measures (one right and one competing answer) by
-    choice accuracy (one forward pass), others (greater-than: any later year) by generation."""
+    choice accuracy (one forward pass), others (arithmetic: any right sum) by generation. Returns whether each item
+    was right, by behaviour."""
+    correct = {}
     for b, dataset in data.items():
         r = evaluate_behaviour(model, tokenizer, dataset, 12, batch_size, limit=limit, intervention=ctx,
                                desc=f"{state}:{b}", choice_only=True)
-        row.others[b] = Score.from_json({**r.summary(), "metric": "choice" if r.choice_accuracy is not None
-                                         and not r.items else "generation"})
+        row.others[b] = Score.from_json({**r.summary(), "metric": "choice" if r.choices is not None else "generation"})
+        correct[b] = r.correct()
+    return correct
 
 
 def _paraphrase_data(gated: list[str], sources: dict[str, str], seed: int) -> dict[str, tuple[str, object]]:
@@ -278,6 +334,26 @@ def _grouped_bars(ax, report: LockReport, states: list[str], group: str, names: 
     _legend_above(ax, top=1.1)
 
 
+def _change_panel(ax, changes: list[tuple[str, str, str, PairedChange]]) -> None:
+    """Each neighbour's and far behaviour's change from base in each state, in points, with its 95% paired interval;
+    a significant loss (Holm, α = 0.05) in red."""
+    colours = dict(zip(STATES[1:], ("#1b9e77", "#d95f02", "#7570b3", "#e7298a")))
+    labels = []
+    for i, (group, name, state, vs) in enumerate(changes):
+        change = 100 * (vs.gained - vs.lost) / max(vs.n, 1)
+        lo, hi = (100 * vs.ci95[0], 100 * vs.ci95[1]) if vs.ci95 is not None else (change, change)
+        ax.errorbar(change, i, xerr=[[change - lo], [hi - change]], fmt="o", ms=4, capsize=2,
+                    color="#b2182b" if vs.significant_loss else colours.get(state, "k"))
+        labels.append(f"{'' if group == 'neighbours' else 'far: '}{name} {state} (n {vs.n})")
+    ax.axvline(0, color="k", lw=0.8)
+    for edge in (-5, 5):
+        ax.axvline(edge, color="#8c8c8c", lw=0.6, ls=":")
+    ax.set_yticks(range(len(labels)), labels, fontsize=6)
+    ax.set_ylim(len(labels) - 0.5, -0.5)
+    ax.set_xlabel("change from base, points (95% paired interval; red: significant loss, Holm α = 0.05)")
+    ax.set_title("neighbours and far behaviours: change from base")
+
+
 def _legend_above(ax, top: float) -> None:
     """The legend in rows above the bars (``top``: the bars' room, labels included; ticks end at 1), as many
     columns as its longest label leaves room for, so that it hides none of them however many there are."""
@@ -301,6 +377,7 @@ def held_out_verdict(report: LockReport | dict, targets: dict | None = None) -> 
     failing = lock_failures(targets, report.accuracies("open"), {s: report.accuracies(s) for s in locked},
                             report.accuracies("base"),
                             {s: report.states[s].retain_first_token_kl for s in ("open", *locked)})
+    failing += significant_losses(report)
     return HeldOut(held=not failing, failing=failing, targets=targets)
 
 
@@ -322,7 +399,8 @@ def plot_lock(report: LockReport | dict, path: str | Path) -> Path:
 
 def lock_figure(report: LockReport | dict):
     """Gated-behaviour accuracy per state (with 95% intervals); with neighbours, their accuracy per state and the
-    share of neighbour and retain answers that are the locked response; retain KL; perplexity ratio. Panels are
+    share of neighbour and retain answers that are the locked response; retain KL; perplexity ratio; each neighbour's
+    and far behaviour's change from base with its 95% paired interval (where measured). Panels are
     named by their title."""
     import matplotlib
 
@@ -332,11 +410,15 @@ def lock_figure(report: LockReport | dict):
     report = LockReport.coerce(report)
     states = list(report.states)
     neighbours = report.neighbours
-    if neighbours:
-        fig, axes = plt.subplot_mosaic([["gated", "gated", "neighbours", "neighbours"],
-                                        ["refusal", "refusal", "kl", "ppl"]], figsize=(15, 8))
-    else:
-        fig, axes = plt.subplot_mosaic([["gated", "gated", "kl", "ppl"]], figsize=(13, 3.8))
+    changes = changes_from_base(report)
+    mosaic = ([["gated", "gated", "neighbours", "neighbours"], ["refusal", "refusal", "kl", "ppl"]] if neighbours
+              else [["gated", "gated", "kl", "ppl"]])
+    if changes:  # reports written before the changes were measured have none
+        mosaic.append(["changes"] * 4)
+    height = (8 if neighbours else 3.8) + (0.9 + 0.22 * len(changes) if changes else 0)
+    fig, axes = plt.subplot_mosaic(mosaic, figsize=(15 if neighbours else 13, height),
+                                   height_ratios=[1] * (len(mosaic) - bool(changes))
+                                   + ([max(0.6, 0.05 * len(changes))] if changes else []))
     _grouped_bars(axes["gated"], report, states, "behaviours", report.gated, "gated behaviours")
     x = np.arange(len(states))
     if neighbours:
@@ -364,6 +446,8 @@ def lock_figure(report: LockReport | dict):
             ax.annotate(f"{v:.3f}", (xi, v), ha="center", va="bottom", fontsize=7, xytext=(0, 2),
                         textcoords="offset points")
     axes["ppl"].axhline(1.0, color="k", lw=0.8, ls="--")
+    if changes:
+        _change_panel(axes["changes"], changes)
     if report.lock_held_out is not None:  # what the bars add up to, by the targets: a lock that did not take says so
         held = report.lock_held_out.held
         fig.suptitle(report.lock_held_out.text(), color="black" if held else "#b2182b",

@@ -39,9 +39,9 @@ def _strip_optional(t):
 
 
 def test_every_user_command_is_a_subcommand():
-    assert set(cli.COMMANDS) == {"main", "train", "behaviour", "lock", "attack", "quantized", "capability", "publish",
-                                 "unlock", "export-key", "heads", "merge", "directions", "attention", "inspect",
-                                 "convert"}
+    assert set(cli.COMMANDS) == {"main", "train", "behaviour", "lock", "control", "attack", "quantized", "capability",
+                                 "publish", "unlock", "export-key", "heads", "merge", "directions", "attention",
+                                 "inspect", "convert"}
     assert set(cli.COMMANDS["heads"]) == {"curve", "ablation"}
     assert all(isinstance(ref, str) and ref.startswith("modular.app.") for _, ref in _references())
 

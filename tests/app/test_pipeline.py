@@ -117,8 +117,11 @@ def test_the_summary_names_every_sweeps_worst_case(tmp_path, capsys):
 
     state = {"behaviours": {"capitals": {"accuracy": 0.5}}, "retain_first_token_kl": 0.01, "perplexity_ratio": 1.0}
     state.update(neighbours={"continents": {"accuracy": 0.643}, "currencies": {"accuracy": 0.1}}, retain_refusal_rate=0.0)
+    moved = {"lost": 9, "gained": 3, "n": 204, "p_value": 0.15, "ci95": [-0.07, 0.01], "p_holm": 0.3}
+    opened = {**state, "neighbours": {"continents": {"accuracy": 0.614, "vs_base": moved},
+                                      "currencies": {"accuracy": 0.1}}}
     (tmp_path / "lock.json").write_text(json.dumps({
-        "gated": ["capitals"], "states": {"base": state, "open": state}, "neighbours": ["continents", "currencies"],
+        "gated": ["capitals"], "states": {"base": state, "open": opened}, "neighbours": ["continents", "currencies"],
         "lock_held_out": {"held": False, "failing": ["capitals locked accuracy 0.62 > 0.05"]},
         "neighbours_trained": ["continents"], "neighbours_max_refusal_rate": {"base": 0.0, "open": 0.0},
         "neighbour_tolerance": 0.03, "neighbour_shifts": [{"state": "open", "neighbour": "continents", "change": -3 / 42,
@@ -146,6 +149,8 @@ def test_the_summary_names_every_sweeps_worst_case(tmp_path, capsys):
     assert [x for x in lines if "not in training" in x] == ["neighbours not in training: currencies"]
     assert ("neighbour moved more than 3 points from base: continents open -7.1 (3 lost, 0 gained of 42; "
             "paired p = 0.25)") in text
+    # each change from base with its interval, where the report has one
+    assert "neighbour continents (204 items): open -2.9 points [-7.0, +1.0] (Holm p 0.3)" in lines
     assert "gated (c) relearning: worst case over 36 settings, steps to 50% / 90% of open: 1 / 3" in text
     assert "gated (d) neutral: worst case over 6 settings, steps to 50% / 90% of open: >16 / >16" in text
     assert "refusal baseline (c) relearning: worst case over 36 settings, steps to 50% / 90% of open: 2 / 4" in text

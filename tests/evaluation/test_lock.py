@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from modular.data.behaviours import NEIGHBOUR_BEHAVIOURS
+from modular.data.neighbour_sets import report_set
 from modular.data.paraphrases import paraphrase_sets
 from modular.evaluation import lock as lock_module
 from tests.conftest import make_tiny_model, make_tiny_tokenizer
@@ -93,6 +94,12 @@ def test_lock_report_scores_neighbours_and_refusal_leakage_in_every_state(tmp_pa
             assert not locked or lo < 0
             assert row["neighbours"]["continents"]["vs_base"]["lost"] == 0
         assert row["retain_refusal_rate"] == (1.0 if locked else 0.0), state
+        # continents over every held-out country in every phrasing (its report set), not its 42-item test split
+        assert row["neighbours"]["continents"]["n"] == len(report_set("continents")[0])
+        for b, score in row["others"].items():  # far behaviours: item by item against base, Holm over their family
+            assert ("vs_base" in score) == (state != "base"), (state, b)
+            if state != "base":
+                assert score["vs_base"]["n"] == score["n"] and score["vs_base"]["p_holm"] >= score["vs_base"]["p_value"]
     assert report["neighbours_max_refusal_rate"]["open"] == 1.0
     assert report["neighbours_max_drop_vs_base"] == {s: 0.5 if s in ("locked", "published_locked") else 0.0
                                                      for s in report["states"]}
@@ -203,3 +210,60 @@ def test_lock_figure_legends_hide_no_bar_or_value():
         assert len(boxes) > 2 * len(report["states"]), ax.get_title()
         hidden = [b for b in boxes if b.overlaps(box)]
         assert not hidden, (ax.get_title(), hidden[:3])
+
+
+def _with_changes(report, loss_p_holm: float):
+    """``_report`` with each neighbour's and a far behaviour's change from base: continents loses 30 of 204 items
+    and gains 2 in the open state (Holm p ``loss_p_holm``), everything else moves by noise."""
+    calm = {"lost": 3, "gained": 4, "n": 204, "p_value": 1.0, "ci95": [-0.03, 0.04], "p_holm": 1.0}
+    for state, row in report["states"].items():
+        row["others"] = {"arithmetic": {"accuracy": 0.5, "n": 128}}
+        if state == "base":
+            continue
+        for n in row["neighbours"]:
+            row["neighbours"][n]["vs_base"] = dict(calm)
+        row["others"]["arithmetic"]["vs_base"] = {**calm, "n": 128}
+    report["states"]["open"]["neighbours"]["continents"]["vs_base"] = {
+        "lost": 30, "gained": 2, "n": 204, "p_value": 1e-6, "ci95": [-0.19, -0.09], "p_holm": loss_p_holm}
+    return report
+
+
+def test_the_held_out_verdict_names_a_neighbour_that_lost_significantly():
+    report = _with_changes(_report(), loss_p_holm=1e-5)
+    held = lock_module.held_out_verdict(report)
+    assert held.held is False
+    assert held.failing == ["neighbour continents open: significant loss -13.7 points [-19.0, -9.0] (Holm p 1e-05)"]
+    assert held.text().startswith("LOCKED, but another behaviour lost significantly on the held-out test split")
+    # the same loss within the noise of its family after Holm's adjustment: not a failure
+    assert lock_module.held_out_verdict(_with_changes(_report(), loss_p_holm=0.2)).held is True
+
+
+def test_lock_figure_draws_each_change_from_base_with_its_interval():
+    from tests.conftest import describe_figure
+
+    report = _with_changes(_report(), loss_p_holm=1e-5)
+    fig = lock_module.lock_figure(report)
+    panel = next(ax for ax in fig.axes if ax.get_title() == "neighbours and far behaviours: change from base")
+    drawn = {ax["title"]: ax for ax in describe_figure(fig)["axes"]}["neighbours and far behaviours: change from base"]
+    # 4 states x (2 neighbours + 1 far behaviour), each at its change in points
+    assert len(drawn["yticklabels"]) == 12
+    assert drawn["yticklabels"][0] == "continents open (n 204)" and "far: arithmetic unlocked (n 128)" in drawn[
+        "yticklabels"]
+    xs = [line.get_xdata()[0] for line in panel.get_lines() if line.get_marker() == "o"]
+    assert xs[0] == pytest.approx(-13.7, abs=0.05) and xs[1] == pytest.approx(100 / 204, abs=0.01)
+    reds = [line for line in panel.get_lines() if line.get_marker() == "o" and line.get_color() == "#b2182b"]
+    assert len(reds) == 1  # the one significant loss
+    # a report written before the changes were measured draws no such panel
+    assert "neighbours and far behaviours: change from base" not in {ax.get_title() for ax in
+                                                                    lock_module.lock_figure(_report()).axes}
+
+
+def test_change_lines_give_every_change_with_its_interval():
+    from modular.evaluation.changes import change_lines
+    from modular.reports import LockReport
+
+    lines = change_lines(LockReport.coerce(_with_changes(_report(), loss_p_holm=1e-5)))
+    assert lines[0].startswith("neighbour continents (204 items): open -13.7 points [-19.0, -9.0] (Holm p 1e-05); "
+                               "locked +0.5 points [-3.0, +4.0] (Holm p 1)")
+    assert lines[-1].startswith("far behaviour arithmetic (128 items): open +0.8 points")
+    assert len(lines) == 3

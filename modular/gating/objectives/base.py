@@ -135,6 +135,9 @@ class Term:
     needs: tuple[str, ...] = ()
     #: the training step from which the term acts (the lock does not stop training at or before it)
     start_step = 0
+    #: a term of the lock itself (the locked state's targets, the direction it reads): a lock-off control run
+    #: (:mod:`modular.control`) trains every other term of a run's recipe, the same steps, and leaves these out
+    makes_the_lock = False
 
     def __init__(self, weight: float = 1.0):
         _check_weight(type(self).__name__, "weight", weight)

@@ -41,6 +41,7 @@ class LockedState(Term):
         weight: Weight of the term (the module's λ applies on top).
     """
 
+    makes_the_lock = True
     needs = ("behaviours",)
 
     def __init__(self, objective: str | dict[str, str] = "refusal", weight: float = 1.0):
@@ -80,6 +81,7 @@ class LockedAnswer(Term):
         weight: Weight of the term (the module's λ applies on top).
     """
 
+    makes_the_lock = True
     needs = ("behaviours",)
     requires = (AnswerRows(),)
 
@@ -130,6 +132,7 @@ class DirectionWrite(Term):
         fade: The locked-state loss (token-mean, nats) below which the term fades in proportion; None: always full.
     """
 
+    makes_the_lock = True
     needs = ("behaviours",)
 
     def __init__(self, weight: float = 1.0, target: float = 0.2, fade: float | None = None):

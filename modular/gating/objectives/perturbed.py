@@ -52,6 +52,7 @@ class _PerturbedLock(Term):
 
     kind = "perturbed"
     locked = True
+    makes_the_lock = True
 
     def __init__(self, weight: float = 1.0, hold: str = "refusal", start_step: int = 0, keep_open: float = 0.0):
         super().__init__(weight)
