@@ -15,6 +15,7 @@ import copy
 import importlib
 
 from modular import ModularError
+from modular.gating.data_options import regrouped_data_options
 from modular.gating.objectives import Term
 
 #: the callback whose stop and step budget a control does without (it trains the run's steps exactly)
@@ -39,7 +40,8 @@ def control_config(config: dict, steps: int, folder: str) -> tuple[dict, list[st
     and the class paths of the terms left out: every term of the recipe but those of the lock, no steering
     adversary, exactly ``steps`` optimisation steps (the gated run's checkpoint step: no stop on a lock, no step
     budget), the run folder ``folder``, a W&B run of its own in the gated run's group; everything else (model, data,
-    seed, optimiser, keep terms) as it was."""
+    seed, optimiser, keep terms) as it was (the data options of a run trained before they were grouped,
+    regrouped)."""
     cfg = copy.deepcopy(config)
     model = cfg.get("model") if isinstance(cfg.get("model"), dict) else None
     if model is None or not model.get("behaviours"):
@@ -53,6 +55,8 @@ def control_config(config: dict, steps: int, folder: str) -> tuple[dict, list[st
         raise ModularError("the run's recipe has no term of the lock (model.objectives): it is its own control")
     model["objectives"] = [s if isinstance(s, dict) else {"class_path": s} for s in kept]
     model["steering"] = None
+    if isinstance(cfg.get("data"), dict):  # a run trained before the data options were grouped
+        cfg["data"] = regrouped_data_options(cfg["data"])
     trainer = cfg.setdefault("trainer", {})
     trainer["max_steps"] = int(steps)
     trainer["default_root_dir"] = str(folder)

@@ -87,6 +87,21 @@ def check_moved_data_options(data) -> None:
         raise ModularError(f"data.lm_text is now a mapping: write lm_text: {{source: {data['lm_text']}}}")
 
 
+def regrouped_data_options(data: dict) -> dict:
+    """A config's ``data`` mapping written before the data options were grouped, in today's layout: each moved
+    option in its group (:data:`MOVED_DATA_OPTIONS`; those now built from the terms' needs left out), ``lm_text``
+    given as a name as ``{source: name}``. A mapping in today's layout is returned as it is (a copy)."""
+    out = {k: v for k, v in data.items() if k not in MOVED_DATA_OPTIONS}
+    if isinstance(out.get("lm_text"), str):
+        out["lm_text"] = {"source": out["lm_text"]}
+    for old, new in MOVED_DATA_OPTIONS.items():
+        group, _, option = (new or "").partition(".")
+        # a group switched off (lm_text: null) stays off
+        if old in data and new is not None and (group == "reference" or out.get(group) is not None):
+            out[group] = {**(out.get(group) or {}), option: data[old]}
+    return out
+
+
 def data_groups(options) -> dict:
     """The data option groups of ``options`` (a parsed config's ``data``, or the module's arguments) built and
     checked (:data:`DATA_GROUPS`): a bad value or an unknown field is one line, before any work."""

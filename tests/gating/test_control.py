@@ -54,3 +54,23 @@ def test_a_config_the_control_cannot_be_made_of_is_one_line():
     config["model"]["behaviours"] = []
     with pytest.raises(ModularError, match="gates no behaviour"):
         control_config(config, 3, "x")
+
+
+def test_a_run_trained_before_the_data_groups_gets_a_control_in_todays_layout():
+    """A run folder's config.yaml written when the data options were flat (the default run of an earlier build):
+    its control config has them in their groups, and today's check of moved options passes."""
+    from modular.gating.data_options import check_moved_data_options
+
+    config = _shipped()
+    flat = {k: v for k, v in config["data"].items() if k not in ("reference", "lm_text")}
+    flat.update(lm_text="neutral", lm_max_length=128, reference_max_new_tokens=48, reference_top_k=32,
+                hidden_positions=8, hidden_stride=4, hidden_parts=["neighbours"], answer_rows=False)
+    config["data"] = flat
+    with pytest.raises(ModularError):
+        check_moved_data_options(config["data"])
+    cfg, _ = control_config(config, 10, "x")
+    check_moved_data_options(cfg["data"])
+    assert cfg["data"]["reference"] == {"max_new_tokens": 48, "top_k": 32, "hidden_positions": 8, "hidden_stride": 4}
+    assert cfg["data"]["lm_text"] == {"source": "neutral", "max_length": 128}
+    assert "hidden_parts" not in cfg["data"] and "answer_rows" not in cfg["data"]
+    assert cfg["data"]["neighbours"] == config["data"]["neighbours"]
