@@ -6,7 +6,7 @@ from __future__ import annotations
 from modular.reports import LockReport, PairedChange
 
 
-def changes_from_base(report: LockReport, against: str = "vs_base") -> list[tuple[str, str, str, PairedChange]]:
+def paired_changes(report: LockReport, against: str = "vs_base") -> list[tuple[str, str, str, PairedChange]]:
     """(group, name, state, change) of every neighbour and far-behaviour figure that has one: from base, or with
     ``against="vs_control"`` from the run's lock-off control (the lock's own effect)."""
     out = []
@@ -23,7 +23,7 @@ def significant_losses(report: LockReport) -> list[str]:
     exact paired test, Holm-adjusted over its family, α = 0.05), one phrase each: ``neighbour continents open:
     significant loss -7.1 points [-12.0, -2.4] (Holm p 0.012)``."""
     out = []
-    for group, name, state, vs in changes_from_base(report):
+    for group, name, state, vs in paired_changes(report):
         if vs.significant_loss and state != "control":  # the control's own losses are not the run's
             what = "neighbour" if group == "neighbours" else "far behaviour"
             out.append(f"{what} {name} {state}: significant loss {change_text(vs)}")
@@ -45,7 +45,7 @@ def change_lines(report: LockReport) -> list[str]:
     ``neighbour continents (204 items): open +1.0 points [-2.0, +4.0] (Holm p 1); locked ...``."""
     lines: dict[tuple[str, str, int, str], list[str]] = {}
     for against, words in (("vs_base", ""), ("vs_control", " against the lock-off control")):
-        for group, name, state, vs in changes_from_base(report, against):
+        for group, name, state, vs in paired_changes(report, against):
             lines.setdefault((group, name, vs.n, words), []).append(f"{state} {change_text(vs)}")
     return [f"{'neighbour' if group == 'neighbours' else 'far behaviour'} {name}{words} ({n} items): "
             + "; ".join(parts) for (group, name, n, words), parts in lines.items()]

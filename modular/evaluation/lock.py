@@ -22,7 +22,7 @@ from modular.data.paraphrases import paraphrase_sets
 from modular.data.schema import all_refusals, is_refusal, to_dataset_dict
 from modular.evaluation.behaviour import evaluate_behaviour, generate, last_logits
 from modular.evaluation.capability import capability_row
-from modular.evaluation.changes import changes_from_base, significant_losses
+from modular.evaluation.changes import paired_changes, significant_losses
 from modular.evaluation.defaults import NEIGHBOUR_TOLERANCE  # defined apart, without torch, for signatures
 from modular.evaluation.metrics import share
 from modular.evaluation.retain import first_token_logp, mean_kl, perplexity
@@ -410,7 +410,7 @@ def lock_figure(report: LockReport | dict):
     report = LockReport.coerce(report)
     states = list(report.states)
     neighbours = report.neighbours
-    changes = changes_from_base(report)
+    changes = paired_changes(report)
     mosaic = ([["gated", "gated", "neighbours", "neighbours"], ["refusal", "refusal", "kl", "ppl"]] if neighbours
               else [["gated", "gated", "kl", "ppl"]])
     if changes:  # reports written before the changes were measured have none
