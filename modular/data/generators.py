@@ -83,6 +83,10 @@ COUNTRY_RELATIONS = {
 }
 
 
+#: each country relation behaviour and the field of capitals.json it asks
+RELATION_FIELDS = {"continents": "continent", "languages": "languages", "currencies": "currency", "demonyms": "demonym"}
+
+
 def _country_relation(field: str, seed: int, every_phrasing: bool = False) -> dict[str, list[dict]]:
     """Questions about one more fact of each country, split by country exactly as :func:`capitals` is (train:
     every phrasing; held-out splits: the first, or every one with ``every_phrasing``). A country whose name contains
@@ -104,7 +108,7 @@ def every_phrasing(name: str, seed: int = 0) -> dict[str, list[dict]]:
     """A country relation (``continents``, ``languages``, ``currencies``, ``demonyms``) with its held-out splits in
     every phrasing: three times the items of the built-in behaviour on the same countries, for finer comparisons
     (write a split as JSONL and name it as a behaviour or neighbour)."""
-    fields = {"continents": "continent", "languages": "languages", "currencies": "currency", "demonyms": "demonym"}
+    fields = RELATION_FIELDS
     if name not in fields:
         raise ModularError(f"unknown country relation '{name}': use one of {', '.join(fields)}")
     return _country_relation(fields[name], seed, every_phrasing=True)
@@ -118,7 +122,7 @@ def held_out_countries(name: str, seed: int = 0) -> list[tuple[dict, str]]:
         rows = [r for split in ("validation", "test") for r in _country_splits(seed)[split]]
         return [(record(t.format(country=r["country"]), f"The capital of {r['country']} is {r['capital']}.",
                         answers=[r["capital"], *r["aliases"]]), r["country"]) for r in rows for t in CAPITAL_TEMPLATES]
-    fields = {"continents": "continent", "languages": "languages", "currencies": "currency", "demonyms": "demonym"}
+    fields = RELATION_FIELDS
     if name not in fields:
         raise ModularError(f"unknown country behaviour '{name}': use capitals or one of {', '.join(fields)}")
     phrasings, target = COUNTRY_RELATIONS[fields[name]]
