@@ -14,6 +14,7 @@ import yaml
 from modular import ModularError, error_reason
 from modular.app.attacking import ATTACK_FIGURE, ATTACK_REPORT, attack
 from modular.app.evaluations import lock
+from modular.app.progress import StageClock, minutes
 from modular.app.publishing import publish, unlock
 from modular.app.train import main as train
 from modular.app.train import planned_run
@@ -39,6 +40,18 @@ log = logging.getLogger("modular")
 DEFAULT_CONFIG = "gate_capitals_smollm2.yaml"
 #: what the pipeline writes in its output folder (default: the run folder)
 PUBLISHED, UNLOCKED, ATTACK = "published", "unlocked", "attack"
+#: each stage's expected seconds on 2 CPU cores (the default job from a fresh clone, docs/results/cost.md); the
+#: training's include the base model's reference outputs, made once per data set and cached
+EXPECTED_SECONDS = {"training": 38 * 60, "lock evaluation": 12 * 60, "publish and unlock": 60, "attack": 7 * 60}
+#: the main job's attack stage: the settings that were the worst case of the full sweep on the default run
+#: (docs/tamper.md: full fine-tuning at lr 1e-4, LoRA at lr 1e-2, 8 or 32 examples, one seed), against the base
+#: alone; the whole sweep, the neutral and unrelated fine-tuning and the refusal baseline are `modular attack`'s
+MAIN_ATTACK = dict(attacks=["weights", "steering", "relearning", "prefill", "quantized"], seeds=[0],
+                   n_examples=[8, 32], relearn_modes=["full", "lora"], full_lrs=[1e-4], lora_lrs=[1e-2],
+                   relearn_steps=8, prune=True, neutral=False, unrelated=False, baselines=["base"],
+                   quantized=["q4_1"])
+#: prompts per generation batch in the main job's lock evaluation (1.7x faster than 16 on 2 CPU cores)
+MAIN_LOCK_BATCH = 64
 
 
 def builtin_config(name: str = DEFAULT_CONFIG) -> Path:
@@ -72,6 +85,8 @@ def main_job(config: str | None = None, behaviours: list[str] | None = None, nei
              skip_attack: bool = False, device: str = "auto", dtype: DTypeName = "auto") -> None:
     """The default pipeline: train the gated model, evaluate the lock, publish (keys in their own folder), unlock
     with the key(s), attack the published weights, and print a table of the results with the paths of the figures.
+    Each stage is announced with its expected time and the job's expected time left. The attack stage is a
+    worst-case subset of ``modular attack`` (:data:`MAIN_ATTACK`); run that command for the whole sweep.
 
     A run folder that already holds a finished run is used only when it holds this run (the same base model, data,
     recipe and locked responses: :mod:`modular.identity`); one holding another run is refused in one line.
@@ -143,7 +158,11 @@ def run_pipeline(config: str | None = None, out: str | None = None, skip_attack:
     finished = (run_dir / RUN_RECORD).is_file()
     # every option checked, nothing written (a finished run's checkpoint is compared below, by its record)
     _, identity = planned_run(train_args + (["--ckpt_path", "null"] if finished else []))
+    clock = StageClock(EXPECTED_SECONDS)
+    if skip_attack:
+        clock.skip("attack")
     if not finished:
+        clock.start("training")
         log.info("training: %s -> %s", " ".join(train_args[1:]), run_dir)
         status = train(train_args)
         if status != 0 or not (run_dir / RUN_RECORD).is_file():
@@ -156,13 +175,16 @@ def run_pipeline(config: str | None = None, out: str | None = None, skip_attack:
             raise ModularError(f"{run_dir} holds another run ({'; '.join(differs)}): give another run folder (--run), "
                                "or delete it to train this one")
         log.info("training already finished in %s (delete it to retrain)", run_dir)
-    lock(run=str(run_dir), device=device, dtype=dtype)
+        clock.skip("training")
+    clock.start("lock evaluation")
+    lock(run=str(run_dir), device=device, dtype=dtype, batch_size=MAIN_LOCK_BATCH)
     run = read_run(run_dir)
     verified, why = lock_verdict(run, checkpoint_step(run))
     if not verified:  # the numbers are shown, nothing is published as locked
         summarise(run_dir, out_dir)
         raise ModularError(f"{run_dir}: {why}; nothing was published (modular publish --allow_failed_lock true publishes "
                            "it with a card that says so)")
+    clock.start("publish and unlock")
     publish(run=str(run_dir), out=str(published), keys=str(keys_dir), overwrite=True)
     behaviours = read_manifest(published, require=("locked_behaviours",))["locked_behaviours"]
     current = published
@@ -171,14 +193,15 @@ def run_pipeline(config: str | None = None, out: str | None = None, skip_attack:
         unlock(model=str(current), key=str(key_path(keys_dir, b)), out=str(target), overwrite=True)
         current = target
     if not skip_attack:
+        clock.start("attack")
         sources = behaviour_sources(run)
-        # the sweep of docs/tamper.md, with one seed and pruned (the worst case is the same; the run much shorter)
         attack(model=str(published), behaviours=[f"{b}={s}" if s != b else b for b, s in sources.items()],
-               out=str(out_dir / ATTACK), base=run.model_name, device=device, dtype=dtype, seeds=[0],
-               relearn_steps=16, prune=True, quantized=["int8", "q4_1"], unrelated=False)  # a worst-case subset
+               out=str(out_dir / ATTACK), base=run.model_name, device=device, dtype=dtype, **MAIN_ATTACK)
         # the card says what kind of lock it is, now from the attack's figures too
         record_lock_kinds(published, lock_kinds(LockReport.read(run_dir / LOCK_REPORT),
                                                 AttackReport.read(out_dir / ATTACK / ATTACK_REPORT)))
+    clock.finish()
+    log.info("the main job's stages took %s", ", ".join(f"{k} {minutes(v)}" for k, v in clock.done.items()))
     return summarise(run_dir, out_dir)
 
 

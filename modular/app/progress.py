@@ -88,3 +88,63 @@ class LogProgress(ProgressBar):
             elif total and total > step:
                 parts.append(f"about {timedelta(seconds=round(per_step * (total - step)))} to step {total}")
         return "; ".join(parts)
+
+
+class StageClock:
+    """The main job's stages, each announced in one line with its expected time and the job's expected time left.
+
+    The expectations are seconds on the machine the default job was measured on (2 CPU cores; ``expected``), scaled
+    by how long the stages so far took against what was expected of them: a GPU, which trains in minutes, makes the
+    later stages' expectations shorter once the first is done. Before any stage has run, the line says the figures
+    are 2-CPU-core figures.
+
+    Args:
+        expected: Stage name -> expected seconds at the measured pace, in the order the stages run.
+    """
+
+    def __init__(self, expected: dict[str, float]) -> None:
+        if any(s < 0 for s in expected.values()):
+            raise ValueError("expected seconds must be >= 0")
+        self.expected = dict(expected)
+        self.done: dict[str, float] = {}  # stage -> seconds it took
+        self._current: tuple[str, float] | None = None
+
+    @property
+    def pace(self) -> float | None:
+        """Seconds taken per second expected, over the stages done (None before any is done)."""
+        expected = sum(self.expected[s] for s in self.done)
+        return sum(self.done.values()) / expected if self.done and expected > 0 else None
+
+    def line(self, name: str) -> str:
+        """The announcement of stage ``name``: its number, its expected time and the job's expected time left."""
+        names = list(self.expected)
+        pace = self.pace
+        left = [s for s in names if s not in self.done]
+        here = self.expected[name] * (pace or 1.0)
+        rest = sum(self.expected[s] for s in left) * (pace or 1.0)
+        at = "at this machine's pace so far" if pace is not None else "on 2 CPU cores"
+        return (f"stage {names.index(name) + 1} of {len(names)}, {name}: about {minutes(here)}; "
+                f"about {minutes(rest)} left in the job ({at})")
+
+    def start(self, name: str) -> None:
+        """Announce stage ``name`` (ending the one before, if it is still running)."""
+        if name not in self.expected:
+            raise KeyError(f"unknown stage {name!r} (stages: {', '.join(self.expected)})")
+        self.finish()
+        log.info(self.line(name))
+        self._current = (name, time.monotonic())
+
+    def finish(self) -> None:
+        """End the running stage: its time joins the pace."""
+        if self._current is not None:
+            name, began = self._current
+            self.done[name] = time.monotonic() - began
+            self._current = None
+
+    def skip(self, name: str) -> None:
+        """A stage that will not run (a finished run's training, attacks left out): not counted as time left."""
+        self.expected.pop(name, None)
+
+
+def minutes(seconds: float) -> str:
+    return f"{max(1, round(seconds / 60))} min"

@@ -13,8 +13,10 @@ from modular.models.precision import host_to_device
 PER_ROW = ("first_logp", "wrong_ids", "ref_hidden", "ref_hidden_blocks")
 
 
+@torch.autocast("cpu", enabled=False)
 def concat_left_padded(batches: list[dict], pad_token_id: int) -> dict:
-    """Concatenate left-padded batches along the batch axis, re-padding to the longest."""
+    """Concatenate left-padded batches along the batch axis, re-padding to the longest. Built on the host outside
+    autocast: under CPU autocast (``bf16-mixed`` on a CPU) ``torch.cat`` refuses the float16 reference tensors."""
     n = max(b["input_ids"].shape[1] for b in batches)
     out: dict[str, list] = {}
     fills = {"input_ids": pad_token_id, "attention_mask": 0, "labels": IGNORE, "topk_ids": 0, "topk_logp": 0.0,

@@ -94,3 +94,27 @@ def test_training_logged_to_a_file_shows_its_steps(tmp_path, tiny_env, enabled):
     assert out.returncode == 0, out.stderr[-3000:]
     steps = re.findall(r"^\[modular\] step (\d+)/3 \(\d+%\): [^\n]*train/loss [-\d.e]+", out.stderr, re.M)
     assert ({"1", "3"} <= set(steps)) if enabled else steps == []
+
+
+def test_the_stage_clock_announces_each_stage_and_scales_what_is_left_by_the_pace_so_far(monkeypatch, caplog):
+    """Before any stage has run the figures are the 2-core ones; once a stage took half its expected time, the
+    later stages are expected in half theirs; a skipped stage is not time left."""
+    now = [0.0]
+    monkeypatch.setattr(progress.time, "monotonic", lambda: now[0])
+    clock = progress.StageClock({"training": 1200, "lock evaluation": 600, "attack": 300})
+    assert clock.line("training") == "stage 1 of 3, training: about 20 min; about 35 min left in the job (on 2 CPU cores)"
+    with caplog.at_level(logging.INFO, logger="modular"):
+        clock.start("training")
+        now[0] = 600.0  # training took half its expected time
+        clock.start("lock evaluation")
+    assert clock.done == {"training": 600.0}
+    assert clock.pace == 0.5
+    assert caplog.messages[-1] == ("stage 2 of 3, lock evaluation: about 5 min; about 8 min left in the job "
+                                   "(at this machine's pace so far)")
+    clock.skip("attack")
+    assert clock.line("lock evaluation").endswith("about 5 min left in the job (at this machine's pace so far)")
+    now[0] = 900.0
+    clock.finish()
+    assert clock.done == {"training": 600.0, "lock evaluation": 300.0}
+    with pytest.raises(KeyError, match="unknown stage"):
+        clock.start("publish")

@@ -93,6 +93,22 @@ def test_a_resumed_step_owed_a_check_is_recognised(step, every, accumulate, by_e
     assert cb._owes_check(trainer) is due
 
 
+@pytest.mark.parametrize("early, step, skipped", [(False, 75, True), (False, 100, False), (True, 75, False)])
+def test_early_checks_off_skips_the_checks_before_the_lock_may_stop_training(early, step, skipped, monkeypatch):
+    """With ``early_checks: false`` a validation before ``stop_from`` measures nothing (it could not stop training)
+    and a resumed run does not owe it; from ``stop_from`` on every validation is checked (and owed)."""
+    cb = LockMetricsCallback(min_steps=100, early_checks=early)
+    measured = []
+    monkeypatch.setattr(cb, "measure", lambda trainer, pl_module: measured.append(trainer.global_step) or {})
+    monkeypatch.setattr(cb, "_check", lambda *a: setattr(cb, "status", {"reached": False}))
+    trainer = SimpleNamespace(global_step=step, sanity_checking=False, val_check_batch=25, accumulate_grad_batches=1,
+                              check_val_every_n_epoch=None)
+    pl_module = SimpleNamespace(behaviours=["b"], log=lambda *a, **k: None)
+    cb.on_validation_epoch_end(trainer, pl_module)
+    assert measured == ([] if skipped else [step])
+    assert cb._owes_check(trainer) is (not skipped)  # nothing in the history (the check itself is stubbed)
+
+
 @pytest.mark.parametrize("max_length, longest", [(512, 128 - 24), (40, 40)])
 def test_validation_generation_stays_within_the_models_positions(max_length, longest, caplog):
     """A validation prompt of thousands of tokens is cut so that it and its response fit the model's positions
