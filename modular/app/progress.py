@@ -60,7 +60,8 @@ class LogProgress(ProgressBar):
             return
         self._last_line, self._last_step = now, step
         log.info(self.line(step, total, self.get_metrics(trainer, pl_module),
-                           seconds=now - self._start[0], steps_done=step - self._start[1]))
+                           seconds=now - self._start[0], steps_done=step - self._start[1],
+                           stop_from=_stop_from(trainer)))
 
     def on_train_end(self, trainer, pl_module) -> None:
         """A run that stopped before its last step (the lock held, a signal) ends with that step's line."""
@@ -73,10 +74,12 @@ class LogProgress(ProgressBar):
         log.info(line)
 
     @staticmethod
-    def line(step: int, total: int | None, metrics: dict, seconds: float, steps_done: int, ended: bool = False) -> str:
+    def line(step: int, total: int | None, metrics: dict, seconds: float, steps_done: int, ended: bool = False,
+             stop_from: int | None = None) -> str:
         """One progress line: ``step S/T (P%)``, the numeric metrics, seconds a step and the time to the last step at
         that pace (``T`` and the time only when the total is known); ``ended``: "training ended" instead of the time
-        left."""
+        left; ``stop_from``: the first step at which the lock may stop training, whose time comes first while it is
+        ahead."""
         head = f"step {step}/{total} ({100 * step / total:.0f}%)" if total else f"step {step}"
         shown = [f"{k} {v:.4g}" for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
         parts = [head + (": " + ", ".join(shown) if shown else "")]
@@ -86,8 +89,20 @@ class LogProgress(ProgressBar):
             if ended:
                 parts.append("training ended")
             elif total and total > step:
-                parts.append(f"about {timedelta(seconds=round(per_step * (total - step)))} to step {total}")
+                left = f"about {timedelta(seconds=round(per_step * (total - step)))} to step {total}"
+                if stop_from is not None and step < stop_from < total:
+                    left = (f"about {timedelta(seconds=round(per_step * (stop_from - step)))} to step {stop_from} "
+                            f"(from there the lock may stop training), {left.removeprefix('about ')}")
+                parts.append(left)
         return "; ".join(parts)
+
+
+def _stop_from(trainer) -> int | None:
+    """The first step at which a callback may stop training once the lock holds (its ``stop_from``), if any."""
+    for cb in getattr(trainer, "callbacks", None) or ():
+        if getattr(cb, "stop", False) and isinstance(getattr(cb, "stop_from", None), int):
+            return cb.stop_from
+    return None
 
 
 class StageClock:

@@ -21,6 +21,12 @@ def test_a_line_gives_the_step_of_the_total_the_metrics_the_pace_and_the_time_to
     assert LogProgress.line(300, 300, {}, seconds=10.0, steps_done=0) == "step 300/300 (100%)"
     assert LogProgress.line(30, 300, {}, seconds=60.0, steps_done=20, ended=True) == \
         "step 30/300 (10%); 3.0 s a step; training ended"
+    # the lock may stop training from step 100: its time comes first while it is ahead
+    assert LogProgress.line(30, 300, {}, seconds=60.0, steps_done=20, stop_from=100) == \
+        "step 30/300 (10%); 3.0 s a step; about 0:03:30 to step 100 (from there the lock may stop training), 0:13:30 to step 300"
+    assert LogProgress.line(100, 300, {}, seconds=60.0, steps_done=20, stop_from=100).endswith("about 0:10:00 to step 300")
+    trainer = SimpleNamespace(callbacks=[SimpleNamespace(stop=False, stop_from=5), SimpleNamespace(stop=True, stop_from=100)])
+    assert progress._stop_from(trainer) == 100 and progress._stop_from(SimpleNamespace(callbacks=[])) is None
 
 
 class _Run:
