@@ -40,9 +40,9 @@ log = logging.getLogger("modular")
 DEFAULT_CONFIG = "gate_capitals_smollm2.yaml"
 #: what the pipeline writes in its output folder (default: the run folder)
 PUBLISHED, UNLOCKED, ATTACK = "published", "unlocked", "attack"
-#: each stage's expected seconds on 2 CPU cores (the default job from a fresh clone, docs/results/cost.md); the
-#: training's include the base model's reference outputs, made once per data set and cached
-EXPECTED_SECONDS = {"training": 38 * 60, "lock evaluation": 12 * 60, "publish and unlock": 60, "attack": 7 * 60}
+#: each stage's expected seconds on 2 CPU cores: as measured on the default job from a fresh clone (2026-12-05, 71
+#: min in all); the training's include the base model's reference outputs (about 7 min, made once and cached)
+EXPECTED_SECONDS = {"training": 39 * 60, "lock evaluation": 22 * 60, "publish and unlock": 60, "attack": 8 * 60}
 #: the main job's attack stage: the settings that were the worst case of the full sweep on the default run
 #: (docs/tamper.md: full fine-tuning at lr 1e-4, LoRA at lr 1e-2, 8 or 32 examples, one seed), against the base
 #: alone; the whole sweep, the neutral and unrelated fine-tuning and the refusal baseline are `modular attack`'s
