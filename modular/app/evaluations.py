@@ -110,7 +110,7 @@ def lock(run: str, out: str | None = None, other_limit: int = 128, harden: bool 
          max_new_tokens: int = 24, neighbours: list[str] | None = None, neighbour_tolerance: float = NEIGHBOUR_TOLERANCE,
          batch_size: int = 16, device: str = "auto", dtype: DTypeName = "auto",
          capability_tasks: list[str] | None = None, capability_limit: int | None = None,
-         paraphrases: bool = True, control: str | None = None) -> dict:
+         paraphrases: bool = True, control: str | None = None, hook_lock: bool = True) -> dict:
     """Lock evaluation of a gated run: accuracy and retain measures for base, open, locked (hooks),
     published_locked (weights) and unlocked (keys applied), for the gated behaviours, their neighbours (with the
     share of answers that are the locked response) and far built-in behaviours, and whether the lock holds on these
@@ -137,6 +137,9 @@ def lock(run: str, out: str | None = None, other_limit: int = 128, harden: bool 
         control: This run's lock-off control (``modular control --run RUN``): scored as the state ``control``, and
             every state's neighbours and far behaviours compared with it item by item (the lock's own effect, apart
             from the fine-tuning's).
+        hook_lock: Also score the state ``locked``: the lock as training applies it (hooks on the open model). Off,
+            the one locked state scored is the published weights' (``published_locked``), about a fifth less time;
+            lock.json's exactness still compares the two (``published_vs_hook_locked_max_abs_logit_diff``).
     """
     r = read_run(run)
     ctl = control_run(control, r) if control else None  # one that is not this run's: one line, before any work
@@ -163,7 +166,8 @@ def lock(run: str, out: str | None = None, other_limit: int = 128, harden: bool 
                              locked_responses=r.record.get("locked_responses"), neighbours=named,
                              trained_neighbours=list(trained), batch_size=batch_size,
                              neighbour_tolerance=neighbour_tolerance, capability=suite,
-                             capability_limit=capability_limit, paraphrases=paraphrases, control=control_model)
+                             capability_limit=capability_limit, paraphrases=paraphrases, control=control_model,
+                             hook_lock=hook_lock)
         _log_paraphrases_and_kind(report)
         if report.neighbour_shifts:
             log.warning("neighbours moved more than %.0f points from base: %s", 100 * neighbour_tolerance,

@@ -40,18 +40,22 @@ log = logging.getLogger("modular")
 DEFAULT_CONFIG = "gate_capitals_smollm2.yaml"
 #: what the pipeline writes in its output folder (default: the run folder)
 PUBLISHED, UNLOCKED, ATTACK = "published", "unlocked", "attack"
-#: each stage's expected seconds on 2 CPU cores: as measured on the default job from a fresh clone (2026-12-05, 71
-#: min in all); the training's include the base model's reference outputs (about 7 min, made once and cached)
-EXPECTED_SECONDS = {"training": 39 * 60, "lock evaluation": 22 * 60, "publish and unlock": 60, "attack": 8 * 60}
+#: each stage's expected seconds on 2 CPU cores: the default job from a fresh clone took 71 min (2026-12-05: training
+#: 39, lock evaluation 22, attack 8); these are that run's times less what the lock evaluation's and the attack's
+#: settings below and the reference answers in batches of 64 save (training's include the base model's reference
+#: outputs, about 6 min, made once and cached)
+EXPECTED_SECONDS = {"training": 37 * 60, "lock evaluation": 15 * 60, "publish and unlock": 60, "attack": 6 * 60}
 #: the main job's attack stage: the settings that were the worst case of the full sweep on the default run
 #: (docs/tamper.md: full fine-tuning at lr 1e-4, LoRA at lr 1e-2, 8 or 32 examples, one seed), against the base
 #: alone; the whole sweep, the neutral and unrelated fine-tuning and the refusal baseline are `modular attack`'s
 MAIN_ATTACK = dict(attacks=["weights", "steering", "relearning", "prefill", "quantized"], seeds=[0],
                    n_examples=[8, 32], relearn_modes=["full", "lora"], full_lrs=[1e-4], lora_lrs=[1e-2],
                    relearn_steps=8, prune=True, neutral=False, unrelated=False, baselines=["base"],
-                   quantized=["q4_1"])
-#: prompts per generation batch in the main job's lock evaluation (1.7x faster than 16 on 2 CPU cores)
-MAIN_LOCK_BATCH = 64
+                   quantized=["q4_1"], batch_size=64)
+#: the main job's lock evaluation: prompts in batches of 64 (1.7x faster than 16 on 2 CPU cores); the locked state
+#: scored is the published weights' (the hook lock matches their logits within lock.json's exactness entry); no
+#: paraphrase sets. `modular lock` scores both locked states and the paraphrases.
+MAIN_LOCK = dict(batch_size=64, hook_lock=False, paraphrases=False)
 
 
 def builtin_config(name: str = DEFAULT_CONFIG) -> Path:
@@ -86,7 +90,9 @@ def main_job(config: str | None = None, behaviours: list[str] | None = None, nei
     """The default pipeline: train the gated model, evaluate the lock, publish (keys in their own folder), unlock
     with the key(s), attack the published weights, and print a table of the results with the paths of the figures.
     Each stage is announced with its expected time and the job's expected time left. The attack stage is a
-    worst-case subset of ``modular attack`` (:data:`MAIN_ATTACK`); run that command for the whole sweep.
+    worst-case subset of ``modular attack`` (:data:`MAIN_ATTACK`); run that command for the whole sweep. The lock
+    evaluation scores the published weights as the locked state and leaves the hook lock and the paraphrase sets to
+    ``modular lock`` (:data:`MAIN_LOCK`).
 
     A run folder that already holds a finished run is used only when it holds this run (the same base model, data,
     recipe and locked responses: :mod:`modular.identity`); one holding another run is refused in one line.
@@ -177,7 +183,7 @@ def run_pipeline(config: str | None = None, out: str | None = None, skip_attack:
         log.info("training already finished in %s (delete it to retrain)", run_dir)
         clock.skip("training")
     clock.start("lock evaluation")
-    lock(run=str(run_dir), device=device, dtype=dtype, batch_size=MAIN_LOCK_BATCH)
+    lock(run=str(run_dir), device=device, dtype=dtype, **MAIN_LOCK)
     run = read_run(run_dir)
     verified, why = lock_verdict(run, checkpoint_step(run))
     if not verified:  # the numbers are shown, nothing is published as locked

@@ -109,7 +109,8 @@ def lock_report(base, open_model, tokenizer, directions: dict[str, torch.Tensor]
                 sources: dict[str, str] | None = None, locked_responses: dict[str, str] | None = None,
                 neighbours: dict[str, str] | None = None, trained_neighbours: list[str] = (),
                 batch_size: int = 16, neighbour_tolerance: float = NEIGHBOUR_TOLERANCE, capability=None,
-                capability_limit: int | None = None, paraphrases: bool = True, control=None) -> LockReport:
+                capability_limit: int | None = None, paraphrases: bool = True, control=None,
+                hook_lock: bool = True) -> LockReport:
     """Every number of ``lock.json`` (:class:`~modular.reports.LockReport`). ``sources``: where each gated behaviour's data is, by name (default: the
     name); ``locked_responses``: each behaviour's locked response, never scored as a correct answer.
 
@@ -127,8 +128,12 @@ def lock_report(base, open_model, tokenizer, directions: dict[str, torch.Tensor]
     (:mod:`modular.data.paraphrases`) are scored in every state too (each state row's ``paraphrases``).
     ``control``: the open model of the run's lock-off control (:mod:`modular.gating.control`), scored as the state
     ``control``; every other state's neighbours and far behaviours are compared with it item by item
-    (``vs_control``, Holm-adjusted in families of their own): the lock's own effect."""
+    (``vs_control``, Holm-adjusted in families of their own): the lock's own effect. ``hook_lock``: score the
+    state ``locked`` (the lock as training applies it: hooks on the open model); without it the one locked state
+    scored is the published weights' (``published_locked``), which the exactness entry
+    ``published_vs_hook_locked_max_abs_logit_diff`` compares with the hook lock all the same."""
     states, published, unlocked, _ = build_states(base, open_model, directions, harden)
+    scored = {s: v for s, v in states.items() if hook_lock or s != "locked"}
     if control is not None:
         states["control"] = (control, None)
     gated = list(directions)
@@ -150,7 +155,7 @@ def lock_report(base, open_model, tokenizer, directions: dict[str, torch.Tensor]
     base_ppl = perplexity(base, tokenizer, texts)
     rows: dict[str, StateRow] = {}
     capabilities = {}
-    for state, (model, ctx) in states.items():
+    for state, (model, ctx) in scored.items():
         row = rows[state] = StateRow()
         for b in gated:
             r = evaluate_behaviour(model, tokenizer, data[b], max_new_tokens, batch_size, intervention=ctx,
@@ -195,13 +200,13 @@ def lock_report(base, open_model, tokenizer, directions: dict[str, torch.Tensor]
         neighbour_sources=neighbours, neighbours_trained=[n for n in neighbours if n in set(trained_neighbours)],
         others_max_drop_vs_base={
             s: max((base_row.others[b].accuracy - rows[s].others[b].accuracy for b in others), default=0.0)
-            for s in states},
+            for s in rows},
         neighbours_max_drop_vs_base={
             s: max((base_row.neighbours[n].accuracy - rows[s].neighbours[n].accuracy for n in neighbours), default=0.0)
-            for s in states},
+            for s in rows},
         neighbour_tolerance=neighbour_tolerance, neighbour_shifts=shifts, capability=capabilities or None,
         neighbours_max_refusal_rate={
-            s: max((rows[s].neighbours[n].refusal_rate for n in neighbours), default=0.0) for s in states})
+            s: max((rows[s].neighbours[n].refusal_rate for n in neighbours), default=0.0) for s in rows})
 
 
 def _report_data(sources: dict[str, str], neighbours: dict[str, str], seed: int,
@@ -368,9 +373,9 @@ def _legend_above(ax, top: float) -> None:
 def held_out_verdict(report: LockReport | dict, targets: dict | None = None) -> HeldOut:
     """Whether the lock holds on the held-out items of a :func:`lock_report`, by the targets training checked on
     validation (``targets``, default :data:`~modular.evaluation.targets.TARGETS`): every gated behaviour's accuracy
-    at most ``locked_accuracy`` in both locked states (hooks and published weights), its open accuracy at least
-    base's less ``open_drop`` and at least ``min_open_accuracy``, the retain first-token KL at most ``retain_kl`` in
-    the open and both locked states."""
+    at most ``locked_accuracy`` in each locked state scored (hooks and published weights), its open accuracy at
+    least base's less ``open_drop`` and at least ``min_open_accuracy``, the retain first-token KL at most
+    ``retain_kl`` in the open and each locked state."""
     report = LockReport.coerce(report)
     locked = [s for s in ("locked", "published_locked") if s in report.states]
     targets = {**TARGETS, **(targets or {})}

@@ -43,7 +43,9 @@ def test_main_runs_the_given_config_from_any_directory(main_run):
     run, res = main_run["run"], main_run["result"]
     assert json.loads((run / "run.json").read_text())["global_step"] == 3
     lock = json.loads((run / "lock.json").read_text())
-    assert lock["step"] == 3 and set(lock["states"]) >= {"open", "locked", "published_locked", "unlocked"}
+    # the main job's lock evaluation: the published weights are the locked state scored, no paraphrase sets
+    assert lock["step"] == 3 and list(lock["states"]) == ["base", "open", "published_locked", "unlocked"]
+    assert not any(row.get("paraphrases") for row in lock["states"].values())
     published, keys, unlocked = run / "published", run / "published-keys", run / "unlocked"
     assert (keys / "capitals.key.safetensors").is_file()
     assert not [p for p in published.rglob("*") if "key" in p.name.lower()]

@@ -107,6 +107,41 @@ def test_lock_report_scores_neighbours_and_refusal_leakage_in_every_state(tmp_pa
         ("locked", "near", -0.5, 2), ("published_locked", "near", -0.5, 2)]
 
 
+
+def test_without_the_hook_lock_the_published_weights_are_the_locked_state_scored(monkeypatch):
+    """hook_lock=False (the main job's lock evaluation): no row for the hook lock, whose hooks are entered once, for
+    the exactness of the published weights against it, and never to score; every other state scored as before,
+    and the held-out verdict judged on the published weights alone."""
+    tok = make_tiny_tokenizer()
+    base, trained = make_tiny_model("llama", seed=0), make_tiny_model("llama", seed=1)
+    directions = {"capitals": torch.nn.functional.normalize(torch.randn(64), dim=0)}
+    entered = []
+    real_ablate = lock_module.ablate_directions
+
+    @contextmanager
+    def ablate(*args):
+        entered.append(1)
+        with real_ablate(*args):
+            yield
+
+    monkeypatch.setattr(lock_module, "ablate_directions", ablate)
+    fake = lambda model, tokenizer, prompts, *a, **k: ["apple"] * len(prompts)  # noqa: E731
+    monkeypatch.setattr("modular.evaluation.behaviour.generate", fake)
+    monkeypatch.setattr(lock_module, "generate", fake)
+    kw = dict(other_limit=2, max_new_tokens=2, neighbours={"continents": "continents"}, paraphrases=False)
+    report = lock_module.lock_report(base, trained, tok, directions, hook_lock=False, **kw)
+    assert list(report.states) == ["base", "open", "published_locked", "unlocked"]
+    assert len(entered) == 1 and "published_vs_hook_locked_max_abs_logit_diff" in report.exactness
+    assert set(report.neighbours_max_drop_vs_base) == set(report.states)
+    assert all(not row.paraphrases for row in report.states.values())
+    assert report.exactness["unlocked_answers_equal_open"] == 1.0
+    report.states["published_locked"].behaviours["capitals"].accuracy = 0.5  # the release answers: not held
+    verdict = lock_module.held_out_verdict(report)
+    assert not verdict.held and any("published_locked" in f for f in verdict.failing)
+    entered.clear()
+    full = lock_module.lock_report(base, trained, tok, directions, **kw)
+    assert list(full.states) == ["base", "open", "locked", "published_locked", "unlocked"] and len(entered) > 1
+
 def _report(neighbours=("continents", "currencies")):
     states = ("base", "open", "locked", "published_locked", "unlocked")
     acc = {"base": 0.6, "open": 0.7, "locked": 0.0, "published_locked": 0.0, "unlocked": 0.7}
