@@ -40,11 +40,9 @@ log = logging.getLogger("modular")
 DEFAULT_CONFIG = "gate_capitals_smollm2.yaml"
 #: what the pipeline writes in its output folder (default: the run folder)
 PUBLISHED, UNLOCKED, ATTACK = "published", "unlocked", "attack"
-#: each stage's expected seconds on 2 CPU cores: the default job from a fresh clone took 71 min (2026-12-05: training
-#: 39, lock evaluation 22, attack 8); these are that run's times less what the lock evaluation's and the attack's
-#: settings below and the reference answers in batches of 64 save (training's include the base model's reference
-#: outputs, about 6 min, made once and cached)
-EXPECTED_SECONDS = {"training": 37 * 60, "lock evaluation": 15 * 60, "publish and unlock": 60, "attack": 6 * 60}
+#: each stage's expected seconds on 2 CPU cores, as measured on the default job from a fresh clone with an empty cache
+#: (2026-12-05, 59 min with set-up; training's include the base model's reference outputs, about 6 min, made once)
+EXPECTED_SECONDS = {"training": 37 * 60, "lock evaluation": 14 * 60, "publish and unlock": 60, "attack": 6 * 60}
 #: the main job's attack stage: the settings that were the worst case of the full sweep on the default run
 #: (docs/tamper.md: full fine-tuning at lr 1e-4, LoRA at lr 1e-2, 8 or 32 examples, one seed), against the base
 #: alone; the whole sweep, the neutral and unrelated fine-tuning and the refusal baseline are `modular attack`'s
