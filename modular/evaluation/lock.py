@@ -129,13 +129,9 @@ def lock_report(base, open_model, tokenizer, directions: dict[str, torch.Tensor]
     ``control``: the open model of the run's lock-off control (:mod:`modular.gating.control`), scored as the state
     ``control``; every other state's neighbours and far behaviours are compared with it item by item
     (``vs_control``, Holm-adjusted in families of their own): the lock's own effect. ``hook_lock``: score the
-    state ``locked`` (the lock as training applies it: hooks on the open model); without it the one locked state
-    scored is the published weights' (``published_locked``), which the exactness entry
-    ``published_vs_hook_locked_max_abs_logit_diff`` compares with the hook lock all the same."""
+    hook lock (``locked``); off, only the published weights' (exactness still compares the two)."""
     states, published, unlocked, _ = build_states(base, open_model, directions, harden)
-    scored = {s: v for s, v in states.items() if hook_lock or s != "locked"}
-    if control is not None:
-        states["control"] = (control, None)
+    states |= {"control": (control, None)} if control is not None else {}
     gated = list(directions)
     neighbours = {n: src for n, src in (neighbours or {}).items() if n not in gated}
     sources = {b: (sources or {}).get(b, b) for b in gated}
@@ -155,7 +151,7 @@ def lock_report(base, open_model, tokenizer, directions: dict[str, torch.Tensor]
     base_ppl = perplexity(base, tokenizer, texts)
     rows: dict[str, StateRow] = {}
     capabilities = {}
-    for state, (model, ctx) in scored.items():
+    for state, (model, ctx) in ((s, v) for s, v in states.items() if hook_lock or s != "locked"):
         row = rows[state] = StateRow()
         for b in gated:
             r = evaluate_behaviour(model, tokenizer, data[b], max_new_tokens, batch_size, intervention=ctx,
