@@ -152,6 +152,7 @@ def _chosen(cfg, commands: dict) -> tuple[Callable, dict]:
 
 def _setup_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="[modular] %(message)s")
+    logging.getLogger("lightning").propagate = False  # it prints with its own handler; through the root too: twice
     for noisy in ("transformers", "httpx", "datasets", "urllib3", "lm_eval"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
 

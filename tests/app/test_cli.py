@@ -226,3 +226,25 @@ def test_every_command_that_runs_a_model_takes_a_device_and_a_precision():
     assert args.lock.device == "cpu" and args.lock.dtype == "bfloat16"
     with pytest.raises(SystemExit):
         parser.parse_args(["lock", "--run", "r", "--dtype", "float8"])
+
+
+def test_lightning_lines_are_shown_once(monkeypatch):
+    """Lightning prints its lines with a handler of its own: the commands' root handler must not print them again."""
+    import logging
+
+    monkeypatch.setattr(logging.getLogger("lightning"), "propagate", True)
+    cli._setup_logging()
+    seen = []
+
+    class Seen(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    root, handler = logging.getLogger(), Seen()
+    root.addHandler(handler)
+    try:
+        logging.getLogger("lightning.modular_test").warning("GPU available: False")
+        logging.getLogger("modular.modular_test").warning("the lock holds")
+    finally:
+        root.removeHandler(handler)
+    assert seen == ["the lock holds"]
