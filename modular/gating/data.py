@@ -212,7 +212,7 @@ class GatingDataModule(L.LightningDataModule):
         ref = self.reference_options
         precision = self._reference_precision()
         bound = self._reference_bound(prompts, chats)
-        cached = cache_path(source, prompts, ref.max_new_tokens, ref.top_k, precision=precision,
+        cached = cache_path(source, prompts, ref.max_new_tokens, ref.top_k, chats=chats, precision=precision,
                             max_length=bound).exists()
         model = None if cached else self._reference_model()
         return load_or_compute(source, model, self.tokenizer, prompts, chats, ref.max_new_tokens, ref.top_k,

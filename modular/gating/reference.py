@@ -24,14 +24,22 @@ from modular.models.loading import cache_dir, model_fingerprint
 log = logging.getLogger("modular")
 
 
+#: the version of the cached answers' format, part of the cache key: 2, a completion's answer keeps its leading space
+#: (version 1, before it, stripped it)
+ANSWER_FORMAT = 2
+
+
 def cache_path(model_source: str, prompts: list[str], max_new_tokens: int, top_k: int, *,
-               precision: str, max_length: int | None = None) -> Path:
+               chats: list[bool], precision: str, max_length: int | None = None) -> Path:
     """Where the reference outputs of ``model_source`` (a resolved model reference) run in ``precision`` are cached:
     keyed by the model's content (:func:`~modular.models.loading.model_fingerprint`), not its path, so a copy of it
     elsewhere reads them and other weights at the same path do not; outputs of one precision (greedy answers,
-    log-probabilities) are never read as another's, nor those of prompts cut to one ``max_length`` as another's."""
+    log-probabilities) are never read as another's, nor those of prompts cut to one ``max_length`` as another's,
+    nor those of prompts asked as chat as those of the same text completed, nor answers of another
+    :data:`ANSWER_FORMAT`."""
     bound = [] if max_length is None else [max_length]  # none: the key of outputs cached before there was one
-    key = json.dumps([model_fingerprint(model_source), prompts, max_new_tokens, top_k, precision, *bound])
+    key = json.dumps([model_fingerprint(model_source), prompts, max_new_tokens, top_k, precision, *bound,
+                      {"chats": chats, "answer_format": ANSWER_FORMAT}])
     return cache_dir() / "reference" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
 
 
@@ -65,7 +73,9 @@ def compute_reference(model, tokenizer, prompts: list[str], chats: list[bool], m
     answer) keeps its last ``max_length`` tokens, and no more than the model's positions."""
     answers = generate(model, tokenizer, prompts, chats, max_new_tokens, answer_batch_size, desc="reference answers",
                        max_length=max_length, name="the reference answers")
-    answers = [a.strip() for a in answers]
+    # a completion's answer keeps its leading space (" 104" after "85 + 19 ="): stripped, its first token would be a
+    # digit the reference hardly predicts there, and the first-token terms would train the model to drop the space
+    answers = [a.strip() if chat else a.rstrip() for a, chat in zip(answers, chats)]
     limit = prompt_limit(model, max_length)
     records = []
     for start in tqdm(range(0, len(prompts), batch_size), desc="reference distributions", leave=False):
@@ -107,7 +117,8 @@ def load_or_compute(model_source: str, model, tokenizer, prompts: list[str], cha
     """Reference outputs from the on-disk cache, computing (and caching atomically) if absent. ``precision``: the
     name of the dtype ``model`` runs in (part of the cache key; ``model`` may be None on a hit); ``max_length``: the
     most tokens of a prompt (:func:`compute_reference`; part of the cache key)."""
-    path = cache_path(model_source, prompts, max_new_tokens, top_k, precision=precision, max_length=max_length)
+    path = cache_path(model_source, prompts, max_new_tokens, top_k, chats=chats, precision=precision,
+                      max_length=max_length)
     if (cached := _read_cache(path)) is not None:
         return cached
     log.info("computing reference outputs for %d prompts (cached in %s)", len(prompts), path)

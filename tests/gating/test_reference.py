@@ -57,7 +57,7 @@ def test_the_cache_keeps_each_precision_apart(isolated_cache):
     assert torch.equal(again["records"][0]["first_logp"], full["records"][0]["first_logp"])
     assert not torch.equal(half["records"][0]["first_logp"], full["records"][0]["first_logp"])
     # a damaged cache file (cut short) is computed again and replaced, not a traceback
-    path = reference.cache_path(args[0], args[1], args[3], args[4], precision="float32")
+    path = reference.cache_path(args[0], args[1], args[3], args[4], chats=args[2], precision="float32")
     path.write_bytes(path.read_bytes()[:200])
     with pytest.raises(AttributeError):  # computed again: a model is needed
         load_or_compute(args[0], None, tok, *args[1:], precision="float32")
@@ -111,7 +111,7 @@ def test_reference_outputs_build_no_key_value_cache_besides_generation(kv_caches
 
 def _key_paths(source) -> list:
     """The three reference cache paths of ``source`` (retain outputs, LM texts, hidden states), other inputs fixed."""
-    return [reference.cache_path(str(source), PROMPTS, 3, 4, precision="float32"),
+    return [reference.cache_path(str(source), PROMPTS, 3, 4, chats=[True] * len(PROMPTS), precision="float32"),
             reference.text_cache_path(str(source), PROMPTS, 16, 4, precision="float32"),
             reference.hidden_cache_path(str(source), [[1, 2, 3]], 2, 1, precision="float32")]
 
@@ -165,5 +165,22 @@ def test_reference_prompts_are_cut_to_max_length_and_the_models_positions(tmp_pa
     out = compute_reference(model, tok, [long, PROMPTS[0]], [False, True], max_new_tokens=4, top_k=2, max_length=32)
     assert max(seen) <= 32 + 4 and max(len(r["input_ids"]) for r in out["records"]) <= 32
     source = str(save_tiny_folder(tmp_path / "m", "gpt2"))
-    assert reference.cache_path(source, [long], 4, 2, precision="float32", max_length=32) != reference.cache_path(
-        source, [long], 4, 2, precision="float32", max_length=64)
+    assert reference.cache_path(source, [long], 4, 2, chats=[False], precision="float32",
+                                max_length=32) != reference.cache_path(source, [long], 4, 2, chats=[False],
+                                                                       precision="float32", max_length=64)
+
+
+def test_a_completions_reference_answer_keeps_its_leading_space(monkeypatch):
+    """A completion's greedy answer (" 104" after "85 + 19 =") is kept with its space: its first labelled token is the
+    one the reference put first, so the first-token terms keep the space rather than train it away; a chat answer is
+    stripped, as the assistant's turn begins without one. The same text asked as chat or completed is cached apart."""
+    model, tok = make_tiny_model("llama"), make_tiny_tokenizer()
+    monkeypatch.setattr(reference, "generate", lambda *a, **k: [" 104\n\nThe sum", " Paris. "])
+    out = reference.compute_reference(model, tok, ["23 + 11 = 34\n85 + 19 =", "The capital of France?"],
+                                      [False, True], max_new_tokens=4, top_k=2)
+    assert out["answers"] == [" 104\n\nThe sum", "Paris."]
+    first = [ids[labels.index(next(x for x in labels if x != -100))] for ids, labels in
+             ((r["input_ids"], list(r["labels"])) for r in out["records"])]
+    assert tok.decode([first[0]]).startswith(" ") and not tok.decode([first[1]]).startswith(" ")
+    assert reference.cache_path("tiny", ["x ="], 3, 4, chats=[False], precision="float32") != reference.cache_path(
+        "tiny", ["x ="], 3, 4, chats=[True], precision="float32")
