@@ -87,6 +87,8 @@ def test_the_refinement_patches_the_late_heads_exactly_on_ioi(ioi_effects):
     through later attention (L16H0 here) are patched."""
     exact, plain, refined = ioi_effects["exact"], ioi_effects["plain"], ioi_effects["refined"]
     # the same patching as exhaustive_effects', in other batches: equal to float rounding (bit for bit on one thread)
-    assert int(torch.isclose(refined, exact, rtol=1e-4, atol=1e-5 * float(exact.abs().max())).sum()) == 15
+    # for the 15 late heads patched; a head whose estimate happens to fall within that rounding may join them (a
+    # CI run on 2 threads found 16)
     late = slice(exact.shape[0] // 2, None)
+    assert int(torch.isclose(refined, exact, rtol=1e-4, atol=1e-5 * float(exact.abs().max()))[late].sum()) >= 15
     assert (refined - exact)[late].abs().max() < 0.5 * (plain - exact)[late].abs().max()
