@@ -39,7 +39,7 @@ from modular.gating.data_options import (
 )
 from modular.gating.loaders import PassSeededSampler, ResumableLoader
 from modular.gating.options import plain
-from modular.gating.reference import cache_path, load_or_compute, load_or_compute_hidden, load_or_compute_text
+from modular.gating.reference import load_or_compute, load_or_compute_hidden, load_or_compute_text
 from modular.gating.requirements import (
     ItemEncoding,
     Requirement,
@@ -211,16 +211,12 @@ class GatingDataModule(L.LightningDataModule):
         source = resolve_model(self.hparams.model_name)
         ref = self.reference_options
         precision = self._reference_precision()
-        bound = self._reference_bound(prompts, chats)
-        cached = cache_path(source, prompts, ref.max_new_tokens, ref.top_k, chats=chats, precision=precision,
-                            max_length=bound).exists()
-        model = None if cached else self._reference_model()
-        return load_or_compute(source, model, self.tokenizer, prompts, chats, ref.max_new_tokens, ref.top_k,
-                               precision=precision, max_length=bound)
+        return load_or_compute(source, self._reference_model, self.tokenizer, prompts, chats, ref.max_new_tokens,
+                               ref.top_k, precision=precision, max_length=self._reference_bound(prompts, chats))
 
     def _reference_bound(self, prompts: list[str], chats: list[bool]) -> int | None:
         """``max_length`` where it cuts a prompt with its reference answer, else None: outputs that no limit touches
-        are the same with or without one, and keep the cache key they had before prompts were bounded."""
+        are the same with or without one, and share one cache key."""
         max_length = self.hparams.max_length
         room = max_length - self.reference_options.max_new_tokens
         long = any(len(self.tokenizer(render_prompt(self.tokenizer, p, c))["input_ids"]) > room

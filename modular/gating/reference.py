@@ -37,9 +37,8 @@ def cache_path(model_source: str, prompts: list[str], max_new_tokens: int, top_k
     log-probabilities) are never read as another's, nor those of prompts cut to one ``max_length`` as another's,
     nor those of prompts asked as chat as those of the same text completed, nor answers of another
     :data:`ANSWER_FORMAT`."""
-    bound = [] if max_length is None else [max_length]  # none: the key of outputs cached before there was one
-    key = json.dumps([model_fingerprint(model_source), prompts, max_new_tokens, top_k, precision, *bound,
-                      {"chats": chats, "answer_format": ANSWER_FORMAT}])
+    key = json.dumps([model_fingerprint(model_source), prompts, max_new_tokens, top_k, precision,
+                      {"max_length": max_length, "chats": chats, "answer_format": ANSWER_FORMAT}])
     return cache_dir() / "reference" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
 
 
@@ -112,17 +111,17 @@ def _read_cache(path: Path):
         return None
 
 
-def load_or_compute(model_source: str, model, tokenizer, prompts: list[str], chats: list[bool],
+def load_or_compute(model_source: str, load_model, tokenizer, prompts: list[str], chats: list[bool],
                     max_new_tokens: int = 48, top_k: int = 32, *, precision: str, max_length: int | None = None) -> dict:
-    """Reference outputs from the on-disk cache, computing (and caching atomically) if absent. ``precision``: the
-    name of the dtype ``model`` runs in (part of the cache key; ``model`` may be None on a hit); ``max_length``: the
-    most tokens of a prompt (:func:`compute_reference`; part of the cache key)."""
+    """Reference outputs from the on-disk cache, computing (and caching atomically) if absent: ``load_model()`` (a
+    model that runs in ``precision``, part of the cache key) is called only on a miss. ``max_length``: the most
+    tokens of a prompt (:func:`compute_reference`; part of the cache key)."""
     path = cache_path(model_source, prompts, max_new_tokens, top_k, chats=chats, precision=precision,
                       max_length=max_length)
     if (cached := _read_cache(path)) is not None:
         return cached
     log.info("computing reference outputs for %d prompts (cached in %s)", len(prompts), path)
-    ref = compute_reference(model, tokenizer, prompts, chats, max_new_tokens, top_k, max_length=max_length)
+    ref = compute_reference(load_model(), tokenizer, prompts, chats, max_new_tokens, top_k, max_length=max_length)
     return _save_atomic(ref, path)
 
 

@@ -47,23 +47,23 @@ def test_the_cache_keeps_each_precision_apart(isolated_cache):
 
     model, tok = make_tiny_model("llama"), make_tiny_tokenizer()
     args = ("tiny", PROMPTS[:2], [True, False], 3, 4)
-    full = load_or_compute(args[0], model, tok, *args[1:], precision="float32")
-    assert load_or_compute(args[0], None, tok, *args[1:], precision="float32")["answers"] == full["answers"]
+    full = load_or_compute(args[0], lambda: model, tok, *args[1:], precision="float32")
+    assert load_or_compute(args[0], lambda: None, tok, *args[1:], precision="float32")["answers"] == full["answers"]
     with pytest.raises(AttributeError):  # a miss: no model to compute with, where a shared key would have hit
-        load_or_compute(args[0], None, tok, *args[1:], precision="bfloat16")
-    half = load_or_compute(args[0], model.to(torch.bfloat16), tok, *args[1:], precision="bfloat16")
+        load_or_compute(args[0], lambda: None, tok, *args[1:], precision="bfloat16")
+    half = load_or_compute(args[0], lambda: model.to(torch.bfloat16), tok, *args[1:], precision="bfloat16")
     assert len(list((isolated_cache / "reference").glob("*.pt"))) == 2
-    again = load_or_compute(args[0], None, tok, *args[1:], precision="float32")
+    again = load_or_compute(args[0], lambda: None, tok, *args[1:], precision="float32")
     assert torch.equal(again["records"][0]["first_logp"], full["records"][0]["first_logp"])
     assert not torch.equal(half["records"][0]["first_logp"], full["records"][0]["first_logp"])
     # a damaged cache file (cut short) is computed again and replaced, not a traceback
     path = reference.cache_path(args[0], args[1], args[3], args[4], chats=args[2], precision="float32")
     path.write_bytes(path.read_bytes()[:200])
     with pytest.raises(AttributeError):  # computed again: a model is needed
-        load_or_compute(args[0], None, tok, *args[1:], precision="float32")
-    again = load_or_compute(args[0], make_tiny_model("llama"), tok, *args[1:], precision="float32")
+        load_or_compute(args[0], lambda: None, tok, *args[1:], precision="float32")
+    again = load_or_compute(args[0], lambda: make_tiny_model("llama"), tok, *args[1:], precision="float32")
     assert torch.equal(again["records"][0]["first_logp"], full["records"][0]["first_logp"])
-    assert load_or_compute(args[0], None, tok, *args[1:], precision="float32")["answers"] == full["answers"]
+    assert load_or_compute(args[0], lambda: None, tok, *args[1:], precision="float32")["answers"] == full["answers"]
 
 
 def test_hidden_states_past_float16s_range_are_kept_finite(isolated_cache):
@@ -128,8 +128,8 @@ def test_the_cache_is_keyed_by_the_models_content_not_its_path(tmp_path, isolate
     assert _key_paths(a) == _key_paths(b)
     model, tok = make_tiny_model("llama"), make_tiny_tokenizer()
     args = (PROMPTS[:2], [True, False], 3, 4)
-    full = load_or_compute(str(a), model, tok, *args, precision="float32")
-    assert load_or_compute(str(b), None, tok, *args, precision="float32")["answers"] == full["answers"]
+    full = load_or_compute(str(a), lambda: model, tok, *args, precision="float32")
+    assert load_or_compute(str(b), lambda: None, tok, *args, precision="float32")["answers"] == full["answers"]
 
     weights = a / "model.safetensors"
     data = bytearray(weights.read_bytes())
@@ -137,7 +137,7 @@ def test_the_cache_is_keyed_by_the_models_content_not_its_path(tmp_path, isolate
     weights.write_bytes(bytes(data))  # other weights, the same size, at the same path
     assert all(x != y for x, y in zip(_key_paths(a), _key_paths(b), strict=True))
     with pytest.raises(AttributeError):  # a miss: no model to compute with, where the path's key would have hit
-        load_or_compute(str(a), None, tok, *args, precision="float32")
+        load_or_compute(str(a), lambda: None, tok, *args, precision="float32")
 
 
 def test_a_conversions_cache_key_is_the_same_under_another_cache_folder(tmp_path, monkeypatch):
